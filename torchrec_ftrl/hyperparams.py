@@ -1,0 +1,106 @@
+"""FTRL-Proximal hyperparameters: names, defaults and validation, shared by every code path.
+
+One kwargs dict serves the dense optimizer (``torchrec_ftrl.FTRL``, what ``apply_optimizer_in_backward``
+takes) and the fused TBE (``fused_params``): ``lr`` or ``learning_rate`` plus the ``ftrl_*`` knobs below.
+Validation follows ``shared/docs/FTRL.md``: ``learning_rate > 0``; ``ftrl_learning_rate_power <= 0``;
+``ftrl_l1_reg, ftrl_l2_reg, ftrl_beta, ftrl_l2_shrinkage, ftrl_initial_accumulator_value >= 0``; all finite.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+L2_CONVENTIONS = ("tensorflow", "mcmahan")
+
+# Keyword name -> dataclass field. These are the names accepted in fused_params and by FTRL(...).
+FTRL_KWARGS = {
+    "ftrl_learning_rate_power": "learning_rate_power",
+    "ftrl_l1_reg": "l1_reg",
+    "ftrl_l2_reg": "l2_reg",
+    "ftrl_beta": "beta",
+    "ftrl_l2_shrinkage": "l2_shrinkage",
+    "ftrl_initial_accumulator_value": "initial_accumulator_value",
+    "ftrl_l2_convention": "l2_convention",
+}
+
+
+def _check_number(name: str, value: Any, *, nonneg: bool = False, positive: bool = False,
+                  nonpos: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a real number, got {value!r}")
+    v = float(value)
+    if not math.isfinite(v):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    if positive and not v > 0:
+        raise ValueError(f"{name} must be > 0 (FTRL divides by it), got {value!r}")
+    if nonneg and not v >= 0:
+        raise ValueError(f"{name} must be >= 0, got {value!r}")
+    if nonpos and not v <= 0:
+        raise ValueError(f"{name} must be <= 0, got {value!r}")
+    return v
+
+
+@dataclasses.dataclass(frozen=True)
+class FTRLHyperparams:
+    """Validated FTRL-Proximal knobs (McMahan et al. 2013, Alg. 1; TensorFlow ``ApplyFtrlV2``).
+
+    Attributes:
+        learning_rate: alpha, > 0.
+        learning_rate_power: p, <= 0 (-0.5 is the classic FTRL schedule, 0 a fixed rate).
+        l1_reg: lambda1 >= 0; weights with |linear| <= lambda1 are exactly 0.0.
+        l2_reg: lambda2 >= 0, applied as 2*lambda2 ("tensorflow") or lambda2 ("mcmahan").
+        beta: >= 0, added to accum^(-p) in the denominator.
+        l2_shrinkage: s >= 0, TensorFlow's shrinkage (g_s = g + 2*s*w), not used for accum.
+        initial_accumulator_value: n0 >= 0, the value accum starts at.
+        l2_convention: "tensorflow" (default) or "mcmahan".
+
+    Raises:
+        ValueError: naming the knob and its value, when any constraint above fails.
+    """
+
+    learning_rate: float
+    learning_rate_power: float = -0.5
+    l1_reg: float = 0.0
+    l2_reg: float = 0.0
+    beta: float = 0.0
+    l2_shrinkage: float = 0.0
+    initial_accumulator_value: float = 0.0
+    l2_convention: str = "tensorflow"
+
+    def __post_init__(self) -> None:
+        _check_number("learning_rate", self.learning_rate, positive=True)
+        _check_number("ftrl_learning_rate_power", self.learning_rate_power, nonpos=True)
+        for kw, field in FTRL_KWARGS.items():
+            if field not in ("learning_rate_power", "l2_convention"):
+                _check_number(kw, getattr(self, field), nonneg=True)
+        if self.l2_convention not in L2_CONVENTIONS:
+            raise ValueError(
+                f"ftrl_l2_convention must be one of {L2_CONVENTIONS}, got {self.l2_convention!r}")
+        for f in dataclasses.fields(self):
+            if f.name != "l2_convention":
+                object.__setattr__(self, f.name, float(getattr(self, f.name)))
+
+    @property
+    def l2_effective(self) -> float:
+        """The L2 term added to the denominator q: 2*l2_reg (tensorflow) or l2_reg (mcmahan)."""
+        return 2.0 * self.l2_reg if self.l2_convention == "tensorflow" else self.l2_reg
+
+    def to_kwargs(self) -> dict:
+        """The ``ftrl_*`` keyword form (no learning rate), e.g. for ``fused_params``."""
+        return {kw: getattr(self, field) for kw, field in FTRL_KWARGS.items()}
+
+    def with_learning_rate(self, lr: float) -> "FTRLHyperparams":
+        return dataclasses.replace(self, learning_rate=lr)
+
+    @classmethod
+    def from_kwargs(cls, learning_rate: float, kwargs: Mapping[str, Any]) -> "FTRLHyperparams":
+        """Build from ``ftrl_*`` keywords; other keys are ignored (fused-only keys such as
+        ``optimizer`` or ``eps``), but an unknown ``ftrl_*`` key raises ``ValueError``."""
+        unknown = sorted(k for k in kwargs if k.startswith("ftrl_") and k not in FTRL_KWARGS)
+        if unknown:
+            raise ValueError(
+                f"unknown FTRL keyword(s) {unknown}; expected some of {sorted(FTRL_KWARGS)}")
+        return cls(learning_rate=learning_rate,
+                   **{FTRL_KWARGS[k]: v for k, v in kwargs.items() if k in FTRL_KWARGS})

@@ -1,0 +1,88 @@
+"""The batch layout every FTRL TBE kernel (PyTorch, compiled CPU, Triton) reads.
+
+Weights and both FTRL states live in flat 1-D buffers, table after table, row-major, no padding:
+element ``table_w_offset[t] + r * table_dim[t] + d`` is row ``r``, column ``d`` of table ``t``.
+
+Indices and offsets follow FBGEMM's TBE convention: bag ``k`` (``0 <= k < num_bags``) holds
+``indices[offsets[k]:offsets[k+1]]``; bags are feature-major (all bags of feature 0 first). Each bag
+knows its feature (``bag_feature``) and where its pooled ``D``-vector goes in the flat output
+(``bag_out_offset``, in elements). This one pair of arrays covers the plain ``[B, total_D]`` layout and
+FBGEMM's variable-batch (VBE) layout alike. With ``PoolingMode.NONE`` index ``i`` is written at
+``i * D`` instead and ``bag_out_offset`` is unused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+POOL_SUM, POOL_MEAN, POOL_NONE = 0, 1, 2
+
+
+@dataclasses.dataclass
+class TBEBatch:
+    """One validated batch. Every tensor is int64 on the weights' device unless stated.
+
+    Attributes:
+        table_w_offset: ``[T]`` element offset of each table in the flat buffers.
+        table_dim: ``[T]`` embedding dim D of each table.
+        table_rows: ``[T]`` rows of each table.
+        feature_table: ``[F]`` table of each feature.
+        bag_feature: ``[num_bags]`` feature of each bag.
+        bag_out_offset: ``[num_bags]`` element offset of each bag's output vector.
+        indices: ``[N]`` row ids (already bounds-checked).
+        offsets: ``[num_bags + 1]``.
+        per_sample_weights: ``[N]`` fp32 or None.
+        pooling_mode: POOL_SUM, POOL_MEAN or POOL_NONE.
+        out_numel: elements in the flat output.
+        max_D: largest D (Python int).
+    """
+
+    table_w_offset: torch.Tensor
+    table_dim: torch.Tensor
+    table_rows: torch.Tensor
+    feature_table: torch.Tensor
+    bag_feature: torch.Tensor
+    bag_out_offset: torch.Tensor
+    indices: torch.Tensor
+    offsets: torch.Tensor
+    per_sample_weights: torch.Tensor | None
+    pooling_mode: int
+    out_numel: int
+    max_D: int
+
+    @property
+    def num_bags(self) -> int:
+        return self.offsets.numel() - 1
+
+    def index_bag(self) -> torch.Tensor:
+        """``[N]`` bag of each index (int64)."""
+        n = self.indices.numel()
+        lengths = self.offsets[1:] - self.offsets[:-1]
+        return torch.repeat_interleave(
+            torch.arange(self.num_bags, device=self.offsets.device), lengths, output_size=n)
+
+    def index_out_offset(self) -> torch.Tensor:
+        """``[N]`` element offset in the flat output (or grad) of each index's bag vector."""
+        if self.pooling_mode == POOL_NONE:
+            return torch.arange(self.indices.numel(), device=self.indices.device) * self.max_D
+        return self.bag_out_offset[self.index_bag()]
+
+    def index_scale(self) -> torch.Tensor | None:
+        """``[N]`` fp32 factor of each index's gradient: per-sample weight and 1/L for MEAN, or None."""
+        scale = self.per_sample_weights.float() if self.per_sample_weights is not None else None
+        if self.pooling_mode == POOL_MEAN:
+            lengths = (self.offsets[1:] - self.offsets[:-1])[self.index_bag()].float()
+            inv = 1.0 / lengths
+            scale = inv if scale is None else scale * inv
+        return scale
+
+    def index_table(self) -> torch.Tensor:
+        """``[N]`` table of each index."""
+        return self.feature_table[self.bag_feature[self.index_bag()]]
+
+    def index_row_offset(self) -> torch.Tensor:
+        """``[N]`` element offset of each index's row in the flat weight buffer."""
+        t = self.index_table()
+        return self.table_w_offset[t] + self.indices * self.table_dim[t]

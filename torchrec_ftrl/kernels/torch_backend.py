@@ -1,0 +1,74 @@
+"""Vectorised PyTorch implementation of the FTRL TBE forward and fused backward + update.
+
+The fallback where the compiled CPU kernel cannot be built, and the readable statement of what the
+compiled and Triton kernels compute. Same :class:`~torchrec_ftrl.kernels.layout.TBEBatch` contract.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..hyperparams import FTRLHyperparams
+from .ftrl_rule import ftrl_update_rows_
+from .layout import POOL_NONE, TBEBatch
+
+
+def forward(weights: torch.Tensor, batch: TBEBatch, out_dtype: torch.dtype) -> torch.Tensor:
+    """Pooled lookup. Returns the flat output ``[batch.out_numel]`` in ``out_dtype`` (fp32 accumulation)."""
+    out = torch.zeros(batch.out_numel, dtype=torch.float32, device=weights.device)
+    n = batch.indices.numel()
+    if n:
+        D = batch.max_D
+        dims = batch.table_dim[batch.index_table()]
+        col = torch.arange(D, device=weights.device)
+        mask = col.unsqueeze(0) < dims.unsqueeze(1)                         # [N, D]
+        src = (batch.index_row_offset().unsqueeze(1) + col).masked_fill(~mask, 0)
+        rows = weights[src].float() * mask
+        scale = batch.per_sample_weights.float() if batch.per_sample_weights is not None else None
+        if batch.pooling_mode != POOL_NONE:
+            if scale is not None:
+                rows = rows * scale.unsqueeze(1)
+            if batch.pooling_mode == 1:  # MEAN
+                lengths = (batch.offsets[1:] - batch.offsets[:-1])[batch.index_bag()].float()
+                rows = rows / lengths.unsqueeze(1)
+        dst = (batch.index_out_offset().unsqueeze(1) + col).masked_fill(~mask, 0)
+        out.index_put_((dst[mask],), rows[mask], accumulate=True)
+    return out.to(out_dtype)
+
+
+def index_gradients(grad_out: torch.Tensor, batch: TBEBatch) -> torch.Tensor:
+    """``[N, max_D]`` fp32 gradient of each index's row (zero-padded beyond its table's D)."""
+    D = batch.max_D
+    col = torch.arange(D, device=grad_out.device)
+    dims = batch.table_dim[batch.index_table()]
+    mask = col.unsqueeze(0) < dims.unsqueeze(1)
+    src = (batch.index_out_offset().unsqueeze(1) + col).masked_fill(~mask, 0)
+    g = grad_out.float()[src] * mask
+    scale = batch.index_scale()
+    return g * scale.unsqueeze(1) if scale is not None else g
+
+
+def backward_update_(weights: torch.Tensor, accum: torch.Tensor, linear: torch.Tensor,
+                     batch: TBEBatch, grad_out: torch.Tensor, hp: FTRLHyperparams,
+                     nonfinite_rows: torch.Tensor) -> None:
+    """Sum gradients per unique (table, row), then one FTRL update per touched row, in place.
+
+    Rows whose summed gradient has NaN/Inf are skipped and counted in ``nonfinite_rows`` (int64 [1]).
+    """
+    if batch.indices.numel() == 0:
+        return
+    g = index_gradients(grad_out, batch)
+    tables = batch.index_table()
+    for t in torch.unique(tables).tolist():
+        sel = tables == t
+        D = int(batch.table_dim[t])
+        rows_all = batch.indices[sel]
+        uniq, inverse = torch.unique(rows_all, return_inverse=True)
+        summed = torch.zeros(uniq.numel(), D, dtype=torch.float32, device=g.device)
+        summed.index_add_(0, inverse, g[sel][:, :D])
+        start = int(batch.table_w_offset[t])
+        R = int(batch.table_rows[t])
+        view = lambda buf: buf[start:start + R * D].view(R, D)  # noqa: E731
+        ok = ftrl_update_rows_(view(weights), view(linear), view(accum), uniq, summed, hp,
+                               skip_nonfinite=True)
+        nonfinite_rows += (~ok).sum()

@@ -1,0 +1,448 @@
+"""``FTRLTableBatchedEmbeddingBags``: a table-batched embedding (TBE) module with a fused FTRL optimizer.
+
+Forward does the multi-table lookup + pooling; backward sums gradients per touched (table, row) and
+applies one FTRL-Proximal update per row in place, never materialising a weight gradient. The API is
+shaped after FBGEMM's ``SplitTableBatchedEmbeddingBagsCodegen`` so TorchRec's kernel wrappers and
+``EmbeddingFusedOptimizer`` can hold it. FTRL math: ``shared/docs/FTRL.md`` / :mod:`torchrec_ftrl.optim`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional, Sequence
+
+import torch
+from torch import nn
+
+from .hyperparams import FTRL_KWARGS, FTRLHyperparams
+from .kernels.backends import resolve_backend
+from .kernels.layout import POOL_NONE, TBEBatch
+from .tbe_compat import BoundsCheckMode, ComputeDevice, EmbeddingLocation, PoolingMode, SparseType
+
+__all__ = ["FTRLTableBatchedEmbeddingBags"]
+
+_PRECISIONS = {SparseType.FP32: torch.float32, SparseType.FP16: torch.float16,
+               SparseType.BF16: torch.bfloat16}
+
+
+def _as_sparse_type(name: str, value: Any) -> SparseType:
+    if isinstance(value, torch.dtype):
+        for k, v in _PRECISIONS.items():
+            if v == value:
+                return k
+    if isinstance(value, SparseType) and value in _PRECISIONS:
+        return value
+    raise ValueError(f"{name} must be SparseType.FP32, FP16 or BF16 (or the torch dtype), got {value!r}")
+
+
+class _FTRLLookupFunction(torch.autograd.Function):
+    """Autograd glue: forward = pooled lookup; backward = FTRL update in place (no weight grad)."""
+
+    @staticmethod
+    def forward(ctx, placeholder, module, batch, per_sample_weights):  # noqa: D401
+        ctx.module, ctx.batch = module, batch
+        ctx.psw_needs_grad = per_sample_weights is not None and per_sample_weights.requires_grad
+        return module._backend.forward(module.weights_dev, batch, module._output_torch_dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        module, batch = ctx.module, ctx.batch
+        grad_out = grad_out.contiguous()
+        grad_psw = module._per_sample_weight_grad(grad_out, batch) if ctx.psw_needs_grad else None
+        module._apply_ftrl(batch, grad_out)
+        return None, None, None, grad_psw
+
+
+class FTRLTableBatchedEmbeddingBags(nn.Module):
+    r"""Table-batched embedding bags trained by fused FTRL-Proximal.
+
+    Args:
+        embedding_specs: one ``(rows, dim)`` per table; FBGEMM's ``(rows, dim, location,
+            compute_device)`` 4-tuples are accepted too (location/compute device are ignored: the
+            tables live on ``device``). Any ``dim >= 1``.
+        feature_table_map: table of each feature (several features may share a table); default one
+            feature per table.
+        pooling_mode: FBGEMM ``PoolingMode`` SUM, MEAN or NONE (NONE needs one dim for all tables).
+        weights_precision: ``SparseType`` FP32, FP16 or BF16 for the weights; FTRL states are fp32.
+        output_dtype: ``SparseType`` FP32, FP16 or BF16 of the forward output.
+        learning_rate, ftrl_*: the FTRL knobs, named and validated as in :class:`torchrec_ftrl.FTRL`.
+        bounds_check_mode: FBGEMM ``BoundsCheckMode``. FATAL (default) raises ``ValueError`` for an
+            index out of ``[0, rows)`` or malformed offsets before anything changes (on CUDA this is one
+            host sync per forward); WARNING replaces bad indices by 0 and clamps offsets as FBGEMM does,
+            counting them in ``bounds_check_warning`` with no host sync; IGNORE trusts the input.
+        device: where weights and states live (default CPU).
+        backend: ``"triton"`` (CUDA default), ``"cpp"`` (CPU default, compiled at first use), ``"torch"``.
+        table_names: optional names (for messages and export).
+        deterministic: request bitwise-reproducible backward (the CPU kernels always are).
+
+    Forward (``indices``, ``offsets`` int32/int64 1-D, FBGEMM layout, feature-major bags):
+        returns ``[B, sum(D_f)]`` for SUM/MEAN, ``[N, D]`` for NONE, or FBGEMM's flat VBE output
+        (ranks, then features, then samples) when ``batch_size_per_feature_per_rank`` is given.
+
+    NaN/Inf policy: a touched row whose summed gradient has a NaN or Inf is skipped (weight, accum
+    and linear bit-for-bit unchanged) and counted in ``nonfinite_grad_rows``; other rows update.
+
+    Raises:
+        ValueError: bad constructor arguments or inputs, naming the argument and the value. Nothing
+            is modified by a call that raises.
+    """
+
+    def __init__(
+        self,
+        embedding_specs: Sequence[Sequence[Any]],
+        feature_table_map: Optional[Sequence[int]] = None,
+        pooling_mode: PoolingMode = PoolingMode.SUM,
+        weights_precision: SparseType = SparseType.FP32,
+        output_dtype: SparseType = SparseType.FP32,
+        learning_rate: float = 0.01,
+        ftrl_learning_rate_power: float = -0.5,
+        ftrl_l1_reg: float = 0.0,
+        ftrl_l2_reg: float = 0.0,
+        ftrl_beta: float = 0.0,
+        ftrl_l2_shrinkage: float = 0.0,
+        ftrl_initial_accumulator_value: float = 0.0,
+        ftrl_l2_convention: str = "tensorflow",
+        bounds_check_mode: BoundsCheckMode = BoundsCheckMode.FATAL,
+        device: Optional[torch.device | str] = None,
+        backend: Optional[str] = None,
+        table_names: Optional[Sequence[str]] = None,
+        deterministic: bool = False,
+    ) -> None:
+        super().__init__()
+        self._hp = FTRLHyperparams(
+            learning_rate=learning_rate, learning_rate_power=ftrl_learning_rate_power,
+            l1_reg=ftrl_l1_reg, l2_reg=ftrl_l2_reg, beta=ftrl_beta, l2_shrinkage=ftrl_l2_shrinkage,
+            initial_accumulator_value=ftrl_initial_accumulator_value, l2_convention=ftrl_l2_convention)
+        if not embedding_specs:
+            raise ValueError("embedding_specs must name at least one table, got []")
+        rows_dims = []
+        for t, spec in enumerate(embedding_specs):
+            if len(spec) not in (2, 4):
+                raise ValueError(f"embedding_specs[{t}] must be (rows, dim) or (rows, dim, location, "
+                                 f"compute_device), got {spec!r}")
+            rows, dim = spec[0], spec[1]
+            if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+                raise ValueError(f"embedding_specs[{t}] rows must be an int >= 1, got {rows!r}")
+            if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+                raise ValueError(f"embedding_specs[{t}] dim must be an int >= 1, got {dim!r}")
+            rows_dims.append((rows, dim))
+        T = len(rows_dims)
+        if feature_table_map is None:
+            feature_table_map = list(range(T))
+        feature_table_map = [int(t) for t in feature_table_map]
+        bad = [t for t in feature_table_map if not 0 <= t < T]
+        if not feature_table_map or bad:
+            raise ValueError(f"feature_table_map entries must be table ids in [0, {T}), got "
+                             f"{feature_table_map!r}")
+        try:
+            pooling_mode = PoolingMode(pooling_mode)
+        except ValueError:
+            raise ValueError(f"pooling_mode must be PoolingMode.SUM, MEAN or NONE, got {pooling_mode!r}")
+        if pooling_mode not in (PoolingMode.SUM, PoolingMode.MEAN, PoolingMode.NONE):
+            raise ValueError(f"pooling_mode must be PoolingMode.SUM, MEAN or NONE, got {pooling_mode!r}")
+        if pooling_mode == PoolingMode.NONE and len({d for _, d in rows_dims}) != 1:
+            raise ValueError(f"pooling_mode=NONE needs one dim for all tables, got dims "
+                             f"{[d for _, d in rows_dims]}")
+        try:
+            bounds_check_mode = BoundsCheckMode(bounds_check_mode)
+        except ValueError:
+            raise ValueError(f"bounds_check_mode must be a BoundsCheckMode, got {bounds_check_mode!r}")
+        if bounds_check_mode not in (BoundsCheckMode.FATAL, BoundsCheckMode.WARNING,
+                                     BoundsCheckMode.IGNORE, BoundsCheckMode.NONE):
+            raise ValueError(f"bounds_check_mode must be FATAL, WARNING, IGNORE or NONE, got "
+                             f"{bounds_check_mode!r}")
+        if table_names is not None and len(table_names) != T:
+            raise ValueError(f"table_names must have {T} names, got {list(table_names)!r}")
+
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        self.weights_precision = _as_sparse_type("weights_precision", weights_precision)
+        self.output_dtype = _as_sparse_type("output_dtype", output_dtype)
+        self._output_torch_dtype = _PRECISIONS[self.output_dtype]
+        self.pooling_mode = pooling_mode
+        self.bounds_check_mode = bounds_check_mode
+        self.feature_table_map = feature_table_map
+        self.table_names = list(table_names) if table_names is not None else [f"t{t}" for t in range(T)]
+        self.deterministic = bool(deterministic)
+        location = EmbeddingLocation.DEVICE if device.type == "cuda" else EmbeddingLocation.HOST
+        compute = ComputeDevice.CUDA if device.type == "cuda" else ComputeDevice.CPU
+        self.embedding_specs = [(r, d, location, compute) for r, d in rows_dims]
+        self.backend, self._backend = resolve_backend(backend, device)
+
+        sizes = [r * d for r, d in rows_dims]
+        offs = [0]
+        for s in sizes[:-1]:
+            offs.append(offs[-1] + s)
+        self.weights_physical_offsets = offs
+        self.weights_offsets = offs
+        dims_f = [rows_dims[t][1] for t in feature_table_map]
+        self.D_offsets = [0]
+        for d in dims_f:
+            self.D_offsets.append(self.D_offsets[-1] + d)
+        self.total_D = self.D_offsets[-1]
+        self.max_D = max(d for _, d in rows_dims)
+
+        i64 = dict(dtype=torch.int64, device=device)
+        self.register_buffer("_table_w_offset", torch.tensor(offs, **i64), persistent=False)
+        self.register_buffer("_table_dim", torch.tensor([d for _, d in rows_dims], **i64), persistent=False)
+        self.register_buffer("_table_rows", torch.tensor([r for r, _ in rows_dims], **i64), persistent=False)
+        self.register_buffer("_feature_table", torch.tensor(feature_table_map, **i64), persistent=False)
+        self.register_buffer("_feature_dim", torch.tensor(dims_f, **i64), persistent=False)
+        self.register_buffer("_D_offsets", torch.tensor(self.D_offsets, **i64), persistent=False)
+        total = sum(sizes)
+        wdtype = _PRECISIONS[self.weights_precision]
+        self.register_buffer("weights_dev", torch.empty(total, dtype=wdtype, device=device))
+        self.register_buffer("momentum1_dev", torch.full(
+            (total,), self._hp.initial_accumulator_value, dtype=torch.float32, device=device))
+        self.register_buffer("momentum2_dev", torch.zeros(total, dtype=torch.float32, device=device))
+        self.register_buffer("bounds_check_warning", torch.zeros(1, **i64))
+        self.register_buffer("nonfinite_grad_rows", torch.zeros(1, **i64))
+        self.register_buffer("iter", torch.zeros(1, **i64))
+        # Makes the output require grad so backward (the fused update) runs, as in FBGEMM.
+        self.placeholder_autograd_tensor = nn.Parameter(torch.zeros(0, device=device))
+        self.init_embedding_weights_uniform(-0.01, 0.01)
+
+    # ------------------------------------------------------------------ attributes TorchRec reads
+    @property
+    def weights_host(self) -> torch.Tensor:
+        return self.weights_dev
+
+    @property
+    def weights_uvm(self) -> torch.Tensor:
+        return self.weights_dev
+
+    @property
+    def weights(self) -> torch.Tensor:
+        return self.weights_dev
+
+    @property
+    def optimizer(self):
+        from .registration import ftrl_emb_optim_type
+        return ftrl_emb_optim_type()
+
+    @property
+    def hyperparams(self) -> FTRLHyperparams:
+        return self._hp
+
+    @property
+    def learning_rate(self) -> float:
+        return self._hp.learning_rate
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, indices: torch.Tensor, offsets: torch.Tensor,
+                per_sample_weights: Optional[torch.Tensor] = None,
+                feature_requires_grad: Optional[torch.Tensor] = None,
+                batch_size_per_feature_per_rank: Optional[Sequence[Sequence[int]]] = None,
+                **unused: Any) -> torch.Tensor:
+        """Pooled (or sequence) lookup; see the class docstring for shapes. ``feature_requires_grad``
+        is accepted for FBGEMM compatibility and ignored (every feature's table is trained)."""
+        batch = self._make_batch(indices, offsets, per_sample_weights, batch_size_per_feature_per_rank)
+        out = _FTRLLookupFunction.apply(self.placeholder_autograd_tensor, self, batch, per_sample_weights)
+        if self.pooling_mode == PoolingMode.NONE:
+            return out.view(-1, self.max_D)
+        if batch_size_per_feature_per_rank is not None:
+            return out
+        return out.view(-1, self.total_D)
+
+    def _make_batch(self, indices, offsets, per_sample_weights, bsfpr) -> TBEBatch:
+        dev = self.weights_dev.device
+        F = len(self.feature_table_map)
+        for name, t in (("indices", indices), ("offsets", offsets)):
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dtype not in (torch.int32, torch.int64):
+                raise ValueError(f"{name} must be int32 or int64, got dtype={t.dtype}")
+            if t.dim() != 1:
+                raise ValueError(f"{name} must be 1-D, got shape={tuple(t.shape)}")
+            if t.device != dev:
+                raise ValueError(f"{name} must be on {dev} (the tables' device), got device={t.device}")
+        if offsets.numel() < 1:
+            raise ValueError("offsets must have at least 1 element, got shape=(0,)")
+        N, num_bags = indices.numel(), offsets.numel() - 1
+        if per_sample_weights is not None:
+            if not isinstance(per_sample_weights, torch.Tensor) or not per_sample_weights.is_floating_point():
+                raise ValueError(f"per_sample_weights must be a floating-point tensor, got "
+                                 f"{getattr(per_sample_weights, 'dtype', type(per_sample_weights))}")
+            if per_sample_weights.device != dev:
+                raise ValueError(f"per_sample_weights must be on {dev}, got device={per_sample_weights.device}")
+            if tuple(per_sample_weights.shape) != (N,):
+                raise ValueError(f"per_sample_weights must have shape ({N},) like indices, got "
+                                 f"shape={tuple(per_sample_weights.shape)}")
+            if self.pooling_mode == PoolingMode.NONE:
+                raise ValueError("per_sample_weights is not supported with pooling_mode=NONE")
+        offsets64 = offsets.long()
+        indices64 = indices.long()
+        if bsfpr is not None:
+            if self.pooling_mode == PoolingMode.NONE:
+                raise ValueError("batch_size_per_feature_per_rank (VBE) needs pooling SUM or MEAN")
+            bag_feature, bag_out_offset, out_numel = self._vbe_layout(bsfpr, num_bags)
+        else:
+            if num_bags % F != 0:
+                raise ValueError(f"offsets must have num_features * B + 1 = {F} * B + 1 elements, got "
+                                 f"{offsets.numel()}")
+            B = num_bags // F
+            ar = torch.arange(num_bags, device=dev)
+            bag_feature = ar // max(B, 1)
+            bag_out_offset = (ar % max(B, 1)) * self.total_D + self._D_offsets[bag_feature]
+            out_numel = N * self.max_D if self.pooling_mode == PoolingMode.NONE else B * self.total_D
+        indices64, offsets64 = self._bounds_check(indices64, offsets64, bag_feature)
+        return TBEBatch(
+            table_w_offset=self._table_w_offset, table_dim=self._table_dim,
+            table_rows=self._table_rows, feature_table=self._feature_table,
+            bag_feature=bag_feature, bag_out_offset=bag_out_offset, indices=indices64,
+            offsets=offsets64,
+            per_sample_weights=per_sample_weights.detach().float() if per_sample_weights is not None else None,
+            pooling_mode=int(self.pooling_mode), out_numel=out_numel, max_D=self.max_D)
+
+    def _vbe_layout(self, bsfpr, num_bags):
+        F = len(self.feature_table_map)
+        try:
+            sizes = [[int(b) for b in per_rank] for per_rank in bsfpr]
+        except (TypeError, ValueError):
+            raise ValueError(f"batch_size_per_feature_per_rank must be a list of {F} lists of ints, got "
+                             f"{bsfpr!r}")
+        R = len(sizes[0]) if sizes else 0
+        if len(sizes) != F or R == 0 or any(len(s) != R for s in sizes) or any(b < 0 for s in sizes for b in s):
+            raise ValueError(f"batch_size_per_feature_per_rank must be {F} lists of the same number of "
+                             f"non-negative ints, got {bsfpr!r}")
+        total = sum(sum(s) for s in sizes)
+        if total != num_bags:
+            raise ValueError(f"batch_size_per_feature_per_rank sums to {total} bags but offsets has "
+                             f"{num_bags} bags (offsets.numel() - 1)")
+        dims = [self.D_offsets[f + 1] - self.D_offsets[f] for f in range(F)]
+        # FBGEMM VBE output: rank-major, then feature, then sample.
+        rank_feature_start, pos = {}, 0
+        for r in range(R):
+            for f in range(F):
+                rank_feature_start[(r, f)] = pos
+                pos += sizes[f][r] * dims[f]
+        bag_f, bag_off = [], []
+        for f in range(F):
+            for r in range(R):
+                base = rank_feature_start[(r, f)]
+                bag_f.extend([f] * sizes[f][r])
+                bag_off.extend(range(base, base + sizes[f][r] * dims[f], dims[f]))
+        dev = self.weights_dev.device
+        return (torch.tensor(bag_f, dtype=torch.int64).to(dev, non_blocking=True),
+                torch.tensor(bag_off, dtype=torch.int64).to(dev, non_blocking=True), pos)
+
+    def _bounds_check(self, indices, offsets, bag_feature):
+        mode = self.bounds_check_mode
+        if mode in (BoundsCheckMode.IGNORE, BoundsCheckMode.NONE):
+            return indices, offsets
+        N = indices.numel()
+        lengths = offsets[1:] - offsets[:-1]
+        idx_bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=indices.device),
+                                          lengths.clamp(min=0), output_size=None) \
+            if mode == BoundsCheckMode.FATAL else None
+        if mode == BoundsCheckMode.FATAL:
+            if int(offsets[0]) != 0 or bool((lengths < 0).any()) or int(offsets[-1]) != N:
+                raise ValueError(
+                    f"offsets must start at 0, be non-decreasing and end at indices.numel()={N}; got "
+                    f"offsets[0]={int(offsets[0])}, offsets[-1]={int(offsets[-1])}, "
+                    f"{int((lengths < 0).sum())} decreasing step(s)")
+            rows = self._table_rows[self._feature_table[bag_feature[idx_bag]]]
+            bad = (indices < 0) | (indices >= rows)
+            if bool(bad.any()):
+                i = int(bad.nonzero()[0, 0])
+                raise ValueError(f"indices[{i}]={int(indices[i])} out of range [0, {int(rows[i])}) of "
+                                 f"table {self.table_names[int(self._feature_table[bag_feature[idx_bag[i]]])]!r}"
+                                 f" (feature {int(bag_feature[idx_bag[i]])}); {int(bad.sum())} bad index(es)")
+            return indices, offsets
+        # WARNING: repair as FBGEMM does, count, never sync.
+        fixed_off = offsets.clamp(0, N)
+        fixed_off = torch.cummax(fixed_off, 0).values
+        fixed_off = torch.cat([fixed_off.new_zeros(1), fixed_off[1:-1], fixed_off.new_full((1,), N)]) \
+            if fixed_off.numel() > 1 else fixed_off.new_zeros(1)
+        n_off_bad = (fixed_off != offsets).sum()
+        lens = fixed_off[1:] - fixed_off[:-1]
+        idx_bag = torch.repeat_interleave(torch.arange(lens.numel(), device=indices.device), lens,
+                                          output_size=N)
+        rows = self._table_rows[self._feature_table[bag_feature[idx_bag]]]
+        bad = (indices < 0) | (indices >= rows)
+        self.bounds_check_warning += bad.sum() + n_off_bad
+        return torch.where(bad, torch.zeros_like(indices), indices), fixed_off
+
+    # ------------------------------------------------------------------ backward
+    def _per_sample_weight_grad(self, grad_out: torch.Tensor, batch: TBEBatch) -> torch.Tensor:
+        """d loss / d psw[i] = <grad of its bag (÷L for MEAN), weight row before the update>."""
+        from .kernels.torch_backend import index_gradients
+        unweighted = TBEBatch(**{**batch.__dict__, "per_sample_weights": None})
+        g = index_gradients(grad_out, unweighted)                         # [N, max_D]
+        col = torch.arange(batch.max_D, device=g.device)
+        dims = batch.table_dim[batch.index_table()]
+        mask = col.unsqueeze(0) < dims.unsqueeze(1)
+        src = (batch.index_row_offset().unsqueeze(1) + col).masked_fill(~mask, 0)
+        w = self.weights_dev[src].float() * mask
+        return (g * w).sum(1)
+
+    def _apply_ftrl(self, batch: TBEBatch, grad_out: torch.Tensor) -> None:
+        self._backend.backward_update_(self.weights_dev, self.momentum1_dev, self.momentum2_dev,
+                                       batch, grad_out.reshape(-1), self._hp,
+                                       self.nonfinite_grad_rows)
+        self.iter += 1
+
+    # ------------------------------------------------------------------ FBGEMM-shaped API
+    def _table_view(self, buf: torch.Tensor, t: int) -> torch.Tensor:
+        rows, dim = self.embedding_specs[t][:2]
+        off = self.weights_physical_offsets[t]
+        return buf[off:off + rows * dim].view(rows, dim)
+
+    def split_embedding_weights(self) -> list[torch.Tensor]:
+        """Per-table ``[rows, D]`` views (not copies) of the weights, in table order."""
+        return [self._table_view(self.weights_dev, t) for t in range(len(self.embedding_specs))]
+
+    def split_optimizer_states(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-table ``(accum, linear)``, each a fp32 ``[rows, D]`` view."""
+        return [(self._table_view(self.momentum1_dev, t), self._table_view(self.momentum2_dev, t))
+                for t in range(len(self.embedding_specs))]
+
+    def get_optimizer_state(self, *args: Any, **kwargs: Any) -> list[dict[str, torch.Tensor]]:
+        """Per-table ``{"accum": [rows, D], "linear": [rows, D]}`` fp32 views (TensorFlow slot names)."""
+        return [{"accum": a, "linear": z} for a, z in self.split_optimizer_states()]
+
+    def get_learning_rate(self) -> float:
+        return self._hp.learning_rate
+
+    def set_learning_rate(self, lr: float) -> None:
+        """Raises ValueError (nothing changed) unless ``lr`` is finite and > 0."""
+        self._hp = self._hp.with_learning_rate(lr)
+
+    def set_optimizer_step(self, step: int) -> None:
+        self.iter.fill_(int(step))
+
+    def update_hyper_parameters(self, params_dict: dict[str, Any]) -> None:
+        """Update ``lr``/``learning_rate`` and ``ftrl_*`` knobs atomically: all are validated first.
+
+        Raises:
+            ValueError: an unknown key or an invalid value (nothing is changed).
+        """
+        params = dict(params_dict)
+        lr = params.pop("lr", params.pop("learning_rate", self._hp.learning_rate))
+        unknown = sorted(k for k in params if k not in FTRL_KWARGS)
+        if unknown:
+            raise ValueError(f"update_hyper_parameters got unknown key(s) {unknown}; expected lr, "
+                             f"learning_rate or {sorted(FTRL_KWARGS)}")
+        if "ftrl_initial_accumulator_value" in params:
+            raise ValueError("ftrl_initial_accumulator_value only applies when states are created; "
+                             "use reset_optimizer_state() after constructing with the new value")
+        merged = {**self._hp.to_kwargs(), **params}
+        self._hp = FTRLHyperparams.from_kwargs(lr, merged)
+
+    def reset_optimizer_state(self) -> None:
+        """accum := initial_accumulator_value, linear := 0."""
+        self.momentum1_dev.fill_(self._hp.initial_accumulator_value)
+        self.momentum2_dev.zero_()
+
+    def flush(self) -> None:
+        """No cache to write back: tables live on ``device``."""
+
+    def reset_cache_states(self) -> None:
+        """No cache: nothing to reset."""
+
+    @torch.no_grad()
+    def init_embedding_weights_uniform(self, min_val: float, max_val: float) -> None:
+        for w in self.split_embedding_weights():
+            w.uniform_(min_val, max_val)
+
+    def extra_repr(self) -> str:
+        return (f"tables={[(r, d) for r, d, *_ in self.embedding_specs]}, pooling={self.pooling_mode.name}, "
+                f"precision={self.weights_precision.name}, backend={self.backend}, hp={self._hp}")

@@ -1,0 +1,9 @@
+"""FBGEMM enums the TBE uses, imported where both fbgemm_gpu 1.6 (GPU machine) and 1.8 (CI) have them."""
+
+from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType  # noqa: F401
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import (  # noqa: F401
+    BoundsCheckMode,
+    EmbeddingLocation,
+    PoolingMode,
+)
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import ComputeDevice  # noqa: F401

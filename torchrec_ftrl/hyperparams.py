@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any, Mapping
 
 L2_CONVENTIONS = ("tensorflow", "mcmahan")
@@ -28,7 +29,7 @@ FTRL_KWARGS = {
 
 def _check_number(name: str, value: Any, *, nonneg: bool = False, positive: bool = False,
                   nonpos: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"{name} must be a real number, got {value!r}")
     v = float(value)
     if not math.isfinite(v):
@@ -70,7 +71,7 @@ class FTRLHyperparams:
     l2_convention: str = "tensorflow"
 
     def __post_init__(self) -> None:
-        _check_number("learning_rate", self.learning_rate, positive=True)
+        _check_number("learning_rate (lr)", self.learning_rate, positive=True)
         _check_number("ftrl_learning_rate_power", self.learning_rate_power, nonpos=True)
         for kw, field in FTRL_KWARGS.items():
             if field not in ("learning_rate_power", "l2_convention"):

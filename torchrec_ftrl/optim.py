@@ -3,10 +3,12 @@
 The functional core is :func:`ftrl`; :class:`FTRL` is the ``torch.optim.Optimizer`` wrapper, shaped after
 ``torch/optim/adagrad.py``. It is the dense twin of the fused TBE optimizer and takes the same keyword
 names, so one dict serves ``apply_optimizer_in_backward`` and ``fused_params``.
+The update rule is ``shared/docs/FTRL.md`` (McMahan et al. 2013, Algorithm 1; TensorFlow ``ApplyFtrlV2``).
 """
 
 from __future__ import annotations
 
+from itertools import chain
 from typing import Any, Iterable, Optional
 
 import torch
@@ -17,28 +19,85 @@ from .kernels.ftrl_rule import ftrl_rule, ftrl_update_rows_
 
 __all__ = ["FTRL", "ftrl"]
 
+_STATE_KEYS = ("accum", "linear")
+
+
+def _check_grad(p: torch.Tensor, g: torch.Tensor) -> None:
+    """Raise ``ValueError`` for a gradient this optimizer cannot apply (checked before any update)."""
+    if p.is_complex() or not p.is_floating_point():
+        raise ValueError(f"FTRL needs real floating-point parameters, got dtype {p.dtype}")
+    if g.shape != p.shape:
+        raise ValueError(f"gradient shape {tuple(g.shape)} != parameter shape {tuple(p.shape)}")
+    if g.is_sparse:
+        if g.sparse_dim() < 1:
+            raise ValueError(f"sparse COO gradients need sparse_dim >= 1, got sparse_dim {g.sparse_dim()}")
+    elif g.layout != torch.strided:
+        raise ValueError(f"gradient layout {g.layout} is not supported (dense or sparse COO only)")
+
+
+def _sparse_rows(g: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sparse COO gradient as (distinct rows int64 ``[U]``, summed row gradients fp32 ``[U, D]``).
+
+    Duplicate entries are summed (``coalesce``) in fp32 (fp64 kept). With ``sparse_dim > 1`` (e.g.
+    ``zeros_like(p).to_sparse()`` from ``KeyedOptimizer.init_state``) a row is touched when any of its
+    elements is listed; its unlisted elements get gradient 0.
+    """
+    if g.dtype != torch.float64:
+        g = g.float()
+    g = g.coalesce()
+    idx, vals = g.indices(), g.values()
+    d = p[0].numel() if p.dim() > 0 and p.shape[0] > 0 else 1
+    if g.sparse_dim() == 1:
+        return idx[0], vals.reshape(idx.shape[1], d)
+    rows, inverse = torch.unique(idx[0], return_inverse=True)
+    dense = torch.zeros((rows.numel(),) + tuple(p.shape[1:]), dtype=vals.dtype, device=vals.device)
+    dense[(inverse,) + tuple(idx[1:])] = vals
+    return rows, dense.reshape(rows.numel(), d)
+
+
+def _rows_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as ``[rows, -1]`` sharing storage (rows = dim 0; a 0-d/1-D tensor has 1-element rows)."""
+    if t.dim() == 0:
+        return t.view(1, 1)
+    return t.view(t.shape[0], -1)
+
 
 def ftrl(params: list[torch.Tensor], grads: list[torch.Tensor], accums: list[torch.Tensor],
          linears: list[torch.Tensor], state_steps: list[torch.Tensor], *, hp: FTRLHyperparams,
          skip_zero_grad_rows: bool = False) -> None:
-    """Functional FTRL step, in place on ``params``, ``accums`` (n) and ``linears`` (z).
+    """Functional FTRL step, in place on ``params``, ``accums`` (n, fp32) and ``linears`` (z, fp32).
 
-    Dense gradients update every element (or, with ``skip_zero_grad_rows`` and a 2-D parameter, only
-    rows whose gradient is not all zero). Sparse COO gradients ``[rows, D]`` update only the rows they
-    name, duplicate entries summed first. See :class:`FTRL` for the math.
+    Args:
+        params: parameters, any real float dtype and shape (contiguous); updated in place.
+        grads: one gradient per parameter, same shape: dense (strided) or sparse COO (``sparse_dim()
+            >= 1``; row-sparse ``sparse_dim() == 1`` from ``nn.Embedding(sparse=True)``).
+        accums, linears: fp32 tensors of the parameter's shape, updated in place.
+        state_steps: scalar step counters, incremented by one each.
+        hp: validated hyperparameters.
+        skip_zero_grad_rows: for dense gradients, leave rows (slices along dim 0; single elements of a
+            1-D parameter) whose gradient is all zero bit-for-bit untouched: row-sparse semantics, the
+            twin of the fused TBE. Default False: every element is updated.
+
+    Dense gradients update every element. Sparse COO gradients update only the rows they name,
+    duplicate entries summed first in fp32 (``coalesce``), then ONE update per row; with
+    ``sparse_dim > 1`` a row is touched when any of its elements is listed.
+
+    Raises:
+        ValueError: for a complex/integer parameter, a gradient of another shape, or a sparse
+            gradient that is not COO with ``sparse_dim >= 1``. All gradients are checked before
+            anything is updated.
     """
+    for p, g in zip(params, grads):
+        _check_grad(p, g)
     for p, g, n, z, step in zip(params, grads, accums, linears, state_steps):
         step += 1
         if g.is_sparse:
-            if g.sparse_dim() != 1:
-                raise ValueError(f"sparse gradients must have sparse_dim 1 (row-sparse), got {g.sparse_dim()}")
-            g = g.coalesce()
-            rows, values = g.indices()[0], g.values()
-            ftrl_update_rows_(p.data.view(p.shape[0], -1), z.view(p.shape[0], -1),
-                              n.view(p.shape[0], -1), rows, values.reshape(rows.numel(), -1), hp)
-        elif skip_zero_grad_rows and p.dim() == 2:
-            rows = (g != 0).any(dim=1).nonzero().squeeze(1)
-            ftrl_update_rows_(p.data, z, n, rows, g[rows], hp)
+            rows, values = _sparse_rows(g, p)
+            ftrl_update_rows_(_rows_view(p.data), _rows_view(z), _rows_view(n), rows, values, hp)
+        elif skip_zero_grad_rows:
+            g2 = _rows_view(g)
+            rows = (g2 != 0).any(dim=1).nonzero().squeeze(1)
+            ftrl_update_rows_(_rows_view(p.data), _rows_view(z), _rows_view(n), rows, g2[rows], hp)
         else:
             w_new, z_new, n_new = ftrl_rule(p.data, z, n, g, hp)
             p.data.copy_(w_new)
@@ -47,44 +106,54 @@ def ftrl(params: list[torch.Tensor], grads: list[torch.Tensor], accums: list[tor
 
 
 class FTRL(Optimizer):
-    r"""FTRL-Proximal (McMahan et al. 2013, Algorithm 1; TensorFlow ``ApplyFtrlV2``).
+    r"""FTRL-Proximal (McMahan et al. 2013, Algorithm 1; TensorFlow ``ApplyFtrlV2``; ``shared/docs/FTRL.md``).
 
     Per element, with w the parameter, z = ``linear``, n = ``accum``, g the gradient::
 
-        n_new = n + g^2
+        n_new = n + g^2                                    # raw g, never the shrunk one
         sigma = (n_new^(-p) - n^(-p)) / lr
-        z     = z + (g + 2 s w) - sigma w                 # old w
+        z     = z + (g + 2 s w) - sigma w                  # old w
         q     = (beta + n_new^(-p)) / lr + L2              # L2 = 2*l2 (tensorflow) or l2 (mcmahan)
-        w     = (l1 sign(z) - z) / q  if |z| > l1  else 0
+        w     = (l1 sign(z) - z) / q  if |z| > l1  else 0  # exactly 0.0
         n     = n_new
 
+    Math is fp32 whatever the parameter dtype (fp32/fp16/bf16; fp64 parameters are updated in fp32 too).
+
     Args:
-        params: parameters or parameter groups.
-        lr (float): alpha > 0. ``learning_rate`` is accepted as an alias (fused_params spelling).
-        ftrl_learning_rate_power (float): p <= 0, default -0.5 (sqrt path); other values use ``pow``.
+        params: parameters or parameter groups (a group may override any keyword below).
+        lr (float): alpha > 0, default 0.01. ``learning_rate`` is accepted as an alias (fused_params
+            spelling); giving both with different values raises.
+        ftrl_learning_rate_power (float): p <= 0, default -0.5 (sqrt path); other values use ``pow``;
+            0 is a fixed rate.
         ftrl_l1_reg, ftrl_l2_reg, ftrl_beta, ftrl_l2_shrinkage (float): >= 0, default 0.
         ftrl_initial_accumulator_value (float): n0 >= 0, default 0 (TensorFlow/Keras use 0.1).
-        ftrl_l2_convention (str): "tensorflow" (default) or "mcmahan".
-        skip_zero_grad_rows (bool): for 2-D parameters with dense gradients, leave rows whose gradient
-            is all zero untouched, as the fused TBE leaves untouched rows: the exact twin of the fused
-            kernel. Default False (every element is updated, as ``torch.optim`` optimizers do).
+        ftrl_l2_convention (str): "tensorflow" (default, L2 = 2*l2) or "mcmahan" (L2 = l2).
+        skip_zero_grad_rows (bool): with dense gradients, leave rows (slices along dim 0) whose
+            gradient is all zero bit-for-bit untouched, as the fused TBE leaves untouched rows: the exact
+            twin of the fused kernel for ``[rows, D]`` tables. Default False (every element is updated,
+            as ``torch.optim`` optimizers do; note FTRL recomputes w from (z, n), so a zero-gradient step
+            such as ``KeyedOptimizer.init_state``'s still changes never-touched weights).
         **fused_only: other keys of a ``fused_params`` dict (``optimizer``, ``eps``, ...) are ignored,
             as torchrec's ``RowWiseAdagrad`` does; an unknown ``ftrl_*`` key raises.
 
-    State per parameter: ``accum`` and ``linear`` (shape of the parameter, fp32 whatever its dtype) and
-    ``step`` (float32 scalar tensor). Sparse COO gradients (``nn.Embedding(sparse=True)``) update only
-    their rows.
+    State per parameter: ``accum`` (n) and ``linear`` (z), shape of the parameter, fp32 whatever its
+    dtype (kept fp32 by :meth:`load_state_dict` too), and ``step`` (float32 scalar tensor). Sparse COO
+    gradients (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag(sparse=True)``) update only their rows,
+    duplicates summed first.
 
     Raises:
-        ValueError: naming the knob and its value for an invalid hyperparameter.
+        ValueError: naming the knob and its value for an invalid hyperparameter (at construction, in
+            :meth:`add_param_group`, :meth:`load_state_dict`, and at :meth:`step` if a group was edited),
+            or for an unsupported gradient. A failing call modifies nothing.
     """
 
     def __init__(self, params: Iterable, lr: Optional[float] = None, *,
                  skip_zero_grad_rows: bool = False, **kwargs: Any) -> None:
         if "learning_rate" in kwargs:
             alias = kwargs.pop("learning_rate")
-            if lr is None:
-                lr = alias
+            if lr is not None and alias != lr:
+                raise ValueError(f"got lr={lr!r} and learning_rate={alias!r}; give one of them")
+            lr = alias
         if lr is None:
             lr = 0.01
         hp = FTRLHyperparams.from_kwargs(lr, kwargs)
@@ -94,7 +163,8 @@ class FTRL(Optimizer):
 
     @staticmethod
     def _group_hp(group: dict) -> FTRLHyperparams:
-        return FTRLHyperparams.from_kwargs(group["lr"], {k: group[k] for k in FTRL_KWARGS})
+        extra = {k: v for k, v in group.items() if isinstance(k, str) and k.startswith("ftrl_")}
+        return FTRLHyperparams.from_kwargs(group["lr"], extra)
 
     def _init_state(self, p: torch.Tensor, group: dict) -> dict:
         state = self.state[p]
@@ -106,17 +176,68 @@ class FTRL(Optimizer):
         return state
 
     def add_param_group(self, param_group: dict) -> None:
+        """Add a group; its knobs (defaults filled in) are validated BEFORE it is added.
+
+        Raises:
+            ValueError: naming the knob and value, or ``learning_rate`` given with ``lr``.
+        """
+        if "learning_rate" in param_group:
+            param_group = dict(param_group)
+            alias = param_group.pop("learning_rate")
+            if "lr" in param_group and param_group["lr"] != alias:
+                raise ValueError(f"param group has lr={param_group['lr']!r} and learning_rate={alias!r}")
+            param_group["lr"] = alias
+        merged = {**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}}
+        self._group_hp(merged)
         super().add_param_group(param_group)
-        self._group_hp(self.param_groups[-1])  # validate per-group overrides
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a :meth:`state_dict`; ``accum``/``linear`` stay fp32 and bit-exact (torch's loader would
+        cast them to the parameter dtype).
+
+        Raises:
+            ValueError: an invalid knob in a saved param group, or a saved ``accum``/``linear`` whose
+                shape differs from its parameter. Nothing is modified then.
+        """
+        saved_groups = state_dict["param_groups"]
+        for g in saved_groups:
+            self._group_hp(g)
+        saved_state = state_dict["state"]
+        id_map = {}
+        if len(saved_groups) == len(self.param_groups):
+            id_map = dict(zip(chain.from_iterable(g["params"] for g in saved_groups),
+                              chain.from_iterable(g["params"] for g in self.param_groups)))
+        for pid, p in id_map.items():
+            for key in _STATE_KEYS:
+                v = saved_state.get(pid, {}).get(key)
+                if isinstance(v, torch.Tensor) and v.shape != p.shape:
+                    raise ValueError(f"saved {key} of shape {tuple(v.shape)} does not match parameter "
+                                     f"shape {tuple(p.shape)}")
+        super().load_state_dict(state_dict)
+        for pid, p in id_map.items():
+            for key in _STATE_KEYS:
+                v = saved_state.get(pid, {}).get(key)
+                if isinstance(v, torch.Tensor):
+                    self.state[p][key] = v.detach().to(device=p.device, dtype=torch.float32, copy=True)
 
     @torch.no_grad()
     def step(self, closure=None):
+        """One FTRL step over every parameter with a gradient.
+
+        Raises:
+            ValueError: an invalid knob in an (edited) param group or an unsupported gradient; all
+                groups and gradients are checked before any parameter or state is modified.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        hps = [self._group_hp(group) for group in self.param_groups]
         for group in self.param_groups:
-            hp = self._group_hp(group)
+            for p in group["params"]:
+                if p.grad is not None:
+                    _check_grad(p, p.grad)
+        for group, hp in zip(self.param_groups, hps):
             params, grads, accums, linears, steps = [], [], [], [], []
             for p in group["params"]:
                 if p.grad is None:

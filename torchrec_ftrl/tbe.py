@@ -290,7 +290,8 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
             bag_feature=bag_feature, bag_out_offset=bag_out_offset, indices=indices64,
             offsets=offsets64,
             per_sample_weights=per_sample_weights.detach().float() if per_sample_weights is not None else None,
-            pooling_mode=int(self.pooling_mode), out_numel=out_numel, max_D=self.max_D)
+            pooling_mode=int(self.pooling_mode), out_numel=out_numel, max_D=self.max_D,
+            total_rows=sum(r for r, *_ in self.embedding_specs))
 
     def _vbe_layout(self, bsfpr, num_bags):
         F = len(self.feature_table_map)

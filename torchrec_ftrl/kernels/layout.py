@@ -37,6 +37,8 @@ class TBEBatch:
         pooling_mode: POOL_SUM, POOL_MEAN or POOL_NONE.
         out_numel: elements in the flat output.
         max_D: largest D (Python int).
+        total_rows: rows of all tables together (Python int) or None if unknown; lets the CUDA
+            backend sort 32-bit row keys.
     """
 
     table_w_offset: torch.Tensor
@@ -51,6 +53,7 @@ class TBEBatch:
     pooling_mode: int
     out_numel: int
     max_D: int
+    total_rows: int | None = None
 
     @property
     def num_bags(self) -> int:

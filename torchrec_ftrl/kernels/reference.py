@@ -24,26 +24,38 @@ import numpy as np
 
 def ftrl_reference_step(w, z, n, g, *, lr, lr_power=-0.5, l1=0.0, l2=0.0, beta=0.0,
                         l2_shrinkage=0.0, l2_convention="tensorflow"):
-    """One FTRL step on every element of ``w`` (any shape). Returns float64 ``(w, z, n)`` copies."""
-    w = np.asarray(w, dtype=np.float64).ravel()
-    z = np.asarray(z, dtype=np.float64).ravel().copy()
-    n = np.asarray(n, dtype=np.float64).ravel().copy()
-    g = np.asarray(g, dtype=np.float64).ravel()
-    shape = np.shape(np.asarray(w))
+    """One FTRL step on every element of ``w`` (any shape, array-like). Returns float64 ``(w, z, n)``.
+
+    ``w`` weight, ``z`` linear, ``n`` accum and ``g`` the (already duplicate-summed) gradient all share
+    one shape; the outputs are new float64 arrays of that shape, the inputs are not modified.
+    ``l2_convention`` is ``"tensorflow"`` (L2 = 2*l2) or ``"mcmahan"`` (L2 = l2).
+    """
+    if l2_convention not in ("tensorflow", "mcmahan"):
+        raise ValueError(f"l2_convention must be 'tensorflow' or 'mcmahan', got {l2_convention!r}")
+    shape = np.shape(w)
+    w = np.array(w, dtype=np.float64).ravel()
+    z = np.array(z, dtype=np.float64).ravel()
+    n = np.array(n, dtype=np.float64).ravel()
+    g = np.array(g, dtype=np.float64).ravel()
+    if not (w.size == z.size == n.size == g.size):
+        raise ValueError(f"w, z, n, g must have one shape, got sizes {w.size}, {z.size}, {n.size}, {g.size}")
     L2 = 2.0 * l2 if l2_convention == "tensorflow" else l2
     w_out = np.empty_like(w)
     for i in range(w.size):
-        n_new = n[i] + g[i] * g[i]
-        pn_new = n_new ** (-lr_power)
-        pn_old = n[i] ** (-lr_power)
+        wi, zi, ni, gi = float(w[i]), float(z[i]), float(n[i]), float(g[i])
+        n_new = ni + gi * gi                          # raw g, never the shrunk one
+        pn_new = n_new ** (-lr_power)                 # n^(-p); 0**0 == 1 (p == 0: fixed rate)
+        pn_old = ni ** (-lr_power)
         sigma = (pn_new - pn_old) / lr
-        g_s = g[i] + 2.0 * l2_shrinkage * w[i]
-        z[i] = z[i] + g_s - sigma * w[i]
-        q = (beta + pn_new) / lr + L2
-        if abs(z[i]) > l1:
-            w_out[i] = (l1 * math.copysign(1.0, z[i]) - z[i]) / q
+        g_s = gi + 2.0 * l2_shrinkage * wi
+        zi = zi + g_s - sigma * wi                    # OLD w
+        q = np.float64((beta + pn_new) / lr + L2)  # IEEE division: q == 0 only when n_new == 0
+        if abs(zi) > l1:
+            with np.errstate(divide="ignore"):
+                w_out[i] = (l1 * math.copysign(1.0, zi) - zi) / q
         else:
-            w_out[i] = 0.0
+            w_out[i] = 0.0                            # exact zero, inside the branch
+        z[i] = zi
         n[i] = n_new
     return w_out.reshape(shape), z.reshape(shape), n.reshape(shape)
 
@@ -51,14 +63,15 @@ def ftrl_reference_step(w, z, n, g, *, lr, lr_power=-0.5, l1=0.0, l2=0.0, beta=0
 def ftrl_reference_rows(weight, linear, accum, row_ids, row_grads, **knobs):
     """Sparse (row-wise) FTRL on a ``[rows, D]`` table, float64.
 
-    ``row_ids`` ``[K]`` may repeat: gradients ``row_grads`` ``[K, D]`` of the same row are summed first,
-    then ONE update per distinct row; rows not named are copied unchanged. Returns ``(w, z, n)``.
+    ``row_ids`` ``[K]`` may repeat: gradients ``row_grads`` ``[K, D]`` of the same row are summed first
+    (in float64), then ONE update per distinct row; rows not named are copied unchanged.
+    ``knobs`` are :func:`ftrl_reference_step`'s keywords. Returns float64 ``(w, z, n)``, ``[rows, D]``.
     """
     W = np.array(weight, dtype=np.float64, copy=True)
     Z = np.array(linear, dtype=np.float64, copy=True)
     N = np.array(accum, dtype=np.float64, copy=True)
     row_ids = np.asarray(row_ids, dtype=np.int64).ravel()
-    row_grads = np.asarray(row_grads, dtype=np.float64).reshape(len(row_ids), -1)
+    row_grads = np.asarray(row_grads, dtype=np.float64).reshape((len(row_ids),) + W.shape[1:])
     summed = {}
     for r, gr in zip(row_ids.tolist(), row_grads):
         summed[r] = summed[r] + gr if r in summed else gr.copy()

@@ -1,0 +1,31 @@
+"""Runs a function in N gloo processes (torch.multiprocessing.spawn) for the DMP tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, fn, args) -> None:
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args) -> None:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes; re-raises a worker's error."""
+    mp.spawn(_entry, args=(world_size, _free_port(), fn, args), nprocs=world_size, join=True)

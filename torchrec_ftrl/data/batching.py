@@ -1,0 +1,47 @@
+"""Rows -> torchrec ``Batch`` (dense ``[B, n_dense]`` float32, KJT sparse, labels ``[B]`` float32)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+
+def make_batch(labels: np.ndarray, dense: np.ndarray, ids: np.ndarray, keys: Sequence[str]):
+    """Build a ``torchrec.datasets.utils.Batch``.
+
+    Args:
+        labels: ``[B]`` 0/1.
+        dense: ``[B, n_dense]`` float (already transformed); ``n_dense`` may be 0.
+        ids: ``[B, F]`` int64 row ids, ``-1`` = missing (an empty bag for that sample and key).
+        keys: the ``F`` feature names, in ``ids`` column order.
+
+    Returns:
+        ``Batch`` whose ``sparse_features`` is a KJT with ``keys``, int64 ``values`` and int32
+        ``lengths`` of shape ``[F * B]`` (key-major: all samples of key 0, then key 1, ...).
+
+    Raises:
+        ValueError: shapes that disagree (naming them).
+    """
+    from torchrec.datasets.utils import Batch
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    labels = np.asarray(labels)
+    dense = np.asarray(dense, dtype=np.float32)
+    ids = np.asarray(ids, dtype=np.int64)
+    b = labels.shape[0]
+    if dense.ndim != 2 or dense.shape[0] != b or ids.ndim != 2 or ids.shape[0] != b \
+            or ids.shape[1] != len(keys):
+        raise ValueError(f"make_batch shapes disagree: labels {labels.shape}, dense {dense.shape}, "
+                         f"ids {ids.shape}, {len(keys)} keys")
+    ids_t = np.ascontiguousarray(ids.T)  # [F, B], key-major like the KJT
+    present = ids_t >= 0
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=list(keys),
+        values=torch.from_numpy(ids_t[present]),
+        lengths=torch.from_numpy(present.reshape(-1).astype(np.int32)),
+    )
+    return Batch(dense_features=torch.from_numpy(dense),
+                 sparse_features=kjt,
+                 labels=torch.from_numpy(labels.astype(np.float32)))

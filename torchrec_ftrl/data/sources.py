@@ -1,0 +1,159 @@
+"""Data sources for distributed training: every rank gets the same number of equal-size batches.
+
+DMP's pooled all-to-all needs the same batch size on every rank and every rank must run the same
+number of steps, so training batches are always full (``batch_size`` rows; the stream cycles over
+epochs) and validation batches are padded to ``batch_size`` with a count of real rows.
+
+* :class:`FileSource`: rows of a :class:`CTRFileReader`; training row ``t`` (``t``-th non-validation
+  row) goes to rank ``t % world_size``; validation rows ``v`` to rank ``v % world_size``.
+* :class:`SyntheticSource`: :class:`SyntheticCTR`; training step ``s`` of rank ``r`` is batch
+  ``s * world_size + r``; validation batch ``i`` of rank ``r`` is batch ``i * world_size + r``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator, List, Optional, Tuple
+
+import numpy as np
+
+from .batching import make_batch
+from .reader import CTRFileReader
+from .split import Split
+from .synthetic import SyntheticCTR
+
+
+def _check_rank(rank: int, world_size: int, batch_size: int) -> None:
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+
+
+class FileSource:
+    """Args:
+        reader: the :class:`CTRFileReader`.
+        split: a :class:`Split` (``none`` leaves validation empty).
+        max_val_rows: keep at most this many validation rows (``None`` = all).
+    """
+
+    def __init__(self, reader: CTRFileReader, split: Split, max_val_rows: Optional[int] = None):
+        self.reader = reader
+        self.split = split
+        self.max_val_rows = max_val_rows
+        self._n: Optional[int] = reader.count_valid() if split.needs_count else None
+        self.epoch = 0
+
+    @property
+    def dense_names(self) -> tuple:
+        return self.reader.dense_names
+
+    @property
+    def categorical_names(self) -> tuple:
+        return self.reader.categorical_names
+
+    @property
+    def num_embeddings(self) -> list:
+        return list(self.reader.num_embeddings)
+
+    def _rows(self, want_validation: bool) -> Iterator:
+        for i, row in enumerate(self.reader):
+            if self.split.is_validation(i, self._n) == want_validation:
+                yield row
+
+    def _to_batch(self, rows: List) -> object:
+        labels = np.fromiter((r.label for r in rows), dtype=np.int64, count=len(rows))
+        dense = np.asarray([r.dense for r in rows], dtype=np.float32).reshape(len(rows), -1)
+        ids = np.asarray([r.ids for r in rows], dtype=np.int64)
+        return make_batch(labels, dense, ids, self.categorical_names)
+
+    def train_batches(self, rank: int, world_size: int, batch_size: int,
+                      start_step: int = 0) -> Iterator:
+        """Endless full batches for ``rank``, cycling over the file(s); ``start_step`` batches are
+        skipped (resume). ``self.epoch`` counts completed passes.
+
+        Raises:
+            ValueError: bad rank/batch size, or fewer training rows than ``world_size`` (nothing to
+                give some rank).
+        """
+        _check_rank(rank, world_size, batch_size)
+        buf: List = []
+        step = 0
+        self.epoch = 0
+        while True:
+            seen = 0
+            for t, row in enumerate(self._rows(False)):
+                seen += 1
+                if t % world_size != rank:
+                    continue
+                buf.append(row)
+                if len(buf) == batch_size:
+                    if step >= start_step:
+                        yield self._to_batch(buf)
+                    step += 1
+                    buf = []
+            if seen < world_size:
+                raise ValueError(f"only {seen} training rows for world_size={world_size}; "
+                                 f"reader: {self.reader.stats.summary()}")
+            self.epoch += 1
+
+    def validation_batches(self, rank: int, world_size: int,
+                           batch_size: int) -> List[Tuple[object, int]]:
+        """``[(Batch, n_real)]``, the same count on every rank; pad rows repeat the first one.
+
+        Raises:
+            ValueError: an empty validation split.
+        """
+        _check_rank(rank, world_size, batch_size)
+        rows = list(self._rows(True))
+        if self.max_val_rows is not None:
+            rows = rows[: self.max_val_rows]
+        if not rows:
+            raise ValueError(f"the validation split {self.split} is empty; "
+                             f"reader: {self.reader.stats.summary()}")
+        mine = rows[rank::world_size]
+        n_batches = math.ceil(math.ceil(len(rows) / world_size) / batch_size)
+        out = []
+        for i in range(n_batches):
+            chunk = mine[i * batch_size:(i + 1) * batch_size]
+            n_real = len(chunk)
+            chunk = chunk + [rows[0]] * (batch_size - n_real)
+            out.append((self._to_batch(chunk), n_real))
+        return out
+
+
+class SyntheticSource:
+    """Args: ``gen`` (:class:`SyntheticCTR`), ``val_batches`` (validation batches per rank)."""
+
+    def __init__(self, gen: SyntheticCTR, val_batches: int = 4):
+        if val_batches < 1:
+            raise ValueError(f"val_batches must be >= 1, got {val_batches}")
+        self.gen = gen
+        self.val_batches = val_batches
+        self.epoch = 0
+
+    @property
+    def dense_names(self) -> tuple:
+        return self.gen.dense_names
+
+    @property
+    def categorical_names(self) -> tuple:
+        return self.gen.categorical_names
+
+    @property
+    def num_embeddings(self) -> list:
+        return list(self.gen.num_embeddings)
+
+    def train_batches(self, rank: int, world_size: int, batch_size: int,
+                      start_step: int = 0) -> Iterator:
+        _check_rank(rank, world_size, batch_size)
+        step = start_step
+        while True:
+            yield self.gen.batch("train", step * world_size + rank, batch_size)
+            step += 1
+
+    def validation_batches(self, rank: int, world_size: int,
+                           batch_size: int) -> List[Tuple[object, int]]:
+        _check_rank(rank, world_size, batch_size)
+        return [(self.gen.batch("val", i * world_size + rank, batch_size), batch_size)
+                for i in range(self.val_batches)]

@@ -1,0 +1,62 @@
+"""Train/validation split of a row stream, by row position (0-based index among valid rows)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """``every:k`` (row i is validation when ``i % k == k - 1``, i.e. every k-th row), ``tail:f``
+    (the last ``ceil(f * n)`` rows are validation; needs the row count ``n``) or ``none``.
+
+    Raises:
+        ValueError: ``k < 2``, ``f`` outside (0, 1), or an unknown mode (naming the text).
+    """
+
+    mode: str
+    value: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.mode == "every":
+            if int(self.value) != self.value or self.value < 2:
+                raise ValueError(f"split every:k needs an integer k >= 2, got {self.value!r}")
+        elif self.mode == "tail":
+            if not 0.0 < self.value < 1.0:
+                raise ValueError(f"split tail:f needs 0 < f < 1, got {self.value!r}")
+        elif self.mode != "none":
+            raise ValueError(f"split mode must be 'every', 'tail' or 'none', got {self.mode!r}")
+
+    @classmethod
+    def parse(cls, text: str) -> "Split":
+        """``"every:10"``, ``"tail:0.1"`` or ``"none"``."""
+        if text == "none":
+            return cls("none")
+        mode, sep, val = text.partition(":")
+        if not sep:
+            raise ValueError(f"--split must look like 'every:10', 'tail:0.1' or 'none', got {text!r}")
+        try:
+            num = float(val)
+        except ValueError:
+            raise ValueError(f"--split value must be a number, got {text!r}") from None
+        return cls(mode, num)
+
+    @property
+    def needs_count(self) -> bool:
+        return self.mode == "tail"
+
+    def first_validation_index(self, n: int) -> int:
+        """For ``tail``: index of the first validation row among ``n`` rows."""
+        import math
+        return n - math.ceil(self.value * n)
+
+    def is_validation(self, i: int, n: Optional[int] = None) -> bool:
+        if self.mode == "every":
+            k = int(self.value)
+            return i % k == k - 1
+        if self.mode == "tail":
+            if n is None:
+                raise ValueError("a tail split needs the row count n")
+            return i >= self.first_validation_index(n)
+        return False

@@ -1,0 +1,108 @@
+"""Compiled CPU backend of the FTRL TBE: ``csrc/ftrl_tbe_cpu.cpp`` built at first use.
+
+:func:`load_extension` compiles the C++ source with ``torch.utils.cpp_extension.load`` (``-O3``,
+OpenMP through ATen's ``at::parallel_for``) into the default torch extensions directory
+(``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``), so later processes reuse the build.
+It needs a C++17 compiler and ninja; :func:`torchrec_ftrl.kernels.backends.resolve_backend` falls back
+to the PyTorch backend with a warning when this raises.
+
+Same contract as :mod:`torchrec_ftrl.kernels.torch_backend`; the update rule is FTRL.md's
+(``shared/docs/FTRL.md``), computed in fp32 with the states in fp32.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from types import ModuleType
+
+import torch
+
+from ..hyperparams import FTRLHyperparams
+from .layout import TBEBatch
+
+_SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "ftrl_tbe_cpu.cpp")
+_lock = threading.Lock()
+_ext: ModuleType | None = None
+
+
+# -fno-math-errno / -fno-trapping-math let the FTRL loop over D vectorise (sqrt, the |z| > l1 select);
+# they change no result. -ffp-contract=off keeps FTRL.md's roundings (no FMA contraction).
+_BASE_FLAGS = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
+               "-ffp-contract=off"]
+# Vector ISA of the machine that builds (ATen's own CPU capability probe); part of the build's name,
+# so a shared extensions directory never hands a build to a CPU that lacks its instructions.
+_ISA_FLAGS = {"avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mf16c",
+                         "-mprefer-vector-width=512"],
+              "avx2": ["-mavx2", "-mfma", "-mf16c"]}
+
+
+def load_extension(verbose: bool = False) -> ModuleType:
+    """Build (first call per source version) or load the compiled kernel; returns the module.
+
+    The module name carries a hash of the source, so an edited ``.cpp`` never loads a stale build.
+
+    Raises:
+        RuntimeError / OSError / ImportError: no compiler or ninja, or the build failed.
+    """
+    global _ext
+    if _ext is not None:
+        return _ext
+    with _lock:
+        if _ext is None:
+            from torch.utils.cpp_extension import load
+
+            with open(_SOURCE, "rb") as f:
+                digest = hashlib.sha1(f.read()).hexdigest()[:10]
+            isa = torch.backends.cpu.get_cpu_capability().lower()
+            _ext = load(name=f"torchrec_ftrl_tbe_cpu_{digest}_{isa}", sources=[_SOURCE],
+                        extra_cflags=_BASE_FLAGS + _ISA_FLAGS.get(isa, []), extra_ldflags=["-fopenmp"], verbose=verbose)
+    return _ext
+
+
+def _psw(batch: TBEBatch):
+    p = batch.per_sample_weights
+    return None if p is None else p.float().contiguous()
+
+
+def forward(weights: torch.Tensor, batch: TBEBatch, out_dtype: torch.dtype) -> torch.Tensor:
+    """Pooled (SUM/MEAN) or sequence (NONE) lookup, fp32 accumulation.
+
+    Returns:
+        the flat output ``[batch.out_numel]`` in ``out_dtype``: bag ``k``'s ``D``-vector at
+        ``batch.bag_out_offset[k]`` (index ``i`` at ``i * max_D`` for NONE); empty bags give zeros.
+    """
+    ext = load_extension()
+    if batch.num_bags > 0 and batch.indices.numel() > 0:
+        out = torch.empty(batch.out_numel, dtype=out_dtype, device=weights.device)
+    else:
+        out = torch.zeros(batch.out_numel, dtype=out_dtype, device=weights.device)
+    ext.forward(weights, batch.table_w_offset, batch.table_dim, batch.feature_table,
+                batch.bag_feature.contiguous(), batch.bag_out_offset.contiguous(),
+                batch.indices.contiguous(), batch.offsets.contiguous(), _psw(batch),
+                int(batch.pooling_mode), int(batch.max_D), out)
+    return out
+
+
+def backward_update_(weights: torch.Tensor, accum: torch.Tensor, linear: torch.Tensor,
+                     batch: TBEBatch, grad_out: torch.Tensor, hp: FTRLHyperparams,
+                     nonfinite_rows: torch.Tensor) -> None:
+    """In place: sum the gradient of every touched (table, row), then ONE FTRL update per row.
+
+    Args:
+        weights: flat ``[total]`` fp32/fp16/bf16. accum, linear: flat ``[total]`` fp32 (n and z).
+        grad_out: flat ``[batch.out_numel]`` gradient of the forward output (fp32/fp16/bf16).
+        nonfinite_rows: int64 ``[1]``, incremented by the number of rows skipped because their summed
+            gradient holds a NaN/Inf (those rows are left bit-for-bit unchanged).
+    """
+    if batch.indices.numel() == 0:
+        return
+    ext = load_extension()
+    ext.backward_update(weights, accum, linear, batch.table_w_offset, batch.table_dim,
+                        batch.table_rows, batch.feature_table, batch.bag_feature.contiguous(),
+                        batch.bag_out_offset.contiguous(), batch.indices.contiguous(),
+                        batch.offsets.contiguous(), _psw(batch), int(batch.pooling_mode),
+                        int(batch.max_D), grad_out.contiguous(), hp.learning_rate,
+                        hp.learning_rate_power, hp.l1_reg, hp.l2_effective, hp.beta,
+                        hp.l2_shrinkage, nonfinite_rows)

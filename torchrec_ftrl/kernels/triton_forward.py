@@ -1,0 +1,77 @@
+"""Triton kernel of the FTRL TBE forward: multi-table pooled lookup (SUM / MEAN / NONE).
+
+One program owns ``BAGS`` consecutive bags and walks their indices ``UNROLL`` at a time, so
+``BAGS * UNROLL`` independent row loads (each ``BLOCK_D`` wide, masked to the table's D) are in flight
+per step. Rows are read in the weights' dtype and accumulated in fp32; the pooled vector is written
+once, in the output dtype, at ``bag_out_offset[bag]`` (which covers the plain and the VBE layouts).
+``PoolingMode.NONE`` writes each looked-up row at ``position * out_row_stride`` instead.
+
+Layout contract: :mod:`torchrec_ftrl.kernels.layout`.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+POOL_SUM, POOL_MEAN, POOL_NONE = 0, 1, 2
+
+
+@triton.jit
+def tbe_forward_kernel(
+    w_ptr, out_ptr, indices_ptr, offsets_ptr, bag_feature_ptr, bag_out_ptr, feature_table_ptr,
+    table_w_offset_ptr, table_dim_ptr, psw_ptr,
+    num_bags, out_row_stride,
+    POOL: tl.constexpr, HAS_PSW: tl.constexpr,
+    BAGS: tl.constexpr, UNROLL: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    bags = pid.to(tl.int64) * BAGS + tl.arange(0, BAGS)                      # [BAGS]
+    bmask = bags < num_bags
+    start = tl.load(offsets_ptr + bags, mask=bmask, other=0)
+    end = tl.load(offsets_ptr + bags + 1, mask=bmask, other=0)
+    length = end - start
+    feat = tl.load(bag_feature_ptr + bags, mask=bmask, other=0)
+    tab = tl.load(feature_table_ptr + feat, mask=bmask, other=0)
+    woff = tl.load(table_w_offset_ptr + tab, mask=bmask, other=0)
+    dim = tl.load(table_dim_ptr + tab, mask=bmask, other=0)
+
+    cols = tl.arange(0, BLOCK_D)
+    u = tl.arange(0, UNROLL)
+    cmask3 = cols[None, None, :] < dim[:, None, None]                         # [BAGS, 1, BLOCK_D]
+    max_len = tl.max(length, axis=0)
+    acc = tl.zeros([BAGS, BLOCK_D], dtype=tl.float32)
+    for j in range(0, max_len, UNROLL):
+        jj = j + u
+        lmask = jj[None, :] < length[:, None]                                  # [BAGS, UNROLL]
+        pos = start[:, None] + jj[None, :]
+        idx = tl.load(indices_ptr + pos, mask=lmask, other=0)
+        roff = woff[:, None] + idx * dim[:, None]
+        m3 = lmask[:, :, None] & cmask3
+        rows = tl.load(w_ptr + roff[:, :, None] + cols[None, None, :], mask=m3, other=0.0)
+        rows = rows.to(tl.float32)
+        if HAS_PSW:
+            psw = tl.load(psw_ptr + pos, mask=lmask, other=0.0)
+            rows = rows * psw[:, :, None]
+        if POOL == 2:
+            tl.store(out_ptr + pos[:, :, None] * out_row_stride + cols[None, None, :],
+                     rows.to(out_ptr.dtype.element_ty), mask=m3)
+        else:
+            acc += tl.sum(rows, axis=1)
+    if POOL != 2:
+        if POOL == 1:
+            lf = tl.maximum(length, 1).to(tl.float32)
+            acc = tl.where(length[:, None] > 0, tl.div_rn(acc, lf[:, None]), 0.0)
+        oofs = tl.load(bag_out_ptr + bags, mask=bmask, other=0)
+        omask = bmask[:, None] & (cols[None, :] < dim[:, None])
+        tl.store(out_ptr + oofs[:, None] + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=omask)
+
+
+def forward_config(block_d: int, tile: int = 4096, unroll: int = 4) -> tuple[int, int, int]:
+    """``(BAGS, UNROLL, num_warps)`` for a ``BLOCK_D``: about ``tile`` elements per step."""
+    unroll = max(1, min(unroll, max(1, tile // block_d)))
+    bags = max(1, tile // (unroll * block_d))
+    elems = bags * unroll * block_d
+    num_warps = max(1, min(16, elems // 512))
+    num_warps = 1 << (num_warps.bit_length() - 1)
+    return bags, unroll, num_warps

@@ -207,3 +207,214 @@ def every_sharding_type(rank: int, ws: int) -> None:
             ref.step(n, ids, seq_up[f] / ws)
     check_tables(dmp, ref, "ebc.embedding_bags", names)
     check_tables(dmp, ref, "ec.embeddings", seq_names)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+CK_TABLES = ["c_a", "c_b"]
+CK_FEATS = ["cf_a", "cf_b"]
+
+
+def _ck_model(ws: int, sharding: str):
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
+    from torchrec.distributed.types import ShardingPlan
+    ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(
+        name=n, embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f])
+        for n, f in zip(CK_TABLES, CK_FEATS)], device=torch.device("meta"))
+    sharders = torchrec_ftrl.sharders({"optimizer": EmbOptimType.FTRL, **FUSED_KNOBS})
+    gens = {n: (table_wise(rank=i % ws) if sharding == "tw" else row_wise())
+            for i, n in enumerate(CK_TABLES)}
+    plan = construct_module_sharding_plan(ebc, per_param_sharding=gens, sharder=sharders[0],
+                                          local_size=ws, world_size=ws, device_type="cpu")
+    for ps in plan.values():
+        ps.compute_kernel = "fused"
+    return DistributedModelParallel(ebc, device=torch.device("cpu"), sharders=sharders,
+                                    plan=ShardingPlan({"": plan}))
+
+
+def _ck_train(dmp, ref, rank, ws, steps):
+    for step in steps:
+        gb = batch(step, CK_FEATS, rank, ws)
+        up = upstream(step, ws, len(CK_FEATS))
+        out = dmp(local_kjt(gb, CK_FEATS, rank))
+        local_up = torch.from_numpy(up[rank * B_LOCAL:(rank + 1) * B_LOCAL]).float()
+        (out.values().view(B_LOCAL, len(CK_FEATS), DIM) * local_up).sum().backward()
+        if ref is not None:
+            for j, (n, f) in enumerate(zip(CK_TABLES, CK_FEATS)):
+                ref.step(n, *pooled_row_grads(gb[f], up[:, j], ws))
+
+
+def _ck_reference(phases):
+    """Reference after the given (world_size, steps) phases."""
+    ref = Reference({n: (ROWS, DIM) for n in CK_TABLES})
+    for ws, steps in phases:
+        for step in steps:
+            gb = batch(step, CK_FEATS, 0, ws)
+            up = upstream(step, ws, len(CK_FEATS))
+            for j, (n, f) in enumerate(zip(CK_TABLES, CK_FEATS)):
+                ref.step(n, *pooled_row_grads(gb[f], up[:, j], ws))
+    return ref
+
+
+def _ck_state(dmp):
+    return {"model": dmp.state_dict(), "optim": dmp.fused_optimizer.state_dict()}
+
+
+def checkpoint_save(rank: int, ws: int, ckpt_dir: str) -> None:
+    """Table-wise plan, 2 steps, then a DCP checkpoint and a plain .npz export."""
+    import torch.distributed.checkpoint as dcp
+    from torchrec_ftrl.checkpoint import export_ftrl_tables
+    dmp = _ck_model(ws, "tw")
+    ref = Reference({n: (ROWS, DIM) for n in CK_TABLES})
+    msd = dmp.state_dict()
+    for n in CK_TABLES:
+        copy_global_into(msd[f"embedding_bags.{n}.weight"], ref.w[n])
+    _ck_train(dmp, ref, rank, ws, range(2))
+    check_tables(dmp, ref, "embedding_bags", CK_TABLES)
+    dcp.save(_ck_state(dmp), checkpoint_id=f"{ckpt_dir}/dcp")
+    export_ftrl_tables(dmp, f"{ckpt_dir}/tables.npz")
+
+
+def checkpoint_load(rank: int, ws: int, ckpt_dir: str, sharding: str, source: str) -> None:
+    """Load (DCP or .npz) into a fresh model with another plan / world size, then 2 more steps."""
+    import torch.distributed.checkpoint as dcp
+    from torchrec_ftrl.checkpoint import _local_pieces, import_ftrl_tables
+    dmp = _ck_model(ws, sharding)
+    if source == "dcp":
+        state = _ck_state(dmp)
+        dcp.load(state, checkpoint_id=f"{ckpt_dir}/dcp")
+        dmp.load_state_dict(state["model"])
+        dmp.fused_optimizer.load_state_dict(state["optim"])
+    else:
+        import_ftrl_tables(dmp, f"{ckpt_dir}/tables.npz")
+    # Bitwise round trip: every loaded value equals the exported fp32 value exactly.
+    saved = np.load(f"{ckpt_dir}/tables.npz")
+    msd, osd = dmp.state_dict(), dmp.fused_optimizer.state_dict()["state"]
+    for n in CK_TABLES:
+        key = f"embedding_bags.{n}.weight"
+        pairs = [(msd[key], n)]
+        if key in osd:
+            pairs += [(osd[key][f"{n}.accum"], f"{n}/accum"), (osd[key][f"{n}.linear"], f"{n}/linear")]
+        for tensor, name in pairs:
+            for offsets, local in _local_pieces(tensor):
+                sl = tuple(slice(o, o + s) for o, s in zip(offsets, local.shape))
+                assert np.array_equal(local.numpy(), saved[name][sl]), f"{name} not bitwise equal"
+    _ck_train(dmp, None, rank, ws, range(2, 4))
+    ref = _ck_reference([(2, range(2)), (ws, range(2, 4))])
+    check_tables(dmp, ref, "embedding_bags", CK_TABLES)
+
+
+# ----------------------------------------------------------------------------- mixed / weighted / VBE
+class TwoBags(torch.nn.Module):
+    def __init__(self, weighted, vbe):
+        super().__init__()
+        self.weighted, self.vbe = weighted, vbe
+
+    def forward(self, wkjt, vkjt):
+        return self.weighted(wkjt), self.vbe(vkjt)
+
+
+VBE_STRIDES = {"vf_tw": B_LOCAL, "vf_rw": 2}
+
+
+def _vbe_inverse(step: int, ws: int):
+    """Global inverse indices: sample b of rank r uses bag inv[f][r][b] of that rank's bags."""
+    rng = np.random.default_rng(9000 + step)
+    return {f: rng.integers(0, s, size=(ws, B_LOCAL)) for f, s in VBE_STRIDES.items()}
+
+
+def _vbe_bags(step: int, ws: int):
+    rng = np.random.default_rng(9100 + step)
+    return {f: [[rng.integers(0, ROWS, size=rng.integers(0, 4)).tolist() for _ in range(s)]
+                for _ in range(ws)] for f, s in VBE_STRIDES.items()}
+
+
+def mixed_weighted_vbe(rank: int, ws: int) -> None:
+    """apply_optimizer_in_backward: FTRL and row-wise Adagrad tables side by side (weighted EBC), and a
+    VBE EBC of FTRL tables; FTRL tables vs the float64 reference, the Adagrad table on FBGEMM."""
+    import torchrec
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+    from torchrec.distributed.batched_embedding_kernel import BatchedFusedEmbeddingBag
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
+    from torchrec.distributed.types import ShardingPlan
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    ftrl_kwargs = {"lr": 0.1, "ftrl_l1_reg": 0.01, "ftrl_l2_reg": 0.02, "ftrl_beta": 0.5}
+    webc = EmbeddingBagCollection(tables=[
+        EmbeddingBagConfig(name="w_ftrl", embedding_dim=DIM, num_embeddings=ROWS, feature_names=["wf_ftrl"]),
+        EmbeddingBagConfig(name="w_ada", embedding_dim=DIM, num_embeddings=ROWS, feature_names=["wf_ada"])],
+        is_weighted=True, device=torch.device("meta"))
+    vebc = EmbeddingBagCollection(tables=[
+        EmbeddingBagConfig(name=f"v_{s}", embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f"vf_{s}"])
+        for s in ("tw", "rw")], device=torch.device("meta"))
+    apply_optimizer_in_backward(torchrec.optim.FTRL, [webc.embedding_bags["w_ftrl"].weight], ftrl_kwargs)
+    apply_optimizer_in_backward(torchrec.optim.RowWiseAdagrad, [webc.embedding_bags["w_ada"].weight],
+                                {"lr": 0.1})
+    apply_optimizer_in_backward(torchrec.optim.FTRL, vebc.parameters(), ftrl_kwargs)
+    sharders = torchrec_ftrl.sharders()
+    plan = ShardingPlan({
+        "weighted": construct_module_sharding_plan(
+            webc, per_param_sharding={"w_ftrl": row_wise(), "w_ada": table_wise(rank=0)},
+            sharder=sharders[0], local_size=ws, world_size=ws, device_type="cpu"),
+        "vbe": construct_module_sharding_plan(
+            vebc, per_param_sharding={"v_tw": table_wise(rank=ws - 1), "v_rw": row_wise()},
+            sharder=sharders[0], local_size=ws, world_size=ws, device_type="cpu")})
+    dmp = DistributedModelParallel(TwoBags(webc, vebc), device=torch.device("cpu"), sharders=sharders,
+                                   plan=plan)
+    kernels = [k for k in ftrl_kernels(dmp)]
+    tables_in_ours = {t.name for k in kernels for t in k.config.embedding_tables}
+    assert tables_in_ours and tables_in_ours <= {"w_ftrl", "v_tw", "v_rw"}, tables_in_ours
+    ftrl_tables = ["w_ftrl", "v_tw", "v_rw"]
+    ref = Reference({n: (ROWS, DIM) for n in ftrl_tables})
+    msd = dmp.state_dict()
+    copy_global_into(msd["weighted.embedding_bags.w_ftrl.weight"], ref.w["w_ftrl"])
+    for n in ("v_tw", "v_rw"):
+        copy_global_into(msd[f"vbe.embedding_bags.{n}.weight"], ref.w[n])
+    ada_before = [t.clone() for _, t in _pieces(msd["weighted.embedding_bags.w_ada.weight"])]
+
+    for step in range(STEPS):
+        gb = batch(step, ["wf_ftrl", "wf_ada"], rank, ws)
+        wrng = np.random.default_rng(8000 + step)
+        gw = {f: [wrng.uniform(0.5, 2.0, size=len(bag)).tolist() for bag in gb[f]] for f in gb}
+        up = upstream(step, ws, 2)
+        inv, bags = _vbe_inverse(step, ws), _vbe_bags(step, ws)
+        vfeats = list(VBE_STRIDES)
+        vkjt = KeyedJaggedTensor(
+            keys=vfeats,
+            values=torch.tensor([r for f in vfeats for bag in bags[f][rank] for r in bag], dtype=torch.int64),
+            lengths=torch.tensor([len(bag) for f in vfeats for bag in bags[f][rank]], dtype=torch.int64),
+            stride_per_key_per_rank=[[VBE_STRIDES[f]] for f in vfeats],
+            inverse_indices=(vfeats, torch.tensor(np.stack([inv[f][rank] for f in vfeats]), dtype=torch.int32)))
+        vup = upstream(500 + step, ws, 2)
+        wout, vout = dmp(local_kjt(gb, ["wf_ftrl", "wf_ada"], rank, weights=gw), vkjt)
+        sl = slice(rank * B_LOCAL, (rank + 1) * B_LOCAL)
+        loss = (wout.values().view(B_LOCAL, 2, DIM) * torch.from_numpy(up[sl]).float()).sum()
+        loss = loss + (vout.values().view(B_LOCAL, 2, DIM) * torch.from_numpy(vup[sl]).float()).sum()
+        loss.backward()
+        ref.step("w_ftrl", *pooled_row_grads(gb["wf_ftrl"], up[:, 0], ws, gw["wf_ftrl"]))
+        for j, (n, f) in enumerate(zip(("v_tw", "v_rw"), vfeats)):
+            ids, grads = [], []
+            for r in range(ws):
+                for k, bag in enumerate(bags[f][r]):
+                    g = sum(vup[r * B_LOCAL + b, j] for b in range(B_LOCAL) if inv[f][r][b] == k)
+                    for row in bag:
+                        ids.append(row)
+                        grads.append(np.asarray(g, dtype=np.float64) / ws + np.zeros(DIM))
+            ref.step(n, ids, grads)
+    check_tables(dmp, ref, "weighted.embedding_bags", ["w_ftrl"])
+    check_tables(dmp, ref, "vbe.embedding_bags", ["v_tw", "v_rw"])
+    # The row-wise Adagrad table ran on FBGEMM's kernel and trained.
+    stock = [k for m in dmp.modules() for lk in getattr(m, "_lookups", []) or []
+             for k in getattr(getattr(lk, "module", lk), "_emb_modules", [])
+             if type(k) is BatchedFusedEmbeddingBag]
+    after = [t for _, t in _pieces(dmp.state_dict()["weighted.embedding_bags.w_ada.weight"])]
+    if rank == 0:
+        assert stock and any(not torch.equal(a, b) for a, b in zip(ada_before, after))
+
+
+def _pieces(t):
+    from torchrec_ftrl.checkpoint import _local_pieces
+    return list(_local_pieces(t))

@@ -52,6 +52,11 @@ def _route(cls: type, kernel_cls: type) -> None:
             extra = {k: arguments[k] for k in ("sharding_type", "env") if k in arguments}
             return kernel_cls(config=config, pg=arguments.get("pg"), device=arguments.get("device"),
                               **extra)
+        if config.fused_params and any(k.startswith("ftrl_") for k in config.fused_params):
+            # A non-FTRL group (e.g. an in-backward row-wise Adagrad table) inherited FTRL knobs from
+            # a sharder's fused_params: FBGEMM's TBE would reject them.
+            config.fused_params = {k: v for k, v in config.fused_params.items()
+                                   if not k.startswith("ftrl_")}
         return original(self, *args, **kwargs)
 
     setattr(_create_embedding_kernel, _MARK, True)

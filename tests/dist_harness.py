@@ -14,12 +14,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def device_type() -> str:
+    """``cuda`` when FTRL_TEST_DEVICE=cuda (NCCL, one GPU per process), else ``cpu`` (gloo)."""
+    return os.environ.get("FTRL_TEST_DEVICE", "cpu")
+
+
 def _entry(rank: int, world_size: int, port: int, fn, args) -> None:
     import torch.distributed as dist
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    if device_type() == "cuda":
+        import torch
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if device_type() == "cuda" else "gloo", rank=rank,
+                            world_size=world_size)
     try:
         fn(rank, world_size, *args)
     finally:

@@ -11,12 +11,19 @@ import torch
 import torch.distributed as dist
 
 import torchrec_ftrl  # noqa: F401  (registers FTRL)
+from dist_harness import device_type
 from torchrec_ftrl.kernels.reference import ftrl_reference_rows
 
 KNOBS = dict(lr=0.1, l1=0.01, l2=0.02, beta=0.5, lr_power=-0.5, l2_shrinkage=0.0)
 FUSED_KNOBS = {"learning_rate": 0.1, "ftrl_l1_reg": 0.01, "ftrl_l2_reg": 0.02, "ftrl_beta": 0.5}
 ROWS, DIM, B_LOCAL, STEPS = 24, 8, 3, 3
 TOL = dict(rtol=1e-5, atol=2e-6)
+
+
+def device() -> torch.device:
+    if device_type() == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def global_init(name: str, rows: int, dim: int) -> np.ndarray:
@@ -29,14 +36,14 @@ def copy_global_into(sharded, global_np: np.ndarray) -> None:
     with torch.no_grad():
         for offsets, local in _local_pieces(sharded):
             sl = tuple(slice(o, o + s) for o, s in zip(offsets, local.shape))
-            local.copy_(torch.from_numpy(global_np[sl]).to(local.dtype))
+            local.copy_(torch.from_numpy(global_np[sl]).to(local.dtype).to(local.device))
 
 
 def assert_sharded_close(sharded, expected: np.ndarray, what: str) -> None:
     from torchrec_ftrl.checkpoint import _local_pieces
     for offsets, local in _local_pieces(sharded):
         sl = tuple(slice(o, o + s) for o, s in zip(offsets, local.shape))
-        np.testing.assert_allclose(local.double().numpy(), expected[sl], err_msg=what, **TOL)
+        np.testing.assert_allclose(local.double().cpu().numpy(), expected[sl], err_msg=what, **TOL)
 
 
 def batch(step: int, features: list[str], rank: int, ws: int, rows: int = ROWS, max_len: int = 4):
@@ -59,7 +66,7 @@ def local_kjt(gbatch, features, rank, weights=None):
     return KeyedJaggedTensor.from_lengths_sync(
         keys=features, values=torch.tensor(values, dtype=torch.int64),
         lengths=torch.tensor(lengths, dtype=torch.int64),
-        weights=torch.tensor(w, dtype=torch.float32) if weights is not None else None)
+        weights=torch.tensor(w, dtype=torch.float32) if weights is not None else None).to(device())
 
 
 def upstream(step: int, ws: int, n_features: int, dim: int = DIM) -> np.ndarray:
@@ -118,7 +125,7 @@ def _ebc_plan(ebc, sharder, ws):
     names = [n for n in ebc.embedding_bags] if hasattr(ebc, "embedding_bags") else list(ebc.embeddings)
     plan = construct_module_sharding_plan(
         ebc, per_param_sharding={n: gens[n.split("_", 1)[1]] for n in names}, sharder=sharder,
-        local_size=ws, world_size=ws, device_type="cpu")
+        local_size=ws, world_size=ws, device_type=device_type())
     for name, ps in plan.items():
         ps.compute_kernel = "fused"
         if name.endswith("twcw"):
@@ -172,7 +179,7 @@ def every_sharding_type(rank: int, ws: int) -> None:
         for n, f in zip(seq_names, seq_feats)], device=torch.device("meta"))
     sharders = torchrec_ftrl.sharders({"optimizer": EmbOptimType.FTRL, **FUSED_KNOBS})
     plan = ShardingPlan({"ebc": _ebc_plan(ebc, sharders[0], ws), "ec": _ebc_plan(ec, sharders[1], ws)})
-    dmp = DistributedModelParallel(TwoCollections(ebc, ec), device=torch.device("cpu"),
+    dmp = DistributedModelParallel(TwoCollections(ebc, ec), device=device(),
                                    sharders=sharders, plan=plan)
 
     assert_kernels_are_ftrl(dmp)
@@ -189,14 +196,14 @@ def every_sharding_type(rank: int, ws: int) -> None:
         gs = batch(100 + step, seq_feats, rank, ws)
         up = upstream(step, ws, len(feats))
         pooled, seq = dmp(local_kjt(gb, feats, rank), local_kjt(gs, seq_feats, rank))
-        local_up = torch.from_numpy(up[rank * B_LOCAL:(rank + 1) * B_LOCAL]).float()
+        local_up = torch.from_numpy(up[rank * B_LOCAL:(rank + 1) * B_LOCAL]).float().to(device())
         loss = (pooled.values().view(B_LOCAL, len(feats), DIM) * local_up).sum()
         seq_up = {}
         for j, f in enumerate(seq_feats):
             n_local = seq[f].values().shape[0]
             g = np.random.default_rng(7000 + 10 * step + j).normal(size=(sum(len(x) for x in gs[f]), DIM))
             start = sum(len(x) for x in gs[f][: rank * B_LOCAL])
-            loss = loss + (seq[f].values() * torch.from_numpy(g[start:start + n_local]).float()).sum()
+            loss = loss + (seq[f].values() * torch.from_numpy(g[start:start + n_local]).float().to(device())).sum()
             seq_up[f] = g
         loss.backward()
         for j, (n, f) in enumerate(zip(names, feats)):
@@ -227,10 +234,10 @@ def _ck_model(ws: int, sharding: str):
     gens = {n: (table_wise(rank=i % ws) if sharding == "tw" else row_wise())
             for i, n in enumerate(CK_TABLES)}
     plan = construct_module_sharding_plan(ebc, per_param_sharding=gens, sharder=sharders[0],
-                                          local_size=ws, world_size=ws, device_type="cpu")
+                                          local_size=ws, world_size=ws, device_type=device_type())
     for ps in plan.values():
         ps.compute_kernel = "fused"
-    return DistributedModelParallel(ebc, device=torch.device("cpu"), sharders=sharders,
+    return DistributedModelParallel(ebc, device=device(), sharders=sharders,
                                     plan=ShardingPlan({"": plan}))
 
 
@@ -239,7 +246,7 @@ def _ck_train(dmp, ref, rank, ws, steps):
         gb = batch(step, CK_FEATS, rank, ws)
         up = upstream(step, ws, len(CK_FEATS))
         out = dmp(local_kjt(gb, CK_FEATS, rank))
-        local_up = torch.from_numpy(up[rank * B_LOCAL:(rank + 1) * B_LOCAL]).float()
+        local_up = torch.from_numpy(up[rank * B_LOCAL:(rank + 1) * B_LOCAL]).float().to(device())
         (out.values().view(B_LOCAL, len(CK_FEATS), DIM) * local_up).sum().backward()
         if ref is not None:
             for j, (n, f) in enumerate(zip(CK_TABLES, CK_FEATS)):
@@ -300,7 +307,7 @@ def checkpoint_load(rank: int, ws: int, ckpt_dir: str, sharding: str, source: st
         for tensor, name in pairs:
             for offsets, local in _local_pieces(tensor):
                 sl = tuple(slice(o, o + s) for o, s in zip(offsets, local.shape))
-                assert np.array_equal(local.numpy(), saved[name][sl]), f"{name} not bitwise equal"
+                assert np.array_equal(local.cpu().numpy(), saved[name][sl]), f"{name} not bitwise equal"
     _ck_train(dmp, None, rank, ws, range(2, 4))
     ref = _ck_reference([(2, range(2)), (ws, range(2, 4))])
     check_tables(dmp, ref, "embedding_bags", CK_TABLES)
@@ -358,11 +365,11 @@ def mixed_weighted_vbe(rank: int, ws: int) -> None:
     plan = ShardingPlan({
         "weighted": construct_module_sharding_plan(
             webc, per_param_sharding={"w_ftrl": row_wise(), "w_ada": table_wise(rank=0)},
-            sharder=sharders[0], local_size=ws, world_size=ws, device_type="cpu"),
+            sharder=sharders[0], local_size=ws, world_size=ws, device_type=device_type()),
         "vbe": construct_module_sharding_plan(
             vebc, per_param_sharding={"v_tw": table_wise(rank=ws - 1), "v_rw": row_wise()},
-            sharder=sharders[0], local_size=ws, world_size=ws, device_type="cpu")})
-    dmp = DistributedModelParallel(TwoBags(webc, vebc), device=torch.device("cpu"), sharders=sharders,
+            sharder=sharders[0], local_size=ws, world_size=ws, device_type=device_type())})
+    dmp = DistributedModelParallel(TwoBags(webc, vebc), device=device(), sharders=sharders,
                                    plan=plan)
     kernels = [k for k in ftrl_kernels(dmp)]
     tables_in_ours = {t.name for k in kernels for t in k.config.embedding_tables}
@@ -387,12 +394,13 @@ def mixed_weighted_vbe(rank: int, ws: int) -> None:
             values=torch.tensor([r for f in vfeats for bag in bags[f][rank] for r in bag], dtype=torch.int64),
             lengths=torch.tensor([len(bag) for f in vfeats for bag in bags[f][rank]], dtype=torch.int64),
             stride_per_key_per_rank=[[VBE_STRIDES[f]] for f in vfeats],
-            inverse_indices=(vfeats, torch.tensor(np.stack([inv[f][rank] for f in vfeats]), dtype=torch.int32)))
+            inverse_indices=(vfeats, torch.tensor(np.stack([inv[f][rank] for f in vfeats]),
+                                                  dtype=torch.int32))).to(device())
         vup = upstream(500 + step, ws, 2)
         wout, vout = dmp(local_kjt(gb, ["wf_ftrl", "wf_ada"], rank, weights=gw), vkjt)
         sl = slice(rank * B_LOCAL, (rank + 1) * B_LOCAL)
-        loss = (wout.values().view(B_LOCAL, 2, DIM) * torch.from_numpy(up[sl]).float()).sum()
-        loss = loss + (vout.values().view(B_LOCAL, 2, DIM) * torch.from_numpy(vup[sl]).float()).sum()
+        loss = (wout.values().view(B_LOCAL, 2, DIM) * torch.from_numpy(up[sl]).float().to(device())).sum()
+        loss = loss + (vout.values().view(B_LOCAL, 2, DIM) * torch.from_numpy(vup[sl]).float().to(device())).sum()
         loss.backward()
         ref.step("w_ftrl", *pooled_row_grads(gb["wf_ftrl"], up[:, 0], ws, gw["wf_ftrl"]))
         for j, (n, f) in enumerate(zip(("v_tw", "v_rw"), vfeats)):

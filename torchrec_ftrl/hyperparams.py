@@ -3,7 +3,8 @@
 One kwargs dict serves the dense optimizer (``torchrec_ftrl.FTRL``, what ``apply_optimizer_in_backward``
 takes) and the fused TBE (``fused_params``): ``lr`` or ``learning_rate`` plus the ``ftrl_*`` knobs below.
 Validation follows ``shared/docs/FTRL.md``: ``learning_rate > 0``; ``ftrl_learning_rate_power <= 0``;
-``ftrl_l1_reg, ftrl_l2_reg, ftrl_beta, ftrl_l2_shrinkage, ftrl_initial_accumulator_value >= 0``; all finite.
+``ftrl_l1_reg, ftrl_l2_reg, ftrl_beta, ftrl_l2_shrinkage, ftrl_initial_accumulator_value >= 0``; all finite;
+and, because every kernel computes in fp32, each is 0 or a normal fp32 magnitude (1.2e-38 .. 3.4e38).
 """
 
 from __future__ import annotations
@@ -27,6 +28,13 @@ FTRL_KWARGS = {
 }
 
 
+# Every knob is used as an fp32 scalar by the kernels: a non-zero value that is not a normal fp32 number
+# would silently become 0 or inf there (e.g. ftrl_learning_rate_power = -1e-300 turns into 0 and changes
+# 0^(-p) from 0 to 1), so it is rejected instead.
+_FP32_MAX = 3.4028234663852886e38
+_FP32_MIN_NORMAL = 1.1754943508222875e-38
+
+
 def _check_number(name: str, value: Any, *, nonneg: bool = False, positive: bool = False,
                   nonpos: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -40,6 +48,9 @@ def _check_number(name: str, value: Any, *, nonneg: bool = False, positive: bool
         raise ValueError(f"{name} must be >= 0, got {value!r}")
     if nonpos and not v <= 0:
         raise ValueError(f"{name} must be <= 0, got {value!r}")
+    if v != 0.0 and not _FP32_MIN_NORMAL <= abs(v) <= _FP32_MAX:
+        raise ValueError(f"{name} must be 0 or have magnitude in [{_FP32_MIN_NORMAL!r}, {_FP32_MAX!r}] "
+                         f"(the kernels compute in fp32), got {value!r}")
     return v
 
 

@@ -23,6 +23,8 @@ def ftrl_rule(w: torch.Tensor, linear: torch.Tensor, accum: torch.Tensor, g: tor
 
     ``p == -0.5`` takes the sqrt path, other powers ``pow``. Exact zeros under L1 come from a branch
     (``torch.where``), never from a clamp, so ``q == 0`` cannot produce NaN for zeroed elements.
+    As in the spec, ``q == 0`` with ``|z| > l1`` (only possible with l2_shrinkage > 0, beta = l2 = 0,
+    accum = g = 0) divides by zero and gives +-inf, like the float64 reference.
     """
     w = w.float()
     g = g.float()

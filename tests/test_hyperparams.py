@@ -1,0 +1,66 @@
+"""FTRLHyperparams: defaults, validation (shared/docs/FTRL.md), keyword mapping."""
+
+import math
+
+import numpy as np
+import pytest
+
+from torchrec_ftrl import FTRLHyperparams
+from torchrec_ftrl.hyperparams import FTRL_KWARGS
+
+
+def test_defaults():
+    hp = FTRLHyperparams(0.1)
+    assert (hp.learning_rate_power, hp.l1_reg, hp.l2_reg, hp.beta, hp.l2_shrinkage,
+            hp.initial_accumulator_value, hp.l2_convention) == (-0.5, 0.0, 0.0, 0.0, 0.0, 0.0, "tensorflow")
+
+
+def test_legal_edges():
+    hp = FTRLHyperparams(1e-12, learning_rate_power=0.0, l1_reg=0.0)  # p = 0 is a fixed rate: legal
+    assert hp.learning_rate_power == 0.0
+    hp = FTRLHyperparams(3.4e38, learning_rate_power=-1.2e-38, beta=1.2e-38)  # fp32 normal range: legal
+    assert hp.beta == 1.2e-38
+    hp = FTRLHyperparams(np.float32(0.5), l1_reg=np.float64(1.0), beta=2)  # numpy and int accepted
+    assert isinstance(hp.learning_rate, float) and isinstance(hp.beta, float) and hp.beta == 2.0
+
+
+@pytest.mark.parametrize("conv,expected", [("tensorflow", 3.0), ("mcmahan", 1.5)])
+def test_l2_effective(conv, expected):
+    assert FTRLHyperparams(0.1, l2_reg=1.5, l2_convention=conv).l2_effective == expected
+
+
+@pytest.mark.parametrize("field,kw", [(f, k) for k, f in FTRL_KWARGS.items()
+                                      if f not in ("learning_rate_power", "l2_convention")])
+@pytest.mark.parametrize("value", [-1e-9, -1.0, math.nan, math.inf, "0.1", None, True, 1e-39, 3.5e38])
+def test_nonneg_knobs_rejected(field, kw, value):
+    with pytest.raises(ValueError, match=kw) as ei:
+        FTRLHyperparams(0.1, **{field: value})
+    assert repr(value) in str(ei.value)
+
+
+@pytest.mark.parametrize("value", [1e-9, 0.5, math.nan, -math.inf, -1e-300, -1e-40])
+def test_power_rejected(value):
+    with pytest.raises(ValueError, match="ftrl_learning_rate_power"):
+        FTRLHyperparams(0.1, learning_rate_power=value)
+
+
+@pytest.mark.parametrize("value", [0.0, -0.1, math.nan, math.inf, 1e-300, 1e39])
+def test_learning_rate_rejected(value):
+    with pytest.raises(ValueError, match="learning_rate") as ei:
+        FTRLHyperparams(value)
+    assert repr(value) in str(ei.value)
+
+
+def test_convention_rejected():
+    with pytest.raises(ValueError, match="ftrl_l2_convention.*'keras'"):
+        FTRLHyperparams(0.1, l2_convention="keras")
+
+
+def test_from_kwargs_round_trip_and_unknown_keys():
+    kw = dict(ftrl_learning_rate_power=-0.25, ftrl_l1_reg=1.0, ftrl_l2_reg=2.0, ftrl_beta=3.0,
+              ftrl_l2_shrinkage=4.0, ftrl_initial_accumulator_value=5.0, ftrl_l2_convention="mcmahan")
+    hp = FTRLHyperparams.from_kwargs(0.5, {**kw, "optimizer": object(), "eps": 1e-8})
+    assert hp.to_kwargs() == kw and hp.learning_rate == 0.5
+    assert hp.with_learning_rate(0.25).learning_rate == 0.25 and hp.learning_rate == 0.5
+    with pytest.raises(ValueError, match="ftrl_l1"):
+        FTRLHyperparams.from_kwargs(0.5, {"ftrl_l1": 1.0})

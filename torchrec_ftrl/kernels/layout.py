@@ -39,6 +39,8 @@ class TBEBatch:
         max_D: largest D (Python int).
         total_rows: rows of all tables together (Python int) or None if unknown; lets the CUDA
             backend sort 32-bit row keys.
+        table_dims: ``table_dim`` as a Python tuple, or None if unknown; lets the CUDA backend
+            specialise its kernels (vector width, no column mask) without reading the device.
     """
 
     table_w_offset: torch.Tensor
@@ -54,6 +56,7 @@ class TBEBatch:
     out_numel: int
     max_D: int
     total_rows: int | None = None
+    table_dims: tuple | None = None
 
     @property
     def num_bags(self) -> int:

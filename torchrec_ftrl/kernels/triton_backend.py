@@ -15,6 +15,7 @@ Module contract (:mod:`.backends`): ``forward(weights, batch, out_dtype)`` and
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -30,7 +31,7 @@ from .triton_forward import forward_config, tbe_forward_kernel
 # Launch shape knobs (elements per program step; CHUNK = sorted positions per backward window, None =
 # derived from the tile). Benchmarks and tests may change them; the results do not depend on them
 # beyond fp32 summation order.
-TUNING = {"fwd_tile": 4096, "fwd_unroll": 4, "bwd_tile": 4096, "chunk": None, "boundary_nb": 16}
+TUNING = {"fwd_tile": 2048, "fwd_unroll": 4, "bwd_tile": 2048, "chunk": None, "boundary_nb": 16}
 
 try:
     from torch.library import triton_op, wrap_triton
@@ -49,11 +50,24 @@ def _block_d(max_d: int) -> int:
     return max(1, triton.next_power_of_2(int(max_d)))
 
 
+def _vec_even(table_dims, block_d: int) -> tuple[int, bool]:
+    """(largest power of two <= 16 dividing every D, every D == BLOCK_D); (1, False) if unknown."""
+    if not table_dims:
+        return 1, False
+    g = 0
+    for d in table_dims:
+        g = math.gcd(g, int(d))
+    vec = 1
+    while vec < 16 and g % (vec * 2) == 0:
+        vec *= 2
+    return vec, all(int(d) == block_d for d in table_dims)
+
+
 def _forward_impl(weights: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,
                   bag_feature: torch.Tensor, bag_out_offset: torch.Tensor,
                   feature_table: torch.Tensor, table_w_offset: torch.Tensor, table_dim: torch.Tensor,
                   per_sample_weights: Optional[torch.Tensor], pooling_mode: int, out_numel: int,
-                  max_D: int, out_dtype: torch.dtype) -> torch.Tensor:
+                  max_D: int, out_dtype: torch.dtype, vec: int, even_d: bool) -> torch.Tensor:
     out = torch.empty(out_numel, dtype=out_dtype, device=weights.device)
     num_bags = offsets.numel() - 1
     if num_bags <= 0 or out_numel == 0:
@@ -66,7 +80,7 @@ def _forward_impl(weights: torch.Tensor, indices: torch.Tensor, offsets: torch.T
         weights, out, indices, offsets, bag_feature, bag_out_offset, feature_table,
         table_w_offset, table_dim, psw, num_bags, max_D,
         POOL=pooling_mode, HAS_PSW=has_psw, BAGS=bags, UNROLL=unroll, BLOCK_D=BLOCK_D,
-        num_warps=warps)
+        VEC=vec, EVEN_D=even_d, num_warps=warps)
     return out
 
 
@@ -76,7 +90,7 @@ def _backward_impl(weights: torch.Tensor, accum: torch.Tensor, linear: torch.Ten
                    feature_table: torch.Tensor, table_w_offset: torch.Tensor,
                    table_dim: torch.Tensor, table_rows: torch.Tensor,
                    per_sample_weights: Optional[torch.Tensor], pooling_mode: int, max_D: int,
-                   total_rows: int, lr: float, neg_p: float, l1: float, l2_eff: float, beta: float,
+                   total_rows: int, vec: int, even_d: bool, lr: float, neg_p: float, l1: float, l2_eff: float, beta: float,
                    shrink2: float) -> None:
     N = indices.numel()
     num_bags = offsets.numel() - 1
@@ -93,7 +107,7 @@ def _backward_impl(weights: torch.Tensor, accum: torch.Tensor, linear: torch.Ten
     has_scale = has_psw or pooling_mode == POOL_MEAN
     scale = torch.empty(N if has_scale else 1, dtype=torch.float32, device=dev)
     psw = per_sample_weights if has_psw else scale
-    bags, unroll, warps = forward_config(64, TUNING["fwd_tile"], TUNING["fwd_unroll"])
+    bags, unroll = 64, 4
     _k(linearize_kernel)[(triton.cdiv(num_bags, bags),)](
         indices, offsets, bag_feature, bag_out_offset, feature_table, row_base, psw,
         key, gofs, scale, tid, num_bags, max_D,
@@ -107,19 +121,20 @@ def _backward_impl(weights: torch.Tensor, accum: torch.Tensor, linear: torch.Ten
     part = torch.empty(2 * nwin * BLOCK_D, dtype=torch.float32, device=dev)
     pow_half = neg_p == 0.5
     has_shrink = shrink2 != 0.0
+    libdev = isinstance(window_update_kernel, JITFunction)
     _k(window_update_kernel)[(nwin,)](
         sorted_key, perm, gofs, scale, tid, grad, weights, linear, accum,
         table_w_offset, table_dim, row_base, part, nonfinite_rows,
         N, lr, l1, l2_eff, beta, shrink2, neg_p,
-        HAS_SCALE=has_scale, POW_HALF=pow_half, HAS_SHRINK=has_shrink,
-        CHUNK=chunk, BLOCK_D=BLOCK_D, num_warps=warps)
+        HAS_SCALE=has_scale, POW_HALF=pow_half, HAS_SHRINK=has_shrink, LIBDEVICE_POW=libdev,
+        CHUNK=chunk, BLOCK_D=BLOCK_D, VEC=vec, EVEN_D=even_d, num_warps=warps)
     if nwin > 1:
         nb = TUNING["boundary_nb"]
         _k(boundary_update_kernel)[(nwin - 1,)](
             sorted_key, perm, tid, part, weights, linear, accum,
             table_w_offset, table_dim, row_base, nonfinite_rows,
             N, lr, l1, l2_eff, beta, shrink2, neg_p,
-            POW_HALF=pow_half, HAS_SHRINK=has_shrink, CHUNK=chunk, NB=nb, BLOCK_D=BLOCK_D,
+            POW_HALF=pow_half, HAS_SHRINK=has_shrink, LIBDEVICE_POW=libdev, CHUNK=chunk, NB=nb, BLOCK_D=BLOCK_D, VEC=vec, EVEN_D=even_d,
             num_warps=max(1, min(8, nb * BLOCK_D // 512)))
 
 
@@ -136,7 +151,8 @@ def forward(weights: torch.Tensor, batch: TBEBatch, out_dtype: torch.dtype) -> t
     return _forward_op(weights, batch.indices, batch.offsets, batch.bag_feature,
                        batch.bag_out_offset, batch.feature_table, batch.table_w_offset,
                        batch.table_dim, batch.per_sample_weights, int(batch.pooling_mode),
-                       int(batch.out_numel), int(batch.max_D), out_dtype)
+                       int(batch.out_numel), int(batch.max_D), out_dtype,
+                       *_vec_even(getattr(batch, "table_dims", None), _block_d(batch.max_D)))
 
 
 def backward_update_(weights: torch.Tensor, accum: torch.Tensor, linear: torch.Tensor,
@@ -153,5 +169,6 @@ def backward_update_(weights: torch.Tensor, accum: torch.Tensor, linear: torch.T
                  batch.feature_table, batch.table_w_offset, batch.table_dim, batch.table_rows,
                  batch.per_sample_weights, int(batch.pooling_mode), int(batch.max_D),
                  -1 if total_rows is None else int(total_rows),
+                 *_vec_even(getattr(batch, "table_dims", None), _block_d(batch.max_D)),
                  hp.learning_rate, -hp.learning_rate_power, hp.l1_reg, hp.l2_effective, hp.beta,
                  2.0 * hp.l2_shrinkage)

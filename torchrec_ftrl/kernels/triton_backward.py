@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-_FLT_MAX = 3.4028234663852886e38
+_FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
 
 @triton.jit
@@ -85,31 +85,45 @@ def _seg_add(av, af, bv, bf):
 
 
 @triton.jit
-def ftrl_apply_rows(w_ptr, z_ptr, n_ptr, nonfinite_ptr, roff, dim, rmask, g, cols,
-                    lr, l1, l2_eff, beta, shrink2, neg_p,
-                    POW_HALF: tl.constexpr, HAS_SHRINK: tl.constexpr):
-    """FTRL update of the rows ``roff`` (element offsets, ``[R]``) with summed gradients ``g`` ``[R, BLOCK_D]``.
+def _pow(x, e, LIBDEVICE_POW: tl.constexpr):
+    # x >= 0, e = -p >= 0. libdevice pow when compiled; exp2/log2 under the interpreter (no libdevice).
+    if LIBDEVICE_POW:
+        return libdevice.pow(x, e)
+    else:
+        safe = tl.where(x > 0, x, 1.0)
+        r = tl.exp2(e * tl.log2(safe))
+        return tl.where(x > 0, r, tl.where(e > 0, 0.0, 1.0))
 
-    Rows with ``rmask`` false are ignored; rows whose gradient has a NaN/Inf are skipped and counted.
-    """
-    cm = rmask[:, None] & (cols[None, :] < dim[:, None])
-    bad_el = (tl.abs(g) <= _FLT_MAX) == 0
-    row_bad = tl.max((bad_el & cm).to(tl.int32), axis=1) > 0
-    nbad = tl.sum((rmask & row_bad).to(tl.int64), axis=0)
-    tl.atomic_add(nonfinite_ptr, nbad, mask=nbad > 0)
-    ok = rmask & (row_bad == 0)
-    m = ok[:, None] & (cols[None, :] < dim[:, None])
+
+@triton.jit
+def load_states(w_ptr, z_ptr, n_ptr, roff, m, cols):
+    """Load ``(w fp32, z, n, offsets, mask)`` of the rows ``roff`` (element offsets ``[R]``), elements ``m``."""
     offs = roff[:, None] + cols[None, :]
     w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
     z = tl.load(z_ptr + offs, mask=m, other=0.0)
     n = tl.load(n_ptr + offs, mask=m, other=0.0)
+    return w, z, n, offs, m
+
+
+@triton.jit
+def ftrl_update_store(w_ptr, z_ptr, n_ptr, nonfinite_ptr, w, z, n, offs, m, rmask, g,
+                      lr, l1, l2_eff, beta, shrink2, neg_p,
+                      POW_HALF: tl.constexpr, HAS_SHRINK: tl.constexpr, LIBDEVICE_POW: tl.constexpr):
+    """One FTRL step (shared/docs/FTRL.md) of rows ``rmask`` ``[R]`` with summed gradients ``g``
+    ``[R, BLOCK_D]`` and their loaded states; rows whose gradient has a NaN/Inf are not stored and
+    are counted in ``nonfinite_ptr``."""
+    bad_el = (tl.abs(g) <= _FLT_MAX) == 0
+    row_bad = tl.max((bad_el & m).to(tl.int32), axis=1) > 0
+    nbad = tl.sum((rmask & row_bad).to(tl.int64), axis=0)
+    tl.atomic_add(nonfinite_ptr, nbad, mask=nbad > 0)
+    sm = m & (row_bad == 0)[:, None]
     n_new = n + g * g
     if POW_HALF:
         pn_new = tl.sqrt_rn(n_new)
         pn_old = tl.sqrt_rn(n)
     else:
-        pn_new = libdevice.pow(n_new, neg_p)
-        pn_old = libdevice.pow(n, neg_p)
+        pn_new = _pow(n_new, neg_p, LIBDEVICE_POW)
+        pn_old = _pow(n, neg_p, LIBDEVICE_POW)
     sigma = tl.div_rn(pn_new - pn_old, lr)
     if HAS_SHRINK:
         gs = g + shrink2 * w
@@ -120,9 +134,9 @@ def ftrl_apply_rows(w_ptr, z_ptr, n_ptr, nonfinite_ptr, roff, dim, rmask, g, col
     keep = tl.abs(z_new) > l1
     sgn = tl.where(z_new > 0, 1.0, -1.0)
     w_new = tl.where(keep, tl.div_rn(l1 * sgn - z_new, q), 0.0)
-    tl.store(w_ptr + offs, w_new.to(w_ptr.dtype.element_ty), mask=m)
-    tl.store(z_ptr + offs, z_new, mask=m)
-    tl.store(n_ptr + offs, n_new, mask=m)
+    tl.store(w_ptr + offs, w_new.to(w_ptr.dtype.element_ty), mask=sm)
+    tl.store(z_ptr + offs, z_new, mask=sm)
+    tl.store(n_ptr + offs, n_new, mask=sm)
 
 
 @triton.jit
@@ -131,7 +145,8 @@ def window_update_kernel(
     w_ptr, z_ptr, n_ptr, table_w_offset_ptr, table_dim_ptr, row_base_ptr, part_ptr, nonfinite_ptr,
     N, lr, l1, l2_eff, beta, shrink2, neg_p,
     HAS_SCALE: tl.constexpr, POW_HALF: tl.constexpr, HAS_SHRINK: tl.constexpr,
-    CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
+    LIBDEVICE_POW: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
+    VEC: tl.constexpr, EVEN_D: tl.constexpr,
 ):
     m = tl.program_id(0).to(tl.int64)
     r = tl.arange(0, CHUNK)
@@ -147,32 +162,41 @@ def window_update_kernel(
     seg_end = valid & ((r == CHUNK - 1) | run_end)
 
     orig = tl.load(perm_ptr + p, mask=valid, other=0)
-    gofs = tl.load(gofs_ptr + orig, mask=valid, other=0)
-    tid = tl.load(tid_ptr + orig, mask=valid, other=0)
-    dim = tl.load(table_dim_ptr + tid, mask=valid, other=0)
+    gofs = tl.multiple_of(tl.load(gofs_ptr + orig, mask=valid, other=0), VEC)
     cols = tl.arange(0, BLOCK_D)
-    m2 = valid[:, None] & (cols[None, :] < dim[:, None])
+    if EVEN_D:
+        # Every table has D == BLOCK_D: row r of the flat layout starts at r * BLOCK_D.
+        m2 = tl.broadcast_to(valid[:, None], [CHUNK, BLOCK_D])
+    else:
+        tid = tl.load(tid_ptr + orig, mask=valid, other=0)
+        dim = tl.multiple_of(tl.load(table_dim_ptr + tid, mask=valid, other=VEC), VEC)
+        m2 = valid[:, None] & ((cols // VEC)[None, :] < (dim // VEC)[:, None])
     g = tl.load(grad_ptr + gofs[:, None] + cols[None, :], mask=m2, other=0.0).to(tl.float32)
     if HAS_SCALE:
         sc = tl.load(scale_ptr + orig, mask=valid, other=0.0)
         g = g * sc[:, None]
-    flags = tl.broadcast_to(seg_start.to(tl.int32)[:, None], [CHUNK, BLOCK_D])
-    gsum, _ = tl.associative_scan((g, flags), 0, _seg_add)
-
     k0 = tl.load(sk_ptr + p0)
     k0prev = tl.load(sk_ptr + p0 - 1, mask=p0 > 0, other=-1)
     first_starts_run = (p0 == 0) | (k0prev != k0)
     not_first = k != k0
     complete = seg_end & run_end & (not_first | first_starts_run)
     partial = seg_end & (complete == 0)
+    # State loads depend only on the keys: issue them before the scan.
+    if EVEN_D:
+        roff = k.to(tl.int64) * BLOCK_D
+    else:
+        rbase = tl.load(row_base_ptr + tid, mask=complete, other=0)
+        woff = tl.multiple_of(tl.load(table_w_offset_ptr + tid, mask=complete, other=0), VEC)
+        roff = woff + (k - rbase) * dim
+    w, z, n, offs, sm = load_states(w_ptr, z_ptr, n_ptr, roff, complete[:, None] & m2, cols)
+
+    flags = tl.broadcast_to(seg_start.to(tl.int32)[:, None], [CHUNK, BLOCK_D])
+    gsum, _ = tl.associative_scan((g, flags), 0, _seg_add)
+
     slot = 2 * m + not_first.to(tl.int64)
     tl.store(part_ptr + slot[:, None] * BLOCK_D + cols[None, :], gsum, mask=partial[:, None] & m2)
-
-    rbase = tl.load(row_base_ptr + tid, mask=complete, other=0)
-    woff = tl.load(table_w_offset_ptr + tid, mask=complete, other=0)
-    roff = woff + (k - rbase) * dim
-    ftrl_apply_rows(w_ptr, z_ptr, n_ptr, nonfinite_ptr, roff, dim, complete, gsum, cols,
-                    lr, l1, l2_eff, beta, shrink2, neg_p, POW_HALF, HAS_SHRINK)
+    ftrl_update_store(w_ptr, z_ptr, n_ptr, nonfinite_ptr, w, z, n, offs, sm, complete, gsum,
+                      lr, l1, l2_eff, beta, shrink2, neg_p, POW_HALF, HAS_SHRINK, LIBDEVICE_POW)
 
 
 @triton.jit
@@ -180,8 +204,9 @@ def boundary_update_kernel(
     sk_ptr, perm_ptr, tid_ptr, part_ptr,
     w_ptr, z_ptr, n_ptr, table_w_offset_ptr, table_dim_ptr, row_base_ptr, nonfinite_ptr,
     N, lr, l1, l2_eff, beta, shrink2, neg_p,
-    POW_HALF: tl.constexpr, HAS_SHRINK: tl.constexpr,
-    CHUNK: tl.constexpr, NB: tl.constexpr, BLOCK_D: tl.constexpr,
+    POW_HALF: tl.constexpr, HAS_SHRINK: tl.constexpr, LIBDEVICE_POW: tl.constexpr,
+    CHUNK: tl.constexpr, NB: tl.constexpr, BLOCK_D: tl.constexpr, VEC: tl.constexpr,
+    EVEN_D: tl.constexpr,
 ):
     mb = tl.program_id(0).to(tl.int64) + 1          # window edge b = mb * CHUNK, 0 < b < N
     b = mb * CHUNK
@@ -190,10 +215,17 @@ def boundary_update_kernel(
     crossed_before = (mb > 1) & (tl.load(sk_ptr + b - CHUNK - 1, mask=mb > 1, other=-1) == kb)
     if crosses & (crossed_before == 0):
         cols = tl.arange(0, BLOCK_D)
-        orig = tl.load(perm_ptr + b)
-        tid = tl.load(tid_ptr + orig)
-        dim = tl.load(table_dim_ptr + tid)
-        cmask = cols < dim
+        if EVEN_D:
+            cmask = cols < BLOCK_D
+            roff = kb.to(tl.int64) * BLOCK_D
+        else:
+            orig = tl.load(perm_ptr + b)
+            tid = tl.load(tid_ptr + orig)
+            dim = tl.multiple_of(tl.load(table_dim_ptr + tid), VEC)
+            cmask = (cols // VEC) < (dim // VEC)
+            rbase = tl.load(row_base_ptr + tid)
+            woff = tl.multiple_of(tl.load(table_w_offset_ptr + tid), VEC)
+            roff = woff + (kb - rbase) * dim
         whole_prev = tl.load(sk_ptr + b - CHUNK) == kb
         first_slot = 2 * (mb - 1) + (whole_prev == 0).to(tl.int64)
         acc = tl.load(part_ptr + first_slot * BLOCK_D + cols, mask=cmask, other=0.0)
@@ -210,13 +242,12 @@ def boundary_update_kernel(
             acc += tl.sum(tile, axis=0)
             go = tl.sum(sel.to(tl.int32), axis=0) == NB
             j0 += NB
-        rbase = tl.load(row_base_ptr + tid)
-        woff = tl.load(table_w_offset_ptr + tid)
-        roff = woff + (kb - rbase) * dim
         one = tl.arange(0, 1)
-        ftrl_apply_rows(w_ptr, z_ptr, n_ptr, nonfinite_ptr, roff + one * 0, dim + one * 0, one == 0,
-                        acc[None, :], cols, lr, l1, l2_eff, beta, shrink2, neg_p,
-                        POW_HALF, HAS_SHRINK)
+        rmask = one == 0
+        w, z, n, offs, sm = load_states(w_ptr, z_ptr, n_ptr, roff + one * 0,
+                                        rmask[:, None] & cmask[None, :], cols)
+        ftrl_update_store(w_ptr, z_ptr, n_ptr, nonfinite_ptr, w, z, n, offs, sm, rmask, acc[None, :],
+                          lr, l1, l2_eff, beta, shrink2, neg_p, POW_HALF, HAS_SHRINK, LIBDEVICE_POW)
 
 
 def window_config(block_d: int, tile: int = 4096, chunk: int | None = None) -> tuple[int, int]:
@@ -224,6 +255,6 @@ def window_config(block_d: int, tile: int = 4096, chunk: int | None = None) -> t
     if chunk is None:
         chunk = max(8, min(128, tile // block_d))
     elems = chunk * block_d
-    num_warps = max(1, min(16, elems // 512))
+    num_warps = max(1, min(16, elems // 256))
     num_warps = 1 << (num_warps.bit_length() - 1)
     return chunk, num_warps

@@ -24,6 +24,7 @@ def tbe_forward_kernel(
     num_bags, out_row_stride,
     POOL: tl.constexpr, HAS_PSW: tl.constexpr,
     BAGS: tl.constexpr, UNROLL: tl.constexpr, BLOCK_D: tl.constexpr,
+    VEC: tl.constexpr, EVEN_D: tl.constexpr,
 ):
     pid = tl.program_id(0)
     bags = pid.to(tl.int64) * BAGS + tl.arange(0, BAGS)                      # [BAGS]
@@ -33,20 +34,33 @@ def tbe_forward_kernel(
     length = end - start
     feat = tl.load(bag_feature_ptr + bags, mask=bmask, other=0)
     tab = tl.load(feature_table_ptr + feat, mask=bmask, other=0)
-    woff = tl.load(table_w_offset_ptr + tab, mask=bmask, other=0)
-    dim = tl.load(table_dim_ptr + tab, mask=bmask, other=0)
+    # VEC divides every table's D (host-checked): lets loads/stores use 16-byte vectors.
+    woff = tl.multiple_of(tl.load(table_w_offset_ptr + tab, mask=bmask, other=0), VEC)
+    dim = tl.multiple_of(tl.load(table_dim_ptr + tab, mask=bmask, other=VEC), VEC)
 
     cols = tl.arange(0, BLOCK_D)
     u = tl.arange(0, UNROLL)
-    cmask3 = cols[None, None, :] < dim[:, None, None]                         # [BAGS, 1, BLOCK_D]
+    if EVEN_D:  # no column mask: keeps the mask constant along D so loads vectorise
+        cmask2 = tl.broadcast_to(bmask[:, None], [BAGS, BLOCK_D])
+    else:
+        cmask2 = bmask[:, None] & ((cols // VEC)[None, :] < (dim // VEC)[:, None])
+    cmask3 = cmask2[:, None, :]
     max_len = tl.max(length, axis=0)
     acc = tl.zeros([BAGS, BLOCK_D], dtype=tl.float32)
+    # Indices of step j + UNROLL are loaded while the rows of step j are in flight.
+    lmask_n = u[None, :] < length[:, None]
+    idx_n = tl.load(indices_ptr + start[:, None] + u[None, :], mask=lmask_n, other=0)
     for j in range(0, max_len, UNROLL):
         jj = j + u
-        lmask = jj[None, :] < length[:, None]                                  # [BAGS, UNROLL]
-        pos = start[:, None] + jj[None, :]
-        idx = tl.load(indices_ptr + pos, mask=lmask, other=0)
-        roff = woff[:, None] + idx * dim[:, None]
+        lmask = lmask_n
+        idx = idx_n
+        pos = start[:, None] + jj[None, :]                                     # [BAGS, UNROLL]
+        lmask_n = (jj + UNROLL)[None, :] < length[:, None]
+        idx_n = tl.load(indices_ptr + pos + UNROLL, mask=lmask_n, other=0)
+        if EVEN_D:
+            roff = woff[:, None] + idx * BLOCK_D
+        else:
+            roff = woff[:, None] + idx * dim[:, None]
         m3 = lmask[:, :, None] & cmask3
         rows = tl.load(w_ptr + roff[:, :, None] + cols[None, None, :], mask=m3, other=0.0)
         rows = rows.to(tl.float32)
@@ -62,12 +76,11 @@ def tbe_forward_kernel(
         if POOL == 1:
             lf = tl.maximum(length, 1).to(tl.float32)
             acc = tl.where(length[:, None] > 0, tl.div_rn(acc, lf[:, None]), 0.0)
-        oofs = tl.load(bag_out_ptr + bags, mask=bmask, other=0)
-        omask = bmask[:, None] & (cols[None, :] < dim[:, None])
-        tl.store(out_ptr + oofs[:, None] + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=omask)
+        oofs = tl.multiple_of(tl.load(bag_out_ptr + bags, mask=bmask, other=0), VEC)
+        tl.store(out_ptr + oofs[:, None] + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=cmask2)
 
 
-def forward_config(block_d: int, tile: int = 4096, unroll: int = 4) -> tuple[int, int, int]:
+def forward_config(block_d: int, tile: int = 2048, unroll: int = 4) -> tuple[int, int, int]:
     """``(BAGS, UNROLL, num_warps)`` for a ``BLOCK_D``: about ``tile`` elements per step."""
     unroll = max(1, min(unroll, max(1, tile // block_d)))
     bags = max(1, tile // (unroll * block_d))

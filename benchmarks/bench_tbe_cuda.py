@@ -1,0 +1,291 @@
+"""CUDA benchmark of one TBE training step (forward + backward with the fused optimizer update).
+
+Compares ``torchrec_ftrl.FTRLTableBatchedEmbeddingBags`` (Triton backend, fused FTRL) with FBGEMM's
+CUDA TBE (``SplitTableBatchedEmbeddingBagsCodegen``, location DEVICE, compute CUDA) under ADAM,
+EXACT_ROWWISE_ADAGRAD and EXACT_SGD, and with an eager baseline (``nn.EmbeddingBag(sparse=True)`` per
+table + ``torchrec_ftrl.FTRL`` on the sparse gradients), side by side in one process.
+
+Shapes: T=32 tables, E=100000 rows, B=8192, L=20 indices per bag (fixed), SUM pooling; D=128, 64,
+256 in fp32 and D=128 with fp16 weights; indices uniform or Zipf(1.15) (ranks scattered by a random
+permutation of each table's rows). Time: CUDA events around each step, median over ``--iters`` steps
+after ``--warmup``, cycling through ``--batches`` batches. Achieved bandwidth uses the bytes-moved model
+of ``benchmarks/README.md`` (``bytes_model`` below), against the measured device-to-device copy rate.
+
+Usage: python benchmarks/bench_tbe_cuda.py [--out DIR] [--tune] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import traceback
+
+import torch
+from torch import nn
+
+import torchrec_ftrl
+from torchrec_ftrl import FTRLTableBatchedEmbeddingBags
+from torchrec_ftrl.kernels import triton_backend
+from torchrec_ftrl.tbe_compat import BoundsCheckMode, EmbOptimType, PoolingMode, SparseType
+
+FTRL_KW = dict(learning_rate=0.05, ftrl_l1_reg=1e-4, ftrl_l2_reg=1e-4, ftrl_beta=1.0)
+LABELS = {
+    "ours": "torchrec_ftrl FTRL (Triton)",
+    "ours_ignore": "torchrec_ftrl FTRL (Triton), bounds check IGNORE",
+    "fbgemm_adam": "FBGEMM ADAM",
+    "fbgemm_rowwise_adagrad": "FBGEMM EXACT_ROWWISE_ADAGRAD",
+    "fbgemm_sgd": "FBGEMM EXACT_SGD",
+    "eager": "eager nn.EmbeddingBag(sparse=True) + FTRL",
+}
+FB_OPT = {"fbgemm_adam": "ADAM", "fbgemm_rowwise_adagrad": "EXACT_ROWWISE_ADAGRAD",
+          "fbgemm_sgd": "EXACT_SGD"}
+
+
+def make_batches(T, E, B, L, dist, n, zipf_a=1.15, seed=0):
+    """``n`` batches (indices int64 [T*B*L], offsets int64 [T*B+1]) on the GPU, feature-major."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    out = []
+    if dist == "zipf":
+        p = torch.arange(1, E + 1, dtype=torch.float64, device="cuda") ** -zipf_a
+        p = (p / p.sum()).float()
+        perms = torch.stack([torch.randperm(E, device="cuda", generator=g) for _ in range(T)])
+    for _ in range(n):
+        if dist == "uniform":
+            idx = torch.randint(0, E, (T, B * L), device="cuda", generator=g)
+        else:
+            ranks = torch.multinomial(p, T * B * L, replacement=True, generator=g).view(T, B * L)
+            idx = torch.gather(perms, 1, ranks)
+        off = torch.arange(0, T * B * L + 1, L, dtype=torch.int64, device="cuda")
+        out.append((idx.reshape(-1).contiguous(), off))
+    return out
+
+
+def time_steps(step, batches, warmup, iters):
+    for i in range(warmup):
+        step(*batches[i % len(batches)])
+    torch.cuda.synchronize()
+    evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for i in range(iters):
+        idx, off = batches[i % len(batches)]
+        evs[i][0].record()
+        step(idx, off)
+        evs[i][1].record()
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in evs)
+
+
+def copy_bandwidth():
+    n = 1 << 29  # 2 GiB of fp32
+    a = torch.empty(n, device="cuda").uniform_()
+    b = torch.empty_like(a)
+    ms = time_steps(lambda *_: b.copy_(a), [(None, None)], 3, 20)
+    del a, b
+    return 2 * 4 * n / (ms * 1e-3)
+
+
+def bytes_model(method, N, U, T, B, D, wbytes):
+    """Bytes one step must move (see benchmarks/README.md). Returns (fwd, bwd) bytes."""
+    fwd = N * 8 + N * D * wbytes + T * B * D * 4
+    state = {"ours": 16 * D, "ours_ignore": 16 * D, "fbgemm_adam": 16 * D, "eager": 16 * D,
+             "fbgemm_rowwise_adagrad": 8, "fbgemm_sgd": 0}[method]
+    bwd = N * 8 + N * D * 4 + U * (2 * D * wbytes + state)
+    return fwd, bwd
+
+
+def build_ours(T, E, D, precision, bounds=BoundsCheckMode.WARNING):
+    return FTRLTableBatchedEmbeddingBags([(E, D)] * T, device="cuda", weights_precision=precision,
+                                         bounds_check_mode=bounds, **FTRL_KW)
+
+
+def build_fbgemm(T, E, D, precision, optim_name):
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen)
+    return SplitTableBatchedEmbeddingBagsCodegen(
+        [(E, D, EmbeddingLocation.DEVICE, ComputeDevice.CUDA)] * T,
+        optimizer=getattr(EmbOptimType, optim_name), learning_rate=0.05, eps=1e-8,
+        weights_precision=precision, output_dtype=SparseType.FP32,
+        pooling_mode=PoolingMode.SUM, device=torch.device("cuda"))
+
+
+def tbe_step(module, grad):
+    def step(idx, off):
+        module(idx, off).backward(grad)
+    return step
+
+
+def eager_step(T, E, D, B):
+    embs = nn.ModuleList(nn.EmbeddingBag(E, D, mode="sum", sparse=True) for _ in range(T)).cuda()
+    opt = torchrec_ftrl.FTRL(embs.parameters(), lr=FTRL_KW["learning_rate"],
+                             **{k: v for k, v in FTRL_KW.items() if k != "learning_rate"})
+    grad = torch.randn(B, T * D, device="cuda")
+
+    def step(idx, off):
+        n_per = idx.numel() // T
+        outs = [embs[t](idx[t * n_per:(t + 1) * n_per], off[t * B:(t + 1) * B] - t * n_per)
+                for t in range(T)]
+        torch.cat(outs, dim=1).backward(grad)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return embs, step
+
+
+def tune(T, E, B, L, batches, log):
+    """Small sweep of the Triton launch knobs on one shape; keeps the fastest of each."""
+    grad = torch.randn(B, T * 128, device="cuda")
+    m = build_ours(T, E, 128, SparseType.FP32)
+    best = {}
+    for fwd_tile, unroll in ((2048, 4), (4096, 2)):
+        triton_backend.TUNING.update(fwd_tile=fwd_tile, fwd_unroll=unroll)
+        with torch.no_grad():
+            ms = time_steps(lambda i, o: m(i, o), batches, 3, 20)
+        log(f"  tune fwd_tile={fwd_tile} unroll={unroll}: fwd {ms:.3f} ms")
+        if ms < best.get("fwd", (1e9,))[0]:
+            best["fwd"] = (ms, fwd_tile, unroll)
+    triton_backend.TUNING.update(fwd_tile=best["fwd"][1], fwd_unroll=best["fwd"][2])
+    for bwd_tile in (1024, 2048, 4096):
+        triton_backend.TUNING.update(bwd_tile=bwd_tile)
+        ms = time_steps(tbe_step(m, grad), batches, 3, 20)
+        log(f"  tune bwd_tile={bwd_tile}: step {ms:.3f} ms")
+        if ms < best.get("bwd", (1e9,))[0]:
+            best["bwd"] = (ms, bwd_tile)
+    triton_backend.TUNING.update(bwd_tile=best["bwd"][1])
+    del m
+    log(f"  chosen TUNING {triton_backend.TUNING}")
+
+
+def profile_step(step, batches, log):
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(3):
+            step(*batches[i % len(batches)])
+        torch.cuda.synchronize()
+    log("kernel times of 3 steps of ours:\n" + prof.key_averages().table(
+        sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--T", type=int, default=32)
+    ap.add_argument("--E", type=int, default=100_000)
+    ap.add_argument("--B", type=int, default=8192)
+    ap.add_argument("--L", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--batches", type=int, default=3)
+    ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="kernel time table of ours, first shape")
+    ap.add_argument("--quick", action="store_true", help="first shape only")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    T, E, B, L = args.T, args.E, args.B, args.L
+    N = T * B * L
+    lines_log = []
+
+    def log(s):
+        print(s, flush=True)
+        lines_log.append(s)
+
+    props = torch.cuda.get_device_properties(0)
+    bw_copy = copy_bandwidth()
+    log(f"device {props.name}, torch {torch.__version__}, copy bandwidth {bw_copy / 1e12:.2f} TB/s")
+    keys = torch.randint(0, T * E, (N,), device="cuda", dtype=torch.int32)
+    sort_ms = time_steps(lambda *_: torch.sort(keys, stable=True), [(None, None)], 3, 20)
+    log(f"torch.sort of {N} int32 keys (stable, with indices): {sort_ms:.3f} ms")
+    del keys
+    shapes = [(128, SparseType.FP32), (64, SparseType.FP32), (256, SparseType.FP32), (128, SparseType.FP16)]
+    if args.quick:
+        shapes = shapes[:1]
+    results = []
+    batches_cache = {}
+    row_profiled = False
+    if args.tune:
+        batches_cache["uniform"] = make_batches(T, E, B, L, "uniform", args.batches)
+        tune(T, E, B, L, batches_cache["uniform"], log)
+    for D, prec in shapes:
+        for dist in ("uniform", "zipf"):
+            batches = batches_cache.get(dist) or make_batches(T, E, B, L, dist, args.batches)
+            batches_cache[dist] = batches
+            U = statistics.mean(
+                float(torch.unique(i.view(T, -1) + torch.arange(T, device="cuda")[:, None] * E).numel())
+                for i, _ in batches)
+            wbytes = 2 if prec == SparseType.FP16 else 4
+            methods = ["ours", "ours_ignore", "fbgemm_adam", "fbgemm_rowwise_adagrad", "fbgemm_sgd"]
+            if D == 128 and prec == SparseType.FP32:
+                methods.append("eager")
+            row = dict(D=D, precision=prec.name, dist=dist, unique_rows=U, lookups=N, ms={}, fwd_ms={})
+            log(f"[D={D} {prec.name} {dist}] N={N} lookups, U={U:.0f} unique rows")
+            for m in methods:
+                try:
+                    grad = torch.randn(B, T * D, device="cuda")
+                    if m.startswith("ours"):
+                        mod = build_ours(T, E, D, prec, BoundsCheckMode.IGNORE if m == "ours_ignore"
+                                         else BoundsCheckMode.WARNING)
+                        step = tbe_step(mod, grad)
+                    elif m in FB_OPT:
+                        mod = build_fbgemm(T, E, D, prec, FB_OPT[m])
+                        step = tbe_step(mod, grad)
+                    else:
+                        mod, step = eager_step(T, E, D, B)
+                    iters = args.iters if m != "eager" else 3
+                    ms = time_steps(step, batches, args.warmup if m != "eager" else 1, iters)
+                    with torch.no_grad():
+                        fwd_ms = time_steps(lambda i, o: mod(i, o) if m != "eager" else None,
+                                            batches, 2, 10) if m != "eager" else float("nan")
+                    row["ms"][m], row["fwd_ms"][m] = ms, fwd_ms
+                    fb, bb = bytes_model(m, N, U, T, B, D, wbytes)
+                    log(f"  {m:24s} step {ms:8.3f} ms  fwd {fwd_ms:7.3f} ms  "
+                        f"model {(fb + bb) / 1e9:.2f} GB -> {(fb + bb) / (ms * 1e-3) / 1e12:.2f} TB/s")
+                    if args.profile and m == "ours" and not row_profiled:
+                        profile_step(step, batches, log)
+                        row_profiled = True
+                    del mod, step
+                except Exception as exc:  # keep the other methods running
+                    log(f"  {m} FAILED: {exc!r}")
+                    traceback.print_exc()
+                gc.collect()
+                torch.cuda.empty_cache()
+            results.append(row)
+
+    # ------------------------------------------------------------------ markdown
+    md = [f"One training step (fwd + bwd + fused optimizer update), {props.name}, torch {torch.__version__}; "
+          f"T={T}, E={E}, B={B}, L={L}, SUM pooling; median of {args.iters} steps (eager: 3) by CUDA "
+          f"events. Measured copy bandwidth {bw_copy / 1e12:.2f} TB/s. BW = bytes model "
+          f"(benchmarks/README.md) / step time. Ours uses bounds_check_mode=WARNING (FBGEMM's default) "
+          f"unless marked IGNORE.", "",
+          "| D | weights | indices | unique rows | method | ms / step | fwd ms | vs FBGEMM ADAM | BW TB/s | % of copy BW |",
+          "|---:|---|---|---:|---|---:|---:|---:|---:|---:|"]
+    for row in results:
+        adam = row["ms"].get("fbgemm_adam")
+        wbytes = 2 if row["precision"] == "FP16" else 4
+        for m, ms in row["ms"].items():
+            fb, bb = bytes_model(m, N, row["unique_rows"], T, B, row["D"], wbytes)
+            bw = (fb + bb) / (ms * 1e-3)
+            md.append(f"| {row['D']} | {row['precision']} | {row['dist']} | {row['unique_rows']:.0f} | "
+                      f"{LABELS[m]} | {ms:.3f} | {row['fwd_ms'][m]:.3f} | "
+                      f"{(adam / ms) if adam else float('nan'):.2f}x | {bw / 1e12:.2f} | "
+                      f"{100 * bw / bw_copy:.0f}% |")
+    md.append("")
+    md.append("Speed-up of ours (WARNING) over each baseline (baseline ms / ours ms):")
+    md.append("")
+    md.append("| D | weights | indices | vs ADAM | vs ROWWISE_ADAGRAD | vs SGD | vs eager |")
+    md.append("|---:|---|---|---:|---:|---:|---:|")
+    for row in results:
+        o = row["ms"].get("ours")
+        cell = lambda k: f"{row['ms'][k] / o:.2f}x" if o and k in row["ms"] else "-"  # noqa: E731
+        md.append(f"| {row['D']} | {row['precision']} | {row['dist']} | {cell('fbgemm_adam')} | "
+                  f"{cell('fbgemm_rowwise_adagrad')} | {cell('fbgemm_sgd')} | {cell('eager')} |")
+    text = "\n".join(md)
+    print(text)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_tbe_cuda.md"), "w") as f:
+        f.write(text + "\n\n```\n" + "\n".join(lines_log) + "\n```\n")
+    with open(os.path.join(args.out, "bench_tbe_cuda.json"), "w") as f:
+        json.dump(dict(copy_bw=bw_copy, tuning=triton_backend.TUNING, results=results), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

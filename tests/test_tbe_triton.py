@@ -1,0 +1,417 @@
+"""Tests of the Triton backend of ``FTRLTableBatchedEmbeddingBags``.
+
+On a CPU-only machine (CI) the Triton kernels run under ``TRITON_INTERPRET=1`` on CPU tensors. Triton
+fixes interpret-vs-compile when ``@triton.jit`` runs (its own ``tl.sum``/``tl.max`` included), so the
+variable must be set before anything imports triton: :func:`test_interpreter_suite` re-runs this file's
+``interp`` tests in a child pytest with the variable set, and nothing else in the parent process sees
+it. Expected values come from an independent float64 computation (pooling written out here, FTRL from
+``torchrec_ftrl.kernels.reference``), and from the vectorised PyTorch backend.
+
+Tests marked ``cuda`` run the compiled kernels on a GPU: randomized parity, CPU vs CUDA parity, no
+host synchronisation in a training step, and bitwise repeatability.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+INTERP = os.environ.get("TRITON_INTERPRET") == "1" and not HAS_CUDA
+pytest.importorskip("triton")
+
+from torchrec_ftrl import FTRLTableBatchedEmbeddingBags  # noqa: E402
+from torchrec_ftrl.kernels import triton_backend  # noqa: E402,F811
+from torchrec_ftrl.kernels.reference import ftrl_reference_rows  # noqa: E402
+from torchrec_ftrl.tbe_compat import BoundsCheckMode, PoolingMode, SparseType  # noqa: E402
+
+cuda = pytest.mark.cuda
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+
+KNOBS = dict(learning_rate=0.05, ftrl_l1_reg=0.002, ftrl_l2_reg=0.01, ftrl_beta=0.3)
+
+
+@pytest.fixture
+def interp(monkeypatch):
+    """Run the Triton backend under the interpreter on CPU tensors, with a tiny window (CHUNK=4) so
+    runs of one row cross many windows."""
+    if not INTERP:
+        pytest.skip("runs in the child process of test_interpreter_suite (TRITON_INTERPRET=1)")
+    monkeypatch.setitem(triton_backend.TUNING, "chunk", 4)
+    return "cpu"
+
+
+# ---------------------------------------------------------------------------- case + float64 oracle
+def make_case(seed, *, specs, fmap, B, pooling, max_len=5, psw=False, vbe=None, hot=False,
+              int32=False):
+    """Random indices/offsets (feature-major bags). ``hot`` draws most ids from row 0 or 1."""
+    rng = np.random.RandomState(seed)
+    F = len(fmap)
+    bags_per_feature = [sum(vbe[f]) for f in range(F)] if vbe else [B] * F
+    lengths, idx = [], []
+    for f in range(F):
+        rows = specs[fmap[f]][0]
+        for _ in range(bags_per_feature[f]):
+            L = int(rng.randint(0, max_len + 1))
+            lengths.append(L)
+            if hot:
+                ids = np.where(rng.rand(L) < 0.8, rng.randint(0, min(2, rows), L), rng.randint(0, rows, L))
+            else:
+                ids = rng.randint(0, rows, L)
+            idx.extend(int(i) for i in ids)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    dt = torch.int32 if int32 else torch.int64
+    out = dict(indices=torch.tensor(idx, dtype=dt), offsets=torch.tensor(offsets, dtype=dt),
+               psw=torch.tensor(rng.rand(len(idx)) + 0.5, dtype=torch.float32) if psw else None)
+    return out
+
+
+def expected_step(specs, fmap, pooling, case, W0, Z0, N0, grad_out, knobs, vbe=None):
+    """float64 forward output and post-step (w, z, n) per table, written independently of the kernels."""
+    idx = case["indices"].long().numpy()
+    off = case["offsets"].long().numpy()
+    psw = case["psw"].double().numpy() if case["psw"] is not None else None
+    F = len(fmap)
+    dims = [specs[fmap[f]][1] for f in range(F)]
+    num_bags = len(off) - 1
+    # bag -> (feature, output element offset)
+    bag_feat, bag_out = [], []
+    if vbe is None:
+        B = num_bags // F
+        Dsum = sum(dims)
+        doff = np.concatenate([[0], np.cumsum(dims)])
+        for f in range(F):
+            for b in range(B):
+                bag_feat.append(f)
+                bag_out.append(b * Dsum + doff[f])
+        out_numel = B * Dsum if pooling != PoolingMode.NONE else len(idx) * dims[0]
+    else:
+        R = len(vbe[0])
+        start, pos = {}, 0
+        for r in range(R):
+            for f in range(F):
+                start[(r, f)] = pos
+                pos += vbe[f][r] * dims[f]
+        for f in range(F):
+            for r in range(R):
+                for b in range(vbe[f][r]):
+                    bag_feat.append(f)
+                    bag_out.append(start[(r, f)] + b * dims[f])
+        out_numel = pos
+    out = np.zeros(out_numel)
+    gout = grad_out.double().reshape(-1).numpy()
+    per_table = {t: ([], []) for t in range(len(specs))}
+    for k in range(num_bags):
+        f = bag_feat[k]
+        t, D = fmap[f], dims[f]
+        L = off[k + 1] - off[k]
+        for i in range(off[k], off[k + 1]):
+            s = psw[i] if psw is not None else 1.0
+            if pooling == PoolingMode.MEAN:
+                s = s / L
+            o = i * D if pooling == PoolingMode.NONE else bag_out[k]
+            out[o:o + D] += s * W0[t][idx[i]]
+            per_table[t][0].append(idx[i])
+            per_table[t][1].append(s * gout[o:o + D])
+    res = []
+    for t, (rid, rg) in per_table.items():
+        D = specs[t][1]
+        res.append(ftrl_reference_rows(W0[t], Z0[t], N0[t], np.array(rid, dtype=np.int64),
+                                       np.array(rg).reshape(len(rid), D), **knobs))
+    return out, res
+
+
+def ref_knobs(m):
+    hp = m.hyperparams
+    return dict(lr=hp.learning_rate, lr_power=hp.learning_rate_power, l1=hp.l1_reg, l2=hp.l2_reg,
+                beta=hp.beta, l2_shrinkage=hp.l2_shrinkage, l2_convention=hp.l2_convention)
+
+
+def build(specs, fmap, pooling, device, backend="triton", precision=SparseType.FP32, seed=0, **knobs):
+    torch.manual_seed(seed)
+    m = FTRLTableBatchedEmbeddingBags(
+        specs, feature_table_map=fmap, pooling_mode=pooling, weights_precision=precision,
+        bounds_check_mode=BoundsCheckMode.WARNING, device=device, backend=backend,
+        **{**KNOBS, **knobs})
+    return m
+
+
+def run_and_check(device, *, specs, fmap, pooling, B=3, psw=False, vbe=None, hot=False,
+                  precision=SparseType.FP32, seed=0, int32=False, against_torch=True, nan_bag=None,
+                  max_len=5, **knobs):
+    m = build(specs, fmap, pooling, device, precision=precision, seed=seed, **knobs)
+    if knobs.get("ftrl_initial_accumulator_value") is None:
+        with torch.no_grad():  # start from a state that is not all-zero
+            m.momentum1_dev.uniform_(0.0, 0.5)
+            m.momentum2_dev.uniform_(-0.1, 0.1)
+    case = make_case(seed, specs=specs, fmap=fmap, B=B, pooling=pooling, psw=psw, vbe=vbe, hot=hot,
+                     int32=int32, max_len=max_len)
+    W0 = [w.double().cpu().numpy().copy() for w in m.split_embedding_weights()]
+    Z0 = [z.double().cpu().numpy().copy() for _, z in m.split_optimizer_states()]
+    N0 = [n.double().cpu().numpy().copy() for n, _ in m.split_optimizer_states()]
+    twin = None
+    if against_torch:
+        twin = build(specs, fmap, pooling, "cpu", backend="torch", precision=precision, seed=seed,
+                     **knobs)
+        twin.load_state_dict({k: v.cpu() for k, v in m.state_dict().items()})
+    dev = lambda t: t.to(device) if t is not None else None  # noqa: E731
+    kw = dict(batch_size_per_feature_per_rank=vbe) if vbe else {}
+    out = m(dev(case["indices"]), dev(case["offsets"]), dev(case["psw"]), **kw)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1)).to(out.dtype)
+    if nan_bag is not None:
+        g.view(-1)[nan_bag] = float("nan")
+    out.backward(g.to(device))
+    exp_out, exp_state = expected_step(specs, fmap, pooling, case, W0, Z0, N0, g, ref_knobs(m), vbe)
+    wtol = dict(rtol=5e-5, atol=1e-5) if precision == SparseType.FP32 else dict(rtol=1.6e-2, atol=1e-3)
+    np.testing.assert_allclose(out.detach().double().cpu().reshape(-1).numpy(), exp_out, **wtol)
+    if nan_bag is None:
+        for t, (w, (n, z)) in enumerate(zip(m.split_embedding_weights(), m.split_optimizer_states())):
+            ew, ez, en = exp_state[t]
+            # fp32 sums of up to hundreds of gradients against float64: a few 1e-6 relative.
+            np.testing.assert_allclose(n.double().cpu().numpy(), en, rtol=3e-5, atol=1e-6)
+            np.testing.assert_allclose(z.double().cpu().numpy(), ez, rtol=5e-5, atol=1e-5)
+            np.testing.assert_allclose(w.double().cpu().numpy(), ew, **wtol)
+        assert int(m.nonfinite_grad_rows) == 0
+    if twin is not None:
+        out2 = twin(case["indices"], case["offsets"], case["psw"], **kw)
+        out2.backward(g)
+        torch.testing.assert_close(out.detach().cpu(), out2.detach(), rtol=1e-5, atol=1e-6)
+        for name in ("weights_dev", "momentum1_dev", "momentum2_dev", "nonfinite_grad_rows"):
+            a, b = getattr(m, name).cpu(), getattr(twin, name)
+            # The torch backend sums duplicates with index_add_ (any order): hot rows with hundreds
+            # of duplicates differ by a few 1e-4 relative; the float64 check above is the tight one.
+            tol = wtol if name == "weights_dev" and precision != SparseType.FP32 else \
+                dict(rtol=1e-3 if hot else 5e-5, atol=1e-3 if hot else 1e-5)
+            torch.testing.assert_close(a.double(), b.double(), **tol)
+    return m, case
+
+
+# ---------------------------------------------------------------------------- interpreter (CI)
+@pytest.mark.skipif(INTERP or HAS_CUDA, reason="the child process itself / CUDA runs the compiled kernels")
+def test_interpreter_suite():
+    """Runs the ``interp`` tests below in a child pytest with TRITON_INTERPRET=1 (CPU tensors)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
+                           __file__, "-k", "interp and not interpreter_suite"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
+
+
+SPECS = [(9, 5), (13, 3), (6, 8), (4, 1)]
+FMAP = [0, 1, 2, 3, 0]
+
+
+@pytest.mark.parametrize("pooling,psw,precision,seed", [
+    (PoolingMode.SUM, False, SparseType.FP32, 0),
+    (PoolingMode.SUM, True, SparseType.FP16, 1),
+    (PoolingMode.MEAN, True, SparseType.FP32, 2),
+    (PoolingMode.MEAN, False, SparseType.BF16, 3),
+])
+def test_interp_pooled_parity(interp, pooling, psw, precision, seed):
+    run_and_check(interp, specs=SPECS, fmap=FMAP, pooling=pooling, psw=psw, precision=precision,
+                  seed=seed)
+
+
+def test_interp_sequence_none_int32(interp):
+    run_and_check(interp, specs=[(7, 6), (11, 6)], fmap=[0, 1, 1], pooling=PoolingMode.NONE,
+                  int32=True, seed=4)
+
+
+def test_interp_vbe(interp):
+    run_and_check(interp, specs=SPECS[:3], fmap=[0, 1, 2], pooling=PoolingMode.SUM, psw=True,
+                  vbe=[[1, 2], [3, 0], [2, 2]], seed=5)
+
+
+@pytest.mark.parametrize("chunk", [4, 8, None])
+def test_interp_hot_rows_span_windows(interp, monkeypatch, chunk):
+    """Most ids hit rows 0/1: runs of one row cover many CHUNK windows (boundary kernel path)."""
+    monkeypatch.setitem(triton_backend.TUNING, "chunk", chunk)
+    run_and_check(interp, specs=[(3, 4), (50, 4)], fmap=[0, 1], pooling=PoolingMode.SUM, B=6,
+                  hot=True, max_len=8, seed=6)
+
+
+@pytest.mark.parametrize("knobs", [
+    dict(ftrl_learning_rate_power=-0.3),
+    dict(ftrl_learning_rate_power=0.0, ftrl_l2_shrinkage=0.05),
+    dict(ftrl_l2_shrinkage=0.1, ftrl_l2_convention="mcmahan", ftrl_l1_reg=0.0),
+    dict(ftrl_initial_accumulator_value=0.1, ftrl_beta=0.0, ftrl_l2_reg=0.0),
+])
+def test_interp_knobs(interp, knobs):
+    run_and_check(interp, specs=SPECS[:2], fmap=[0, 1], pooling=PoolingMode.SUM, seed=7, **knobs)
+
+
+def test_interp_nonfinite_rows_skipped(interp):
+    specs, fmap = [(6, 4)], [0]
+    m = build(specs, fmap, PoolingMode.SUM, interp)
+    twin = build(specs, fmap, PoolingMode.SUM, "cpu", backend="torch")
+    twin.load_state_dict(m.state_dict())
+    indices = torch.tensor([0, 1, 1, 2, 3, 3, 4])
+    offsets = torch.tensor([0, 3, 5, 7])          # bags {0,1,1}, {2,3}, {3,4}
+    before = [t.clone() for t in (m.weights_dev, m.momentum1_dev, m.momentum2_dev)]
+    out = m(indices, offsets)
+    g = torch.ones_like(out)
+    g[1, 2] = float("inf")                        # bag 1: rows 2 and 3 get a non-finite sum
+    out.backward(g)
+    twin(indices, offsets).backward(g)
+    assert int(m.nonfinite_grad_rows) == 2
+    for buf, b0 in zip((m.weights_dev, m.momentum1_dev, m.momentum2_dev), before):
+        rows = buf.view(6, 4)
+        assert torch.equal(rows[2:4], b0.view(6, 4)[2:4])     # skipped rows bit-for-bit unchanged
+        assert torch.equal(rows[5], b0.view(6, 4)[5])         # untouched row unchanged
+        assert not torch.equal(rows[[0, 1, 4]], b0.view(6, 4)[[0, 1, 4]])
+    for name in ("weights_dev", "momentum1_dev", "momentum2_dev"):
+        torch.testing.assert_close(getattr(m, name), getattr(twin, name), rtol=2e-5, atol=2e-6)
+
+
+def test_interp_repeat_is_bitwise(interp):
+    states = []
+    for _ in range(2):
+        m, _ = run_and_check(interp, specs=[(3, 4), (20, 4)], fmap=[0, 1], pooling=PoolingMode.MEAN,
+                             B=5, hot=True, psw=True, seed=8, against_torch=False)
+        states.append([getattr(m, n).clone() for n in ("weights_dev", "momentum1_dev", "momentum2_dev")])
+    for a, b in zip(*states):
+        assert torch.equal(a, b)
+
+
+def test_interp_empty_batch_changes_nothing(interp):
+    m = build([(5, 3)], [0], PoolingMode.SUM, interp)
+    before = m.weights_dev.clone()
+    out = m(torch.zeros(0, dtype=torch.long), torch.zeros(3, dtype=torch.long))
+    assert out.shape == (2, 3) and torch.equal(out, torch.zeros(2, 3))
+    out.sum().backward()
+    assert torch.equal(m.weights_dev, before)
+
+
+def test_ops_registered():
+    assert hasattr(torch.ops.torchrec_ftrl, "triton_tbe_forward")
+    assert hasattr(torch.ops.torchrec_ftrl, "triton_tbe_backward_update_")
+    schema = torch.ops.torchrec_ftrl.triton_tbe_backward_update_.default._schema
+    mutated = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+    assert mutated == {"weights", "accum", "linear", "nonfinite_rows"}
+
+
+# ---------------------------------------------------------------------------- real GPU
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("pooling,psw,precision,seed", [
+    (PoolingMode.SUM, False, SparseType.FP32, 10),
+    (PoolingMode.SUM, True, SparseType.FP16, 11),
+    (PoolingMode.MEAN, True, SparseType.FP32, 12),
+    (PoolingMode.NONE, False, SparseType.BF16, 13),
+])
+def test_cuda_random_parity(pooling, psw, precision, seed):
+    specs = [(200, 128), (50, 33), (1000, 64), (7, 16)] if pooling != PoolingMode.NONE else \
+        [(200, 64), (50, 64)]
+    fmap = [0, 1, 2, 3, 0] if pooling != PoolingMode.NONE else [0, 1, 1]
+    run_and_check("cuda", specs=specs, fmap=fmap, pooling=pooling, psw=psw, precision=precision,
+                  B=64, max_len=12, seed=seed)
+
+
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("chunk", [None, 8])
+def test_cuda_hot_rows_and_vbe(monkeypatch, chunk):
+    monkeypatch.setitem(triton_backend.TUNING, "chunk", chunk)
+    run_and_check("cuda", specs=[(3, 128), (400, 64)], fmap=[0, 1], pooling=PoolingMode.SUM,
+                  B=256, hot=True, max_len=30, seed=14)
+    run_and_check("cuda", specs=[(30, 32), (40, 8)], fmap=[0, 1], pooling=PoolingMode.MEAN,
+                  psw=True, vbe=[[10, 20], [5, 0]], seed=15)
+
+
+@cuda
+@needs_cuda
+def test_cuda_nonfinite_rows_skipped():
+    m, _ = run_and_check("cuda", specs=[(20, 16)], fmap=[0], pooling=PoolingMode.SUM, B=8,
+                         nan_bag=5, seed=16)
+    assert int(m.nonfinite_grad_rows) >= 1
+
+
+def _step(m, idx, off):
+    out = m(idx, off)
+    out.backward(torch.ones_like(out))
+
+
+@cuda
+@needs_cuda
+def test_cuda_training_step_does_not_sync():
+    specs, fmap = [(1000, 64), (500, 128)], [0, 1, 1]
+    m = build(specs, fmap, PoolingMode.MEAN, "cuda")
+    case = make_case(17, specs=specs, fmap=fmap, B=64, pooling=PoolingMode.MEAN, hot=True)
+    idx, off = case["indices"].cuda(), case["offsets"].cuda()
+    _step(m, idx, off)                           # compile kernels, warm allocator
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _step(m, idx, off)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+
+
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_cuda_repeat_is_bitwise(deterministic):
+    specs, fmap = [(1000, 128), (20, 64)], [0, 1, 0]
+    rng = np.random.RandomState(18)
+    B, L = 512, 20
+    ids = np.minimum(rng.zipf(1.15, size=(len(fmap) * B * L,)) - 1, 19)
+    idx = torch.tensor(ids, device="cuda")
+    off = torch.arange(0, len(fmap) * B * L + 1, L, device="cuda")
+    results = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        m = FTRLTableBatchedEmbeddingBags(specs, feature_table_map=fmap, device="cuda",
+                                          deterministic=deterministic, **KNOBS)
+        for _ in range(3):
+            out = m(idx, off)
+            out.backward(torch.cos(out))
+        results.append([getattr(m, n).clone() for n in ("weights_dev", "momentum1_dev", "momentum2_dev")])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+@cuda
+@needs_cuda
+def test_cuda_matches_cpu_backend():
+    specs, fmap = [(300, 96), (40, 48)], [0, 1, 0]
+    case = make_case(19, specs=specs, fmap=fmap, B=128, pooling=PoolingMode.SUM, psw=True, hot=True,
+                     max_len=16)
+    mods = [build(specs, fmap, PoolingMode.SUM, d, backend=b) for d, b in (("cuda", "triton"),
+                                                                            ("cpu", "torch"))]
+    mods[0].load_state_dict({k: v.cuda() for k, v in mods[1].state_dict().items()})
+    for _ in range(3):
+        outs = []
+        for m in mods:
+            dev = m.weights_dev.device
+            out = m(case["indices"].to(dev), case["offsets"].to(dev), case["psw"].to(dev))
+            out.backward(torch.sin(out))
+            outs.append(out.detach().cpu())
+        torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+    for name in ("weights_dev", "momentum1_dev", "momentum2_dev"):
+        torch.testing.assert_close(getattr(mods[0], name).cpu(), getattr(mods[1], name),
+                                   rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------- shared harness
+@pytest.mark.parametrize("seed", range(20))
+def test_interp_harness_random_cases(interp, seed):
+    """The randomized harness of tests/tbe_harness.py (shared with the CPU backends), backend triton."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    import tbe_harness as H
+    H.check_case(H.random_case(seed), "triton", steps=2)
+
+
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("seed", range(40))
+def test_cuda_harness_random_cases(seed):
+    sys.path.insert(0, os.path.dirname(__file__))
+    import tbe_harness as H
+    H.check_case(H.random_case(seed), "triton", device="cuda", steps=3)

@@ -43,6 +43,11 @@ class FileSource:
         self.max_val_rows = max_val_rows
         self._n: Optional[int] = reader.count_valid() if split.needs_count else None
         self.epoch = 0
+        self.pass_stats = reader.stats if split.needs_count else None
+
+    def stats(self):
+        """:class:`ReadStats` of the latest complete pass over the files (``None`` before one)."""
+        return self.pass_stats
 
     @property
     def dense_names(self) -> tuple:
@@ -60,6 +65,7 @@ class FileSource:
         for i, row in enumerate(self.reader):
             if self.split.is_validation(i, self._n) == want_validation:
                 yield row
+        self.pass_stats = self.reader.stats
 
     def _to_batch(self, rows: List) -> object:
         labels = np.fromiter((r.label for r in rows), dtype=np.int64, count=len(rows))
@@ -143,6 +149,9 @@ class SyntheticSource:
     @property
     def num_embeddings(self) -> list:
         return list(self.gen.num_embeddings)
+
+    def stats(self):
+        return None
 
     def train_batches(self, rank: int, world_size: int, batch_size: int,
                       start_step: int = 0) -> Iterator:

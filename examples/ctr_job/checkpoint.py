@@ -1,0 +1,90 @@
+"""Atomic DCP checkpoints: ``torch.distributed.checkpoint`` of ``{"model": model.state_dict(),
+"optim": optimizer.state_dict()}`` into ``<root>/.tmp-step_XXXXXXXX``, then rank 0 writes
+``meta.json`` and renames the folder to ``<root>/step_XXXXXXXX`` and updates ``<root>/latest``
+(write + ``os.replace``). A crash leaves at most a ``.tmp-*`` folder, never a half checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Optional
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def step_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"step_{step:08d}")
+
+
+def save(root: str, step: int, model, optimizer, meta: dict, keep: int = 2,
+         extra: Optional[dict] = None) -> str:
+    """Collective: every rank calls it. Returns the final folder. Keeps the newest ``keep``.
+    ``extra``: more (replicated, identical on every rank) tensors, saved under ``"extra"``."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    final = step_dir(root, step)
+    tmp = os.path.join(root, f".tmp-step_{step:08d}")
+    if rank == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    _barrier()
+    state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
+    if extra:
+        state["extra"] = extra
+    dcp.save(state, checkpoint_id=tmp)
+    _barrier()
+    if rank == 0:
+        with open(os.path.join(tmp, "meta.json"), "w") as f:
+            json.dump({**meta, "step": step}, f)
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        latest_tmp = os.path.join(root, ".latest.tmp")
+        with open(latest_tmp, "w") as f:
+            f.write(os.path.basename(final) + "\n")
+        os.replace(latest_tmp, os.path.join(root, "latest"))
+        olds = sorted(d for d in os.listdir(root) if d.startswith("step_"))
+        for d in olds[:-keep] if keep > 0 else []:
+            shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+    _barrier()
+    return final
+
+
+def resolve(resume: str, root: Optional[str]) -> str:
+    """The folder to resume from: ``resume`` itself, or (``"latest"``) the one named by
+    ``<root>/latest``.
+
+    Raises:
+        FileNotFoundError: no checkpoint there (naming the path).
+    """
+    if resume != "latest":
+        path = resume
+    else:
+        pointer = os.path.join(root or "", "latest")
+        if not os.path.isfile(pointer):
+            raise FileNotFoundError(f"--resume: no checkpoint in {root!r} (missing {pointer!r})")
+        with open(pointer) as f:
+            path = os.path.join(root, f.read().strip())
+    if not os.path.isfile(os.path.join(path, "meta.json")):
+        raise FileNotFoundError(f"--resume: {path!r} is not a complete checkpoint (no meta.json)")
+    return path
+
+
+def load(path: str, model, optimizer, extra: Optional[dict] = None) -> dict:
+    """Collective: load model and optimizer state (and ``extra``, same keys/shapes as saved) in place;
+    returns ``meta.json`` (with ``step``)."""
+    state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
+    if extra:
+        state["extra"] = extra
+    dcp.load(state, checkpoint_id=path)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optim"])
+    with open(os.path.join(path, "meta.json")) as f:
+        return json.load(f)

@@ -1,0 +1,73 @@
+"""DLRM with one embedding table per categorical feature, sharded by DMP with fused sparse optimizer."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def build_dlrm(feature_names: Sequence[str], num_embeddings: Sequence[int], embedding_dim: int,
+               num_dense: int, dense_arch: Sequence[int], over_arch: Sequence[int],
+               dense_device: torch.device) -> nn.Module:
+    """Unsharded DLRM: ``EmbeddingBagCollection`` on the meta device (DMP materialises it), one
+    sum-pooled table ``t_{feature}`` per feature, bottom MLP ``dense_arch + [embedding_dim]``, top MLP
+    ``over_arch + [1]``. Forward: ``(dense [B, max(num_dense, 1)] float32, KJT) -> logits [B, 1]``.
+    """
+    from torchrec.models.dlrm import DLRM
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    if len(feature_names) != len(num_embeddings):
+        raise ValueError(f"{len(feature_names)} features but {len(num_embeddings)} table sizes")
+    tables = [EmbeddingBagConfig(name=f"t_{f}", embedding_dim=embedding_dim, num_embeddings=n,
+                                 feature_names=[f], pooling=PoolingType.SUM)
+              for f, n in zip(feature_names, num_embeddings)]
+    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+    return DLRM(embedding_bag_collection=ebc, dense_in_features=max(num_dense, 1),
+                dense_arch_layer_sizes=[*dense_arch, embedding_dim],
+                over_arch_layer_sizes=[*over_arch, 1], dense_device=dense_device)
+
+
+def shard(model: nn.Module, table_names: Sequence[str], sharders: list, device: torch.device,
+          sharding_types: Sequence[str], world_size: int, local_world_size: int, batch_size: int):
+    """Plan (fused compute kernel only; ``sharding_types`` as allowed) and wrap in DMP.
+
+    Returns ``(dmp_model, plan)``.
+    """
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+
+    constraints = {t: ParameterConstraints(sharding_types=list(sharding_types), compute_kernels=["fused"])
+                   for t in table_names}
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=world_size, compute_device=device.type,
+                          local_world_size=local_world_size),
+        batch_size=batch_size, constraints=constraints, debug=False)
+    plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
+    dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=sharders)
+    return dmp, plan
+
+
+def plan_summary(plan: Any) -> dict:
+    """``{table: "sharding_type/compute_kernel ranks [...]"}`` from a ShardingPlan."""
+    out = {}
+    for module_plan in plan.plan.values():
+        for table, ps in module_plan.items():
+            out[table] = f"{ps.sharding_type}/{ps.compute_kernel} ranks {ps.ranks}"
+    return out
+
+
+def build_optimizer(dmp: nn.Module, name: str, lr: float):
+    """``CombinedOptimizer([dmp.fused_optimizer, dense])``; the dense part (MLPs) uses ``name``
+    (adagrad / adam / sgd) through ``KeyedOptimizerWrapper``; embedding tables are updated in backward
+    by the fused optimizer."""
+    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    cls = {"adagrad": torch.optim.Adagrad, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}[name]
+    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
+                                  lambda params: cls(params, lr=lr))
+    return CombinedOptimizer([dmp.fused_optimizer, dense])

@@ -1,0 +1,164 @@
+"""Per-table sparsity of sharded embedding weights: share of exactly-zero weights and of all-zero rows.
+
+Counts come from each rank's local shards (``ShardedTensor.local_shards()``) and are summed with one
+``all_reduce``; ``ShardedTensor.gather`` is never called (it can hang for a table on one rank). For a
+table split by columns, a row is all-zero only when it is zero in every column shard, so those tables
+all_reduce a per-row count of non-zero shards.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+
+def natural_key(name: str) -> list:
+    """``t_C2`` before ``t_C10``."""
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+def _tables(state_dict: dict) -> Dict[str, object]:
+    out = {}
+    for key, v in state_dict.items():
+        parts = key.split(".")
+        if len(parts) >= 3 and parts[-1] == "weight" and parts[-3] == "embedding_bags":
+            out[parts[-2]] = v
+    return out
+
+
+class TouchTracker:
+    """Which rows the training data has looked up, per table (``bool [num_embeddings]`` on CPU).
+
+    ``update(kjt)`` marks this rank's ids; ``reduce()`` (a collective) ORs the masks of all ranks.
+    Under FTRL a touched row is recomputed from its (accum, linear) state, an untouched one keeps its
+    random initial value, so sparsity among touched rows is the figure that says what L1 did.
+    """
+
+    def __init__(self, features, sizes) -> None:
+        self.masks = {f"t_{f}": torch.zeros(int(n), dtype=torch.bool) for f, n in zip(features, sizes)}
+
+    def update(self, kjt) -> None:
+        values = kjt.values()
+        off = 0
+        for key, n in zip(kjt.keys(), kjt.length_per_key()):
+            if n:
+                self.masks[f"t_{key}"][values[off:off + n]] = True
+            off += n
+
+    def reduce(self, device: torch.device) -> None:
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return
+        names = list(self.masks)
+        flat = torch.cat([self.masks[n].to(torch.int32) for n in names]).to(device)
+        dist.all_reduce(flat)
+        flat = (flat > 0).cpu()
+        off = 0
+        for n in names:
+            k = self.masks[n].numel()
+            self.masks[n] = flat[off:off + k].clone()
+            off += k
+
+    def state_dict(self) -> dict:
+        return {n: m.to(torch.uint8) for n, m in self.masks.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        for n in self.masks:
+            self.masks[n] = state[n].to(torch.bool).cpu()
+
+
+@torch.no_grad()
+def table_sparsity(model: torch.nn.Module, device: torch.device,
+                   touched: Optional[Dict[str, torch.Tensor]] = None) -> Dict[str, dict]:
+    """``{table: {"rows", "dim", "zero_weights", "zero_rows", "zero_weight_share", "zero_row_share"}}``
+    plus, with ``touched`` (global ``bool [rows]`` per table, identical on every rank),
+    ``"touched_rows", "zero_weights_touched", "zero_rows_touched", "zero_weight_share_touched",
+    "zero_row_share_touched"`` (shares of the touched rows / their weights). The same on every rank
+    (a collective: every rank must call it)."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    tables = _tables(model.state_dict())
+    names = sorted(tables, key=natural_key)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    # per table: zero weights, zero rows, zero weights in touched rows, zero rows among touched rows
+    scalars = torch.zeros(4 * len(names), dtype=torch.int64, device=device)
+    row_vectors, shapes = {}, {}
+
+    def count(i, t, r0, full_width, name):
+        z = t == 0
+        nz_rows = (~z).any(dim=1)
+        tm = touched[name][r0:r0 + t.shape[0]].to(t.device) if touched is not None else None
+        scalars[4 * i] += int(z.sum())
+        if tm is not None:
+            scalars[4 * i + 2] += int(z[tm].sum())
+        if full_width:
+            scalars[4 * i + 1] += int((~nz_rows).sum())
+            if tm is not None:
+                scalars[4 * i + 3] += int((~nz_rows & tm).sum())
+        else:
+            row_vectors[name][r0:r0 + t.shape[0]] += nz_rows.to(torch.int32)
+
+    for i, name in enumerate(names):
+        v = tables[name]
+        if isinstance(v, ShardedTensor):
+            rows, dim = v.size()
+            full_width = all(m.shard_sizes[1] == dim for m in v.metadata().shards_metadata)
+            if not full_width:
+                row_vectors[name] = torch.zeros(rows, dtype=torch.int32, device=device)
+            for shard in v.local_shards():
+                count(i, shard.tensor, shard.metadata.shard_offsets[0], full_width, name)
+        else:  # replicated (data-parallel) or unsharded: count once, on rank 0
+            t = v.to_local() if hasattr(v, "to_local") else v
+            rows, dim = t.shape
+            if rank == 0:
+                count(i, t, 0, True, name)
+        shapes[name] = (int(rows), int(dim))
+    if world > 1:
+        dist.all_reduce(scalars)
+        if row_vectors:
+            flat = torch.cat([row_vectors[n] for n in sorted(row_vectors)])
+            dist.all_reduce(flat)
+            off = 0
+            for n in sorted(row_vectors):
+                k = row_vectors[n].numel()
+                row_vectors[n] = flat[off:off + k]
+                off += k
+    out = {}
+    for i, name in enumerate(names):
+        rows, dim = shapes[name]
+        zw = int(scalars[4 * i])
+        if name in row_vectors:
+            zero_row = (row_vectors[name] == 0).cpu()
+            zr = int(zero_row.sum())
+            zrt = int((zero_row & touched[name]).sum()) if touched is not None else 0
+        else:
+            zr, zrt = int(scalars[4 * i + 1]), int(scalars[4 * i + 3])
+        rec = {"rows": rows, "dim": dim, "zero_weights": zw, "zero_rows": zr,
+               "zero_weight_share": zw / (rows * dim), "zero_row_share": zr / rows}
+        if touched is not None:
+            nt = int(touched[name].sum())
+            zwt = int(scalars[4 * i + 2])
+            rec.update({"touched_rows": nt, "zero_weights_touched": zwt, "zero_rows_touched": zrt,
+                        "zero_weight_share_touched": zwt / (nt * dim) if nt else float("nan"),
+                        "zero_row_share_touched": zrt / nt if nt else float("nan")})
+        out[name] = rec
+    return out
+
+
+def overall(sp: Dict[str, dict]) -> dict:
+    """Totals over all tables: shares of zero weights and zero rows (and among touched rows)."""
+    w = sum(t["rows"] * t["dim"] for t in sp.values())
+    r = sum(t["rows"] for t in sp.values())
+    out = {"zero_weight_share": sum(t["zero_weights"] for t in sp.values()) / max(w, 1),
+           "zero_row_share": sum(t["zero_rows"] for t in sp.values()) / max(r, 1),
+           "weights": w, "rows": r}
+    if sp and all("touched_rows" in t for t in sp.values()):
+        tr = sum(t["touched_rows"] for t in sp.values())
+        tw = sum(t["touched_rows"] * t["dim"] for t in sp.values())
+        out.update({"touched_rows": tr,
+                    "zero_weight_share_touched": sum(t["zero_weights_touched"] for t in sp.values()) / max(tw, 1),
+                    "zero_row_share_touched": sum(t["zero_rows_touched"] for t in sp.values()) / max(tr, 1)})
+    return out

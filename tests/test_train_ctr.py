@@ -1,0 +1,186 @@
+"""The CTR job end to end (examples/train_ctr.py): one-process runs on synthetic and real Criteo data,
+summary JSON + PNG, DCP checkpoint / exact resume, flag -> fused_params mapping, the torchx component,
+and a 2-process torchx launch (slow).
+
+Independent checks: sparsity counts are recomputed from the DCP checkpoint files (converted with
+``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``); a resumed run must reproduce the
+uninterrupted run's losses and validation metrics exactly (same data order, restored optimizer state).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "examples", "train_ctr.py")
+CRITEO = os.path.join(ROOT, "..", "shared", "data", "criteo", "criteo_dac_combined.tsv")
+SMALL = ["--num-embeddings", "2000", "--no-progress", "--batch-size", "128"]
+
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+
+def _run(args, cwd=ROOT, timeout=240):
+    p = subprocess.run([sys.executable, SCRIPT, *args], cwd=cwd, capture_output=True, text=True,
+                       timeout=timeout)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    return p.stdout
+
+
+def _summary(out_dir, name="train_ctr"):
+    with open(os.path.join(out_dir, f"{name}_summary.json")) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def synthetic_run(tmp_path_factory):
+    """20 FTRL steps on synthetic data, checkpoint every 10."""
+    d = tmp_path_factory.mktemp("syn")
+    args = [*SMALL, "--steps", "20", "--eval-every", "10", "--log-every", "5",
+            "--checkpoint-every", "10", "--checkpoint-dir", str(d / "ckpt")]
+    stdout = _run([*args, "--output-dir", str(d / "out")])
+    return d, args, stdout
+
+
+def test_synthetic_run_writes_summary_and_png(synthetic_run):
+    d, _, stdout = synthetic_run
+    s = _summary(d / "out")
+    assert s["world_size"] == 1 and s["backend"] == "gloo" and s["steps"] == 20
+    assert s["data"]["kind"] == "synthetic"
+    assert [h[0] for h in s["loss_history"]] == [5, 10, 15, 20]
+    assert all(0.0 < h[1] < 5.0 for h in s["loss_history"])
+    assert [v["step"] for v in s["validation_history"]] == [10, 20]
+    v = s["final_validation"]
+    assert 0.0 <= v["auc"] <= 1.0 and v["rows"] == 8 * 128 and v["logloss"] > 0
+    assert len(s["sparsity"]) == 26 and set(s["plan"]) == {f"t_C{i}" for i in range(1, 27)}
+    with open(d / "out" / "train_ctr.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert "validation AUC" in stdout and "wrote" in stdout
+    if s["ftrl_registered"] and s["sparse_optimizer"] == "ftrl":
+        assert s["fused_params"]["ftrl_l1_reg"] == 0.001
+
+
+def test_checkpoints_are_complete_and_sparsity_matches_them(synthetic_run):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torchrec_ftrl.data import SyntheticCTR
+
+    d, _, _ = synthetic_run
+    ck = d / "ckpt"
+    assert sorted(os.listdir(ck)) == ["latest", "step_00000010", "step_00000020"]
+    assert (ck / "latest").read_text().strip() == "step_00000020"
+    with open(ck / "step_00000020" / "meta.json") as f:
+        assert json.load(f)["step"] == 20
+    dcp_to_torch_save(str(ck / "step_00000020"), str(d / "plain.pt"))
+    sd = torch.load(d / "plain.pt", weights_only=False)
+    s = _summary(d / "out")
+    weights = {k.split(".")[-2]: v for k, v in sd["model"].items() if ".embedding_bags." in k}
+    assert len(weights) == 26
+    # rows the 20 training batches looked up, regenerated from the generator (job defaults: seed 0,
+    # vocab 2000; SMALL: 2000 rows, batch 128; world size 1 -> batch index = step)
+    gen = SyntheticCTR(2000, seed=0, vocab=2000)
+    ids = torch.cat([torch.from_numpy(gen.arrays("train", i, 128)[2]) for i in range(20)])
+    for j in (0, 12, 25):
+        name = f"t_C{j + 1}"
+        w = weights[name]
+        assert tuple(w.shape) == (2000, 16)
+        touched = torch.zeros(2000, dtype=torch.bool)
+        col = ids[:, j]
+        touched[col[col >= 0]] = True
+        rec = s["sparsity"][name]
+        assert rec["zero_weights"] == int((w == 0).sum())
+        assert rec["zero_rows"] == int((w == 0).all(dim=1).sum())
+        assert rec["touched_rows"] == int(touched.sum())
+        assert rec["zero_weights_touched"] == int((w[touched] == 0).sum())
+        assert rec["zero_rows_touched"] == int((w[touched] == 0).all(dim=1).sum())
+
+
+def test_resume_continues_exactly(synthetic_run, tmp_path):
+    d, args, _ = synthetic_run
+    args = [a if a != str(d / "ckpt") else str(tmp_path / "ckpt") for a in args]
+    stdout = _run([*args, "--resume", str(d / "ckpt" / "step_00000010"), "--output-dir", str(tmp_path)])
+    assert "resumed from" in stdout and "at step 10" in stdout
+    full, resumed = _summary(d / "out"), _summary(tmp_path)
+    assert resumed["start_step"] == 10
+    # steps 11..20 ran after the resume; they must match the uninterrupted run
+    assert resumed["loss_history"] == full["loss_history"]
+    assert resumed["final_validation"] == full["final_validation"]
+    assert resumed["sparsity"] == full["sparsity"]
+
+
+@pytest.mark.skipif(not os.path.isfile(CRITEO), reason="Criteo sample not present")
+def test_short_real_data_run(tmp_path):
+    _run([*SMALL, "--data", CRITEO, "--steps", "15", "--eval-every", "100",
+          "--sparse-optimizer", "rowwise_adagrad", "--output-dir", str(tmp_path)])
+    s = _summary(tmp_path)
+    assert s["data"]["kind"] == "file" and s["sparse_optimizer"] == "rowwise_adagrad"
+    assert s["data"]["reader"]["valid"] == 6726 and s["data"]["reader"]["malformed"] == 0
+    assert s["final_validation"]["rows"] == 672  # every 10th of 6,726 rows
+    # validation CTR of rows 10, 20, ... counted independently
+    with open(CRITEO) as f:
+        labels = [int(line.split("\t", 1)[0]) for i, line in enumerate(f) if i % 10 == 9]
+    assert s["final_validation"]["ctr"] == pytest.approx(sum(labels) / len(labels), abs=1e-12)
+    assert s["fused_params"]["optimizer"] == "EXACT_ROWWISE_ADAGRAD"
+
+
+def test_missing_data_file_fails_clearly(tmp_path):
+    p = subprocess.run([sys.executable, SCRIPT, "--data", str(tmp_path / "none.tsv"),
+                        "--sparse-optimizer", "rowwise_adagrad", "--output-dir", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert p.returncode != 0
+    assert "CTR data file not found" in p.stderr and "none.tsv" in p.stderr
+
+
+def test_flags_map_to_fused_params():
+    from ctr_job import cli
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+    a = cli.parse_args(["--sparse-optimizer", "rowwise_adagrad", "--sparse-lr", "0.3"])
+    assert cli.sparse_fused_params(a) == {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+                                          "learning_rate": 0.3, "eps": 1e-8}
+    a = cli.parse_args(["--sparse-lr", "0.2", "--ftrl-l1", "0.5", "--ftrl-l2", "0.25", "--ftrl-beta", "2",
+                        "--ftrl-lr-power", "-0.25", "--ftrl-l2-convention", "mcmahan"])
+    import torchrec_ftrl  # noqa: F401
+    if getattr(EmbOptimType, "FTRL", None) is None:
+        with pytest.raises(RuntimeError, match="EmbOptimType.FTRL is not registered"):
+            cli.sparse_fused_params(a)
+        return
+    fp = cli.sparse_fused_params(a)
+    assert fp["optimizer"] is EmbOptimType.FTRL
+    assert (fp["learning_rate"], fp["ftrl_l1_reg"], fp["ftrl_l2_reg"], fp["ftrl_beta"],
+            fp["ftrl_learning_rate_power"], fp["ftrl_l2_convention"]) == (0.2, 0.5, 0.25, 2.0, -0.25,
+                                                                          "mcmahan")
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--steps", "0"])
+
+
+def test_torchx_component_builds_ddp_appdef():
+    from torchrec_ftrl.components import train_ctr
+
+    app = train_ctr("--steps", "7", nproc=3, gpu=0)
+    role = app.roles[0]
+    cmd = role.args[-1]
+    assert "torchrun" in cmd and "--nproc_per_node 3" in cmd and "--nnodes 1" in cmd
+    assert "examples/train_ctr.py --steps 7" in cmd
+    assert role.resource.gpu == 0
+    with pytest.raises(ValueError, match="nproc and nnodes must be >= 1"):
+        train_ctr(nproc=0)
+
+
+@pytest.mark.slow
+def test_torchx_two_process_launch(tmp_path):
+    bindir = os.path.dirname(sys.executable)
+    env = {**os.environ, "PATH": bindir + os.pathsep + os.environ.get("PATH", "")}
+    p = subprocess.run(
+        [os.path.join(bindir, "torchx"), "run", "-s", "local_cwd", "torchrec_ftrl/components.py:train_ctr",
+         "--nproc", "2", "--", *SMALL, "--steps", "12", "--eval-every", "100", "--device", "cpu",
+         "--output-dir", str(tmp_path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    s = _summary(tmp_path)
+    assert s["world_size"] == 2 and s["backend"] == "gloo"
+    assert s["final_validation"]["rows"] == 2 * 8 * 128  # both ranks' validation rows gathered
+    ranks = {r for v in s["plan"].values() for r in v.split("ranks")[1].strip(" []").split(",")}
+    assert len(s["sparsity"]) == 26 and {x.strip() for x in ranks} <= {"0", "1"}

@@ -38,11 +38,12 @@ KNOBS = dict(learning_rate=0.05, ftrl_l1_reg=0.002, ftrl_l2_reg=0.01, ftrl_beta=
 
 @pytest.fixture
 def interp(monkeypatch):
-    """Run the Triton backend under the interpreter on CPU tensors, with a tiny window (CHUNK=4) so
-    runs of one row cross many windows."""
+    """Run the Triton backend under the interpreter on CPU tensors, with tiny launch shapes: SEG=4 (runs
+    longer than 4 are cut into pieces and combined), few segments per program, small 1-D blocks."""
     if not INTERP:
         pytest.skip("runs in the child process of test_interpreter_suite (TRITON_INTERPRET=1)")
-    monkeypatch.setitem(triton_backend.TUNING, "chunk", 4)
+    for k, v in dict(seg=4, seg_tile=32, combine_cp=4, combine_nb=2, block=16, repair_block=4).items():
+        monkeypatch.setitem(triton_backend.TUNING, k, v)
     return "cpu"
 
 
@@ -143,14 +144,15 @@ def build(specs, fmap, pooling, device, backend="triton", precision=SparseType.F
 
 def run_and_check(device, *, specs, fmap, pooling, B=3, psw=False, vbe=None, hot=False,
                   precision=SparseType.FP32, seed=0, int32=False, against_torch=True, nan_bag=None,
-                  max_len=5, **knobs):
+                  max_len=5, case=None, **knobs):
     m = build(specs, fmap, pooling, device, precision=precision, seed=seed, **knobs)
     if knobs.get("ftrl_initial_accumulator_value") is None:
         with torch.no_grad():  # start from a state that is not all-zero
             m.momentum1_dev.uniform_(0.0, 0.5)
             m.momentum2_dev.uniform_(-0.1, 0.1)
-    case = make_case(seed, specs=specs, fmap=fmap, B=B, pooling=pooling, psw=psw, vbe=vbe, hot=hot,
-                     int32=int32, max_len=max_len)
+    if case is None:
+        case = make_case(seed, specs=specs, fmap=fmap, B=B, pooling=pooling, psw=psw, vbe=vbe,
+                         hot=hot, int32=int32, max_len=max_len)
     W0 = [w.double().cpu().numpy().copy() for w in m.split_embedding_weights()]
     Z0 = [z.double().cpu().numpy().copy() for _, z in m.split_optimizer_states()]
     N0 = [n.double().cpu().numpy().copy() for n, _ in m.split_optimizer_states()]
@@ -228,10 +230,11 @@ def test_interp_vbe(interp):
                   vbe=[[1, 2], [3, 0], [2, 2]], seed=5)
 
 
-@pytest.mark.parametrize("chunk", [4, 8, None])
-def test_interp_hot_rows_span_windows(interp, monkeypatch, chunk):
-    """Most ids hit rows 0/1: runs of one row cover many CHUNK windows (boundary kernel path)."""
-    monkeypatch.setitem(triton_backend.TUNING, "chunk", chunk)
+@pytest.mark.parametrize("seg", [1, 3, 4, 32])
+def test_interp_hot_rows_cut_into_segments(interp, monkeypatch, seg):
+    """Most ids hit rows 0/1: their runs are far longer than SEG, so they are cut into many pieces
+    (partial sums + combine kernel), next to short runs that are whole segments."""
+    monkeypatch.setitem(triton_backend.TUNING, "seg", seg)
     run_and_check(interp, specs=[(3, 4), (50, 4)], fmap=[0, 1], pooling=PoolingMode.SUM, B=6,
                   hot=True, max_len=8, seed=6)
 
@@ -279,6 +282,109 @@ def test_interp_repeat_is_bitwise(interp):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("seg", [4, 5])
+def test_interp_runs_cut_at_every_alignment(interp, monkeypatch, seg):
+    """Runs of 1..3*SEG+1 duplicates of one row, starting at every alignment modulo SEG in the sorted
+    order, next to single-entry runs: whole-run segments, first pieces of up to 2*SEG-1 entries,
+    middle and last pieces, and runs ending exactly on a cut."""
+    monkeypatch.setitem(triton_backend.TUNING, "seg", seg)
+    counts = [1, seg, seg + 1, 2 * seg - 1, 2 * seg, 1, 2 * seg + 1, 3 * seg + 1, 2, seg - 1, 3, 1,
+              4 * seg, 1]
+    rng = np.random.RandomState(20)
+    ids = rng.permutation(np.repeat(np.arange(len(counts)), counts))
+    B = 7
+    cuts = np.sort(rng.choice(np.arange(1, len(ids)), B - 1, replace=False))
+    offsets = np.concatenate([[0], cuts, [len(ids)]])
+    case = dict(indices=torch.tensor(ids, dtype=torch.int64),
+                offsets=torch.tensor(offsets, dtype=torch.int64),
+                psw=torch.tensor(rng.rand(len(ids)) + 0.5, dtype=torch.float32))
+    run_and_check(interp, specs=[(len(counts) + 2, 6)], fmap=[0], pooling=PoolingMode.MEAN, B=B,
+                  psw=True, case=case, seed=21)
+
+
+def _torch_warning_twin(m):
+    twin = FTRLTableBatchedEmbeddingBags(
+        [(r, d) for r, d, *_ in m.embedding_specs], feature_table_map=m.feature_table_map,
+        pooling_mode=m.pooling_mode, bounds_check_mode=BoundsCheckMode.WARNING, backend="torch",
+        **KNOBS)
+    twin.load_state_dict(m.state_dict())
+    return twin
+
+
+def test_interp_fused_warning_bounds_check(interp):
+    """Fused WARNING check: a bad index reads row 0 (forward) and its gradient goes to row 0; offsets
+    are clamped and made non-decreasing; everything is counted once per forward."""
+    m = build([(10, 3), (6, 4)], [0, 1], PoolingMode.SUM, interp)
+    W = [w.detach().double().clone() for w in m.split_embedding_weights()]
+    # feature 0 (10 rows): bags [1, 99] and [-4]; feature 1 (6 rows): bags [] and [6]
+    out = m(torch.tensor([1, 99, -4, 6]), torch.tensor([0, 2, 3, 3, 4]))
+    assert int(m.bounds_check_warning) == 3
+    expected = torch.stack([torch.cat([W[0][1] + W[0][0], torch.zeros(4, dtype=torch.float64)]),
+                            torch.cat([W[0][0], W[1][0]])])
+    torch.testing.assert_close(out.double(), expected, rtol=1e-6, atol=1e-7)
+    # -> offsets [0, 2, 2, 3, 3]: feature 0 bags [1, 2] and []; feature 1 bags [3] and []
+    out = m(torch.tensor([1, 2, 3]), torch.tensor([0, 2, 1, 3, 9]))
+    assert int(m.bounds_check_warning) == 3 + 2
+    expected = torch.stack([torch.cat([W[0][1] + W[0][2], W[1][3]]),
+                            torch.zeros(7, dtype=torch.float64)])
+    torch.testing.assert_close(out.double(), expected, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_interp_fused_warning_matches_index0_substitution(interp, seed):
+    """Random bad indices and malformed offsets: the fused check gives the count, the output and the
+    updated states of the PyTorch backend's torch-side repair (bad index := 0)."""
+    rng = np.random.RandomState(30 + seed)
+    specs, fmap, B = [(9, 4), (5, 4)], [0, 1, 0], 6
+    m = build(specs, fmap, PoolingMode.MEAN, interp)
+    twin = _torch_warning_twin(m)
+    N = 40
+    rows = np.array([specs[f][0] for f in fmap])
+    idx = rng.randint(-3, 12, N)
+    off = np.sort(rng.randint(0, N + 1, len(fmap) * B + 1))
+    off[0], off[-1] = 0, N
+    off[[3, 9]] = [off[3] + 7, -2]            # one entry too large (non-monotone), one negative
+    off[-1] = N + 3 if seed == 1 else N       # last entry out of range
+    indices, offsets = torch.tensor(idx), torch.tensor(off)
+    outs = []
+    for mod in (m, twin):
+        out = mod(indices, offsets)
+        out.backward(torch.cos(3 * out.detach()))
+        outs.append(out.detach())
+    assert int(m.bounds_check_warning) == int(twin.bounds_check_warning) > 0
+    assert int(m.bounds_check_warning) >= int(((idx < 0) | (idx >= rows.max())).sum())
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+    for name in ("weights_dev", "momentum1_dev", "momentum2_dev"):
+        torch.testing.assert_close(getattr(m, name), getattr(twin, name), rtol=2e-5, atol=2e-6)
+
+
+def test_interp_repair_offsets_matches_cummax(interp):
+    """The device repair over several blocks equals clamp + cummax with ends pinned, counting changes."""
+    rng = np.random.RandomState(40)
+    N = 50
+    off = rng.randint(-10, N + 10, 23)
+    warn = torch.zeros(1, dtype=torch.int64)
+    fixed = triton_backend.repair_offsets(torch.tensor(off), N, warn)
+    exp = np.maximum.accumulate(np.clip(off, 0, N))
+    exp[0], exp[-1] = 0, N
+    assert fixed.tolist() == exp.tolist()
+    assert int(warn) == int((exp != off).sum())
+
+
+def test_interp_warning_with_psw_grad_falls_back(interp):
+    """per_sample_weights that need a gradient use the torch-side repair: same count and output."""
+    m = build([(10, 3)], [0], PoolingMode.SUM, interp)
+    psw = torch.tensor([0.5, 2.0, 1.5], requires_grad=True)
+    W = m.split_embedding_weights()[0].detach().double().clone()
+    out = m(torch.tensor([1, 12, -1]), torch.tensor([0, 2, 3]), psw)
+    assert int(m.bounds_check_warning) == 2
+    expected = torch.stack([0.5 * W[1] + 2.0 * W[0], 1.5 * W[0]])
+    torch.testing.assert_close(out.double(), expected, rtol=1e-6, atol=1e-7)
+    out.sum().backward()
+    torch.testing.assert_close(psw.grad.double(), torch.stack([W[1].sum(), W[0].sum(), W[0].sum()]),
+                               rtol=1e-6, atol=1e-7)
+
+
 def test_interp_empty_batch_changes_nothing(interp):
     m = build([(5, 3)], [0], PoolingMode.SUM, interp)
     before = m.weights_dev.clone()
@@ -290,6 +396,10 @@ def test_interp_empty_batch_changes_nothing(interp):
 
 def test_ops_registered():
     assert hasattr(torch.ops.torchrec_ftrl, "triton_tbe_forward")
+    for op, want in (("triton_tbe_forward", {"warn"}), ("triton_repair_offsets", {"warn"})):
+        schema = getattr(torch.ops.torchrec_ftrl, op).default._schema
+        assert {a.name for a in schema.arguments
+                if a.alias_info is not None and a.alias_info.is_write} == want
     assert hasattr(torch.ops.torchrec_ftrl, "triton_tbe_backward_update_")
     schema = torch.ops.torchrec_ftrl.triton_tbe_backward_update_.default._schema
     mutated = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
@@ -315,9 +425,9 @@ def test_cuda_random_parity(pooling, psw, precision, seed):
 
 @cuda
 @needs_cuda
-@pytest.mark.parametrize("chunk", [None, 8])
-def test_cuda_hot_rows_and_vbe(monkeypatch, chunk):
-    monkeypatch.setitem(triton_backend.TUNING, "chunk", chunk)
+@pytest.mark.parametrize("seg", [32, 5])
+def test_cuda_hot_rows_and_vbe(monkeypatch, seg):
+    monkeypatch.setitem(triton_backend.TUNING, "seg", seg)
     run_and_check("cuda", specs=[(3, 128), (400, 64)], fmap=[0, 1], pooling=PoolingMode.SUM,
                   B=256, hot=True, max_len=30, seed=14)
     run_and_check("cuda", specs=[(30, 32), (40, 8)], fmap=[0, 1], pooling=PoolingMode.MEAN,

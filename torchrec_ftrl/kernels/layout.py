@@ -41,6 +41,10 @@ class TBEBatch:
             backend sort 32-bit row keys.
         table_dims: ``table_dim`` as a Python tuple, or None if unknown; lets the CUDA backend
             specialise its kernels (vector width, no column mask) without reading the device.
+        index_check: int64 ``[1]`` counter, or None. When set (Triton backend with the fused
+            ``BoundsCheckMode.WARNING``), ``indices`` are NOT yet checked: the kernels read an index
+            outside ``[0, rows)`` as row 0 and the forward adds the number of such indices here.
+            ``offsets`` are already repaired.
     """
 
     table_w_offset: torch.Tensor
@@ -57,6 +61,7 @@ class TBEBatch:
     max_D: int
     total_rows: int | None = None
     table_dims: tuple | None = None
+    index_check: torch.Tensor | None = None
 
     @property
     def num_bags(self) -> int:

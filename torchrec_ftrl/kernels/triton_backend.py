@@ -1,10 +1,12 @@
 """Triton (CUDA) backend of the FTRL TBE, registered as ``torch.library`` custom ops.
 
-* ``torch.ops.torchrec_ftrl.triton_tbe_forward``: pooled lookup, see :mod:`.triton_forward`.
+* ``torch.ops.torchrec_ftrl.triton_tbe_forward``: pooled lookup, see :mod:`.triton_forward` (mutates
+  ``warn``, the bounds-check counter, when the fused WARNING check is on).
 * ``torch.ops.torchrec_ftrl.triton_tbe_backward_update_``: fused backward + FTRL update in place
   (mutates weights, accum, linear, nonfinite_rows), see :mod:`.triton_backward`.
+* ``torch.ops.torchrec_ftrl.triton_repair_offsets``: the WARNING repair of offsets (mutates ``warn``).
 
-Both are ``torch.library.triton_op`` s, so ``torch.compile`` / ``torch.export`` see the Triton kernels
+All are ``torch.library.triton_op`` s, so ``torch.compile`` / ``torch.export`` see the Triton kernels
 inside them. Neither synchronises with the host: every buffer is sized from ``indices.numel()`` and
 the number of unique rows never leaves the device. Under ``TRITON_INTERPRET=1`` the same code runs on
 CPU tensors (slowly), which is how CI tests it.
@@ -24,14 +26,19 @@ from triton.runtime.jit import JITFunction
 
 from ..hyperparams import FTRLHyperparams
 from .layout import POOL_MEAN, POOL_NONE, TBEBatch
-from .triton_backward import (boundary_update_kernel, linearize_kernel, window_config,
-                              window_update_kernel)
+from .triton_backward import (linearize_kernel, offsets_block_max_kernel, offsets_repair_kernel,
+                              segment_combine_kernel, segment_config, segment_mark_kernel,
+                              segment_scatter_kernel, segment_update_kernel)
 from .triton_forward import forward_config, tbe_forward_kernel
 
-# Launch shape knobs (elements per program step; CHUNK = sorted positions per backward window, None =
-# derived from the tile). Benchmarks and tests may change them; the results do not depend on them
-# beyond fp32 summation order.
-TUNING = {"fwd_tile": 2048, "fwd_unroll": 4, "bwd_tile": 2048, "chunk": None, "boundary_nb": 16}
+# Launch shape knobs. fwd_tile/fwd_unroll: forward elements per step / indices per bag in flight.
+# seg: longest piece of a run summed by one backward program (longer runs are cut and their pieces
+# combined); seg_tile/seg_rows: elements per step / gradient rows per segment in flight;
+# combine_cp/combine_nb: cut candidates per combine program / pieces added per step; block: 1-D
+# kernels' block; repair_block: offsets per program of the WARNING offsets repair. Results do not
+# depend on them beyond fp32 summation order.
+TUNING = {"fwd_tile": 4096, "fwd_unroll": 2, "seg": 64, "seg_tile": 2048, "seg_rows": 4,
+          "combine_cp": 64, "combine_nb": 64, "block": 1024, "repair_block": 1024}
 
 try:
     from torch.library import triton_op, wrap_triton
@@ -66,6 +73,7 @@ def _vec_even(table_dims, block_d: int) -> tuple[int, bool]:
 def _forward_impl(weights: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,
                   bag_feature: torch.Tensor, bag_out_offset: torch.Tensor,
                   feature_table: torch.Tensor, table_w_offset: torch.Tensor, table_dim: torch.Tensor,
+                  table_rows: torch.Tensor, warn: torch.Tensor, check: bool,
                   per_sample_weights: Optional[torch.Tensor], pooling_mode: int, out_numel: int,
                   max_D: int, out_dtype: torch.dtype, vec: int, even_d: bool) -> torch.Tensor:
     out = torch.empty(out_numel, dtype=out_dtype, device=weights.device)
@@ -78,8 +86,8 @@ def _forward_impl(weights: torch.Tensor, indices: torch.Tensor, offsets: torch.T
     psw = per_sample_weights if has_psw else out
     _k(tbe_forward_kernel)[(triton.cdiv(num_bags, bags),)](
         weights, out, indices, offsets, bag_feature, bag_out_offset, feature_table,
-        table_w_offset, table_dim, psw, num_bags, max_D,
-        POOL=pooling_mode, HAS_PSW=has_psw, BAGS=bags, UNROLL=unroll, BLOCK_D=BLOCK_D,
+        table_w_offset, table_dim, table_rows, psw, warn, num_bags, max_D,
+        POOL=pooling_mode, HAS_PSW=has_psw, CHECK=check, BAGS=bags, UNROLL=unroll, BLOCK_D=BLOCK_D,
         VEC=vec, EVEN_D=even_d, num_warps=warps)
     return out
 
@@ -88,69 +96,105 @@ def _backward_impl(weights: torch.Tensor, accum: torch.Tensor, linear: torch.Ten
                    nonfinite_rows: torch.Tensor, grad: torch.Tensor, indices: torch.Tensor,
                    offsets: torch.Tensor, bag_feature: torch.Tensor, bag_out_offset: torch.Tensor,
                    feature_table: torch.Tensor, table_w_offset: torch.Tensor,
-                   table_dim: torch.Tensor, table_rows: torch.Tensor,
+                   table_dim: torch.Tensor, table_rows: torch.Tensor, check: bool,
                    per_sample_weights: Optional[torch.Tensor], pooling_mode: int, max_D: int,
-                   total_rows: int, vec: int, even_d: bool, lr: float, neg_p: float, l1: float, l2_eff: float, beta: float,
-                   shrink2: float) -> None:
+                   total_rows: int, vec: int, even_d: bool, lr: float, neg_p: float, l1: float,
+                   l2_eff: float, beta: float, shrink2: float) -> None:
     N = indices.numel()
     num_bags = offsets.numel() - 1
     if N == 0 or num_bags <= 0:
         return
     dev = weights.device
     BLOCK_D = _block_d(max_D)
+    SEG = max(1, int(TUNING["seg"]))
+    BLOCK = int(TUNING["block"])
     row_base = torch.cumsum(table_rows, 0) - table_rows
-    key_dtype = torch.int32 if 0 <= total_rows < 2 ** 31 - 1 else torch.int64
+    i32_max = 2 ** 31 - 1
+    key_dtype = torch.int32 if 0 <= total_rows < i32_max else torch.int64
     key = torch.empty(N, dtype=key_dtype, device=dev)
-    gofs = torch.empty(N, dtype=torch.int64, device=dev)
-    tid = torch.empty(N, dtype=torch.int32, device=dev)
+    gofs_dtype = torch.int32 if grad.numel() < i32_max else torch.int64
+    gofs = torch.empty(N, dtype=gofs_dtype, device=dev)
+    tid = torch.empty(1 if even_d else N, dtype=torch.int32, device=dev)  # table per index
     has_psw = per_sample_weights is not None and pooling_mode != POOL_NONE
     has_scale = has_psw or pooling_mode == POOL_MEAN
     scale = torch.empty(N if has_scale else 1, dtype=torch.float32, device=dev)
     psw = per_sample_weights if has_psw else scale
-    bags, unroll = 64, 4
-    _k(linearize_kernel)[(triton.cdiv(num_bags, bags),)](
-        indices, offsets, bag_feature, bag_out_offset, feature_table, row_base, psw,
+    _k(linearize_kernel)[(triton.cdiv(num_bags, 64),)](
+        indices, offsets, bag_feature, bag_out_offset, feature_table, row_base, table_rows, psw,
         key, gofs, scale, tid, num_bags, max_D,
-        POOL=pooling_mode, HAS_PSW=has_psw, HAS_SCALE=has_scale, BAGS=bags, UNROLL=unroll,
+        POOL=pooling_mode, HAS_PSW=has_psw, HAS_SCALE=has_scale, CHECK=check, HAS_TID=not even_d,
+        BAGS=64, UNROLL=4,
         num_warps=4)
 
     sorted_key, perm = torch.sort(key, stable=True)
 
-    chunk, warps = window_config(BLOCK_D, TUNING["bwd_tile"], TUNING["chunk"])
-    nwin = triton.cdiv(N, chunk)
-    part = torch.empty(2 * nwin * BLOCK_D, dtype=torch.float32, device=dev)
+    # Segments: run starts, plus cuts every SEG positions inside long runs; compacted on the device.
+    flags = torch.empty(N, dtype=torch.int32, device=dev)
+    sgofs = torch.empty_like(gofs)
+    sscale = torch.empty_like(scale)
+    _k(segment_mark_kernel)[(triton.cdiv(N, BLOCK),)](
+        sorted_key, perm, gofs, scale, flags, sgofs, sscale, N,
+        SEG=SEG, HAS_SCALE=has_scale, BLOCK=BLOCK, num_warps=4)
+    cum = torch.cumsum(flags, 0, dtype=torch.int32 if N < i32_max else torch.int64)
+    seg = torch.empty(N + 1, dtype=cum.dtype, device=dev)
+    _k(segment_scatter_kernel)[(triton.cdiv(N, BLOCK),)](cum, seg, N, BLOCK=BLOCK, num_warps=4)
+    count = cum[N - 1:]
+
+    nmult = triton.cdiv(N, SEG) - 1            # multiples m * SEG, m >= 1, inside [0, N)
+    part = torch.empty(max(1, 2 * (nmult + 1)) * BLOCK_D, dtype=torch.float32, device=dev)
+    bound = N if total_rows < 0 else min(N, total_rows + N // SEG)
+    G, R, warps = segment_config(BLOCK_D, TUNING["seg_tile"], TUNING["seg_rows"])
     pow_half = neg_p == 0.5
     has_shrink = shrink2 != 0.0
-    libdev = isinstance(window_update_kernel, JITFunction)
-    _k(window_update_kernel)[(nwin,)](
-        sorted_key, perm, gofs, scale, tid, grad, weights, linear, accum,
+    libdev = isinstance(segment_update_kernel, JITFunction)
+    _k(segment_update_kernel)[(triton.cdiv(bound, G),)](
+        seg, count, sorted_key, perm, sgofs, sscale, tid, grad, weights, linear, accum,
         table_w_offset, table_dim, row_base, part, nonfinite_rows,
         N, lr, l1, l2_eff, beta, shrink2, neg_p,
-        HAS_SCALE=has_scale, POW_HALF=pow_half, HAS_SHRINK=has_shrink, LIBDEVICE_POW=libdev,
-        CHUNK=chunk, BLOCK_D=BLOCK_D, VEC=vec, EVEN_D=even_d, num_warps=warps)
-    if nwin > 1:
-        nb = TUNING["boundary_nb"]
-        _k(boundary_update_kernel)[(nwin - 1,)](
+        SEG=SEG, HAS_SCALE=has_scale, POW_HALF=pow_half, HAS_SHRINK=has_shrink,
+        LIBDEVICE_POW=libdev, G=G, R=R, BLOCK_D=BLOCK_D, VEC=vec, EVEN_D=even_d, num_warps=warps)
+    if nmult > 0:
+        cp = int(TUNING["combine_cp"])
+        _k(segment_combine_kernel)[(triton.cdiv(nmult, cp),)](
             sorted_key, perm, tid, part, weights, linear, accum,
             table_w_offset, table_dim, row_base, nonfinite_rows,
             N, lr, l1, l2_eff, beta, shrink2, neg_p,
-            POW_HALF=pow_half, HAS_SHRINK=has_shrink, LIBDEVICE_POW=libdev, CHUNK=chunk, NB=nb, BLOCK_D=BLOCK_D, VEC=vec, EVEN_D=even_d,
-            num_warps=max(1, min(8, nb * BLOCK_D // 512)))
+            SEG=SEG, CP=cp, NB=int(TUNING["combine_nb"]), POW_HALF=pow_half,
+            HAS_SHRINK=has_shrink, LIBDEVICE_POW=libdev, BLOCK_D=BLOCK_D, VEC=vec, EVEN_D=even_d,
+            num_warps=max(1, min(4, int(TUNING["combine_nb"]) * BLOCK_D // 1024)))
+
+
+def _repair_offsets_impl(offsets: torch.Tensor, warn: torch.Tensor, num_indices: int) -> torch.Tensor:
+    n = offsets.numel()
+    fixed = torch.empty_like(offsets)
+    if n == 0:
+        return fixed
+    block = int(TUNING["repair_block"])
+    nblk = triton.cdiv(n, block)
+    bmax = torch.empty(nblk, dtype=offsets.dtype, device=offsets.device)
+    _k(offsets_block_max_kernel)[(nblk,)](offsets, bmax, n, num_indices, BLOCK=block, num_warps=4)
+    _k(offsets_repair_kernel)[(nblk,)](offsets, bmax, fixed, warn, n, num_indices,
+                                       BLOCK=block, PBLOCK=128, num_warps=4)
+    return fixed
 
 
 if triton_op is not None:
-    _forward_op = triton_op("torchrec_ftrl::triton_tbe_forward", _forward_impl, mutates_args=())
+    _forward_op = triton_op("torchrec_ftrl::triton_tbe_forward", _forward_impl, mutates_args=("warn",))
     _backward_op = triton_op("torchrec_ftrl::triton_tbe_backward_update_", _backward_impl,
                              mutates_args=("weights", "accum", "linear", "nonfinite_rows"))
+    _repair_offsets_op = triton_op("torchrec_ftrl::triton_repair_offsets", _repair_offsets_impl,
+                                   mutates_args=("warn",))
 else:  # pragma: no cover
-    _forward_op, _backward_op = _forward_impl, _backward_impl
+    _forward_op, _backward_op, _repair_offsets_op = _forward_impl, _backward_impl, _repair_offsets_impl
 
 
 def forward(weights: torch.Tensor, batch: TBEBatch, out_dtype: torch.dtype) -> torch.Tensor:
     """Pooled lookup. Returns the flat output ``[batch.out_numel]`` in ``out_dtype`` (fp32 accumulation)."""
+    check = batch.index_check is not None
+    warn = batch.index_check if check else batch.indices.new_empty(0)
     return _forward_op(weights, batch.indices, batch.offsets, batch.bag_feature,
                        batch.bag_out_offset, batch.feature_table, batch.table_w_offset,
-                       batch.table_dim, batch.per_sample_weights, int(batch.pooling_mode),
+                       batch.table_dim, batch.table_rows, warn, check, batch.per_sample_weights, int(batch.pooling_mode),
                        int(batch.out_numel), int(batch.max_D), out_dtype,
                        *_vec_even(getattr(batch, "table_dims", None), _block_d(batch.max_D)))
 
@@ -167,8 +211,22 @@ def backward_update_(weights: torch.Tensor, accum: torch.Tensor, linear: torch.T
     _backward_op(weights, accum, linear, nonfinite_rows, grad_out.reshape(-1).contiguous(),
                  batch.indices, batch.offsets, batch.bag_feature, batch.bag_out_offset,
                  batch.feature_table, batch.table_w_offset, batch.table_dim, batch.table_rows,
-                 batch.per_sample_weights, int(batch.pooling_mode), int(batch.max_D),
+                 batch.index_check is not None, batch.per_sample_weights, int(batch.pooling_mode), int(batch.max_D),
                  -1 if total_rows is None else int(total_rows),
                  *_vec_even(getattr(batch, "table_dims", None), _block_d(batch.max_D)),
                  hp.learning_rate, -hp.learning_rate_power, hp.l1_reg, hp.l2_effective, hp.beta,
                  2.0 * hp.l2_shrinkage)
+
+
+def repair_offsets(offsets: torch.Tensor, num_indices: int, warn: torch.Tensor) -> torch.Tensor:
+    """Device-side ``BoundsCheckMode.WARNING`` repair of FBGEMM-layout offsets, no host sync.
+
+    Args:
+        offsets: int64 ``[num_bags + 1]`` on the device.
+        num_indices: ``indices.numel()`` (N).
+        warn: int64 ``[1]`` counter; the number of entries changed is added to it.
+
+    Returns a new int64 ``[num_bags + 1]``: ``cummax(clamp(offsets, 0, N))`` with the first entry 0
+    and the last N (the same repair as the PyTorch path of ``FTRLTableBatchedEmbeddingBags``).
+    """
+    return _repair_offsets_op(offsets, warn, int(num_indices))

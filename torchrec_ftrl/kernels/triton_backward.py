@@ -1,25 +1,33 @@
 """Triton kernels of the FTRL TBE backward: sum gradients per unique row, one FTRL update per row.
 
-Pipeline (all on the device, fixed-size buffers of ``N = indices.numel()`` entries, no host sync):
+Pipeline (all on the device, buffers sized from ``N = indices.numel()``, no host sync):
 
 1. :func:`linearize_kernel` (one program per block of bags) writes, for every index position, its
    linearised row id ``row_base[table] + index`` (the sort key), the element offset of its bag's
-   gradient vector, its gradient factor (per-sample weight, 1/L for MEAN) and its table.
+   gradient vector, its gradient factor (per-sample weight, 1/L for MEAN) and its table. With the
+   fused WARNING bounds check an index outside ``[0, rows)`` is read as row 0.
 2. ``torch.sort(keys, stable=True)`` groups equal rows (stable, so the order inside a run, hence the
    summation order, is fixed).
-3. :func:`window_update_kernel`: the sorted positions are cut into windows of ``CHUNK``. A program
-   gathers its window's ``CHUNK`` gradient rows at once, sums each run of equal keys with a
-   segmented scan, and applies the FTRL update to every run that starts and ends inside the window.
-   The piece of a run that crosses a window edge is written to a scratch slot instead: slot ``2m``
-   for the window's first run (it starts at the window start), slot ``2m + 1`` for its last run. Only
-   one run per window can continue into the next window, so the slots never collide. A hot row thus
-   costs ``len / CHUNK`` parallel window programs, not one long serial loop.
-4. :func:`boundary_update_kernel`: one program per window edge ``b = m * CHUNK``. The program whose
-   edge is the first one its run crosses adds the run's pieces in window order and applies the update.
+3. :func:`segment_mark_kernel` cuts the sorted positions into *segments*: a segment starts at every
+   run start (``key[i] != key[i-1]``) and, inside runs longer than ``SEG``, at every position ``i``
+   that is a multiple of ``SEG`` with ``key[i - SEG] == key[i]``. So short runs are one segment, and
+   a long run is cut into pieces of at most ``2 * SEG - 1`` entries (its first piece) and ``SEG``
+   (the others). The kernel also gathers each sorted entry's gradient offset and factor into sorted
+   order, so later loads need no ``perm`` round trip. ``torch.cumsum`` of the start flags and
+   :func:`segment_scatter_kernel` compact the segment starts into a dense array whose length stays
+   on the device (the last cumsum entry).
+4. :func:`segment_update_kernel`: a program takes ``G`` consecutive segments and sums each one's
+   gradient rows in sorted order (``R`` rows per segment in flight), loading the row's weight and
+   states before the gather loop. A segment that is a whole run gets its FTRL update right there; a
+   piece of a long run writes its partial sum to a scratch slot: ``2 * (s // SEG)`` when it starts
+   at a multiple ``s`` of ``SEG``, ``2 * (s // SEG) + 1`` for a run's first piece starting elsewhere
+   (at most one run's first piece starts in one ``SEG`` window, so slots never collide).
+5. :func:`segment_combine_kernel`: for every run cut into pieces, the program that owns the run's
+   first cut adds the pieces in position order and applies the update.
 
-Every sum has a fixed order (sorted position order, fixed scan/reduction trees), so the result is
-bitwise reproducible run to run without atomics on values. The only atomic is the count of rows
-skipped because their summed gradient has a NaN/Inf (``nonfinite_rows``), an integer.
+Every sum has a fixed order (sorted positions, fixed reduction trees), so results are bitwise
+reproducible run to run without atomics on values. The only atomics are integer counts: rows skipped
+because their summed gradient has a NaN/Inf (``nonfinite_rows``) and bounds-check warnings.
 
 The FTRL lines follow ``shared/docs/FTRL.md`` exactly: accum uses the raw gradient; ``sqrt`` (IEEE
 round-to-nearest) when ``p == -0.5`` else ``pow``; ``z`` uses the OLD weight; the exact zero comes from
@@ -38,10 +46,10 @@ _FLT_MAX = tl.constexpr(3.4028234663852886e38)
 @triton.jit
 def linearize_kernel(
     indices_ptr, offsets_ptr, bag_feature_ptr, bag_out_ptr, feature_table_ptr, row_base_ptr,
-    psw_ptr, key_ptr, gofs_ptr, scale_ptr, tid_ptr,
+    table_rows_ptr, psw_ptr, key_ptr, gofs_ptr, scale_ptr, tid_ptr,
     num_bags, out_row_stride,
-    POOL: tl.constexpr, HAS_PSW: tl.constexpr, HAS_SCALE: tl.constexpr,
-    BAGS: tl.constexpr, UNROLL: tl.constexpr,
+    POOL: tl.constexpr, HAS_PSW: tl.constexpr, HAS_SCALE: tl.constexpr, CHECK: tl.constexpr,
+    HAS_TID: tl.constexpr, BAGS: tl.constexpr, UNROLL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     bags = pid.to(tl.int64) * BAGS + tl.arange(0, BAGS)
@@ -52,6 +60,8 @@ def linearize_kernel(
     feat = tl.load(bag_feature_ptr + bags, mask=bmask, other=0)
     tab = tl.load(feature_table_ptr + feat, mask=bmask, other=0)
     rbase = tl.load(row_base_ptr + tab, mask=bmask, other=0)
+    if CHECK:
+        trows = tl.load(table_rows_ptr + tab, mask=bmask, other=0)
     oofs = tl.load(bag_out_ptr + bags, mask=bmask, other=0)
     inv_len = tl.div_rn(1.0, tl.maximum(length, 1).to(tl.float32))
     u = tl.arange(0, UNROLL)
@@ -61,13 +71,16 @@ def linearize_kernel(
         lmask = jj[None, :] < length[:, None]
         pos = start[:, None] + jj[None, :]
         idx = tl.load(indices_ptr + pos, mask=lmask, other=0)
+        if CHECK:
+            idx = tl.where((idx < 0) | (idx >= trows[:, None]), 0, idx)
         tl.store(key_ptr + pos, (rbase[:, None] + idx).to(key_ptr.dtype.element_ty), mask=lmask)
         if POOL == 2:
             g = pos * out_row_stride
         else:
             g = oofs[:, None] + jj[None, :] * 0
-        tl.store(gofs_ptr + pos, g, mask=lmask)
-        tl.store(tid_ptr + pos, (tab[:, None] + jj[None, :] * 0).to(tl.int32), mask=lmask)
+        tl.store(gofs_ptr + pos, g.to(gofs_ptr.dtype.element_ty), mask=lmask)
+        if HAS_TID:
+            tl.store(tid_ptr + pos, (tab[:, None] + jj[None, :] * 0).to(tl.int32), mask=lmask)
         if HAS_SCALE:
             if HAS_PSW:
                 s = tl.load(psw_ptr + pos, mask=lmask, other=0.0)
@@ -79,9 +92,31 @@ def linearize_kernel(
 
 
 @triton.jit
-def _seg_add(av, af, bv, bf):
-    # Segmented sum: a set flag on the right operand restarts the sum there.
-    return tl.where(bf != 0, bv, av + bv), af | bf
+def segment_mark_kernel(sk_ptr, perm_ptr, gofs_ptr, scale_ptr, flag_ptr, sgofs_ptr, sscale_ptr, N,
+                        SEG: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+    p = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = p < N
+    k = tl.load(sk_ptr + p, mask=valid, other=0)
+    kp = tl.load(sk_ptr + p - 1, mask=valid & (p > 0), other=0)
+    ks = tl.load(sk_ptr + p - SEG, mask=valid & (p >= SEG), other=0)
+    cut = ((p % SEG) == 0) & (p >= SEG) & (k == ks)
+    flag = (p == 0) | (k != kp) | cut
+    tl.store(flag_ptr + p, flag.to(tl.int32), mask=valid)
+    orig = tl.load(perm_ptr + p, mask=valid, other=0)
+    tl.store(sgofs_ptr + p, tl.load(gofs_ptr + orig, mask=valid, other=0), mask=valid)
+    if HAS_SCALE:
+        tl.store(sscale_ptr + p, tl.load(scale_ptr + orig, mask=valid, other=0.0), mask=valid)
+
+
+@triton.jit
+def segment_scatter_kernel(cum_ptr, seg_ptr, N, BLOCK: tl.constexpr):
+    # cum = inclusive cumsum of the start flags; position p starts a segment iff cum rises at p.
+    p = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = p < N
+    c = tl.load(cum_ptr + p, mask=valid, other=0)
+    cp = tl.load(cum_ptr + p - 1, mask=valid & (p > 0), other=0)
+    tl.store(seg_ptr + c - 1, p.to(seg_ptr.dtype.element_ty), mask=valid & (c != cp))
+    tl.store(seg_ptr + c, (p + 1).to(seg_ptr.dtype.element_ty), mask=p == N - 1)  # sentinel = N
 
 
 @triton.jit
@@ -140,121 +175,178 @@ def ftrl_update_store(w_ptr, z_ptr, n_ptr, nonfinite_ptr, w, z, n, offs, m, rmas
 
 
 @triton.jit
-def window_update_kernel(
-    sk_ptr, perm_ptr, gofs_ptr, scale_ptr, tid_ptr, grad_ptr,
+def segment_update_kernel(
+    seg_ptr, count_ptr, sk_ptr, perm_ptr, sgofs_ptr, sscale_ptr, tid_ptr, grad_ptr,
     w_ptr, z_ptr, n_ptr, table_w_offset_ptr, table_dim_ptr, row_base_ptr, part_ptr, nonfinite_ptr,
     N, lr, l1, l2_eff, beta, shrink2, neg_p,
-    HAS_SCALE: tl.constexpr, POW_HALF: tl.constexpr, HAS_SHRINK: tl.constexpr,
-    LIBDEVICE_POW: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
+    SEG: tl.constexpr, HAS_SCALE: tl.constexpr, POW_HALF: tl.constexpr, HAS_SHRINK: tl.constexpr,
+    LIBDEVICE_POW: tl.constexpr, G: tl.constexpr, R: tl.constexpr, BLOCK_D: tl.constexpr,
     VEC: tl.constexpr, EVEN_D: tl.constexpr,
 ):
-    m = tl.program_id(0).to(tl.int64)
-    r = tl.arange(0, CHUNK)
-    p0 = m * CHUNK
-    p = p0 + r
-    valid = p < N
-    k = tl.load(sk_ptr + p, mask=valid, other=-1)
-    kprev = tl.load(sk_ptr + p - 1, mask=valid & (p > 0), other=-1)
-    knext = tl.load(sk_ptr + p + 1, mask=(p + 1) < N, other=-1)
-    run_start = (p == 0) | (k != kprev)
-    run_end = (p == N - 1) | (k != knext)
-    seg_start = (r == 0) | run_start
-    seg_end = valid & ((r == CHUNK - 1) | run_end)
-
-    orig = tl.load(perm_ptr + p, mask=valid, other=0)
-    gofs = tl.multiple_of(tl.load(gofs_ptr + orig, mask=valid, other=0), VEC)
-    cols = tl.arange(0, BLOCK_D)
-    if EVEN_D:
-        # Every table has D == BLOCK_D: row r of the flat layout starts at r * BLOCK_D.
-        m2 = tl.broadcast_to(valid[:, None], [CHUNK, BLOCK_D])
-    else:
-        tid = tl.load(tid_ptr + orig, mask=valid, other=0)
-        dim = tl.multiple_of(tl.load(table_dim_ptr + tid, mask=valid, other=VEC), VEC)
-        m2 = valid[:, None] & ((cols // VEC)[None, :] < (dim // VEC)[:, None])
-    g = tl.load(grad_ptr + gofs[:, None] + cols[None, :], mask=m2, other=0.0).to(tl.float32)
-    if HAS_SCALE:
-        sc = tl.load(scale_ptr + orig, mask=valid, other=0.0)
-        g = g * sc[:, None]
-    k0 = tl.load(sk_ptr + p0)
-    k0prev = tl.load(sk_ptr + p0 - 1, mask=p0 > 0, other=-1)
-    first_starts_run = (p0 == 0) | (k0prev != k0)
-    not_first = k != k0
-    complete = seg_end & run_end & (not_first | first_starts_run)
-    partial = seg_end & (complete == 0)
-    # State loads depend only on the keys: issue them before the scan.
-    if EVEN_D:
-        roff = k.to(tl.int64) * BLOCK_D
-    else:
-        rbase = tl.load(row_base_ptr + tid, mask=complete, other=0)
-        woff = tl.multiple_of(tl.load(table_w_offset_ptr + tid, mask=complete, other=0), VEC)
-        roff = woff + (k - rbase) * dim
-    w, z, n, offs, sm = load_states(w_ptr, z_ptr, n_ptr, roff, complete[:, None] & m2, cols)
-
-    flags = tl.broadcast_to(seg_start.to(tl.int32)[:, None], [CHUNK, BLOCK_D])
-    gsum, _ = tl.associative_scan((g, flags), 0, _seg_add)
-
-    slot = 2 * m + not_first.to(tl.int64)
-    tl.store(part_ptr + slot[:, None] * BLOCK_D + cols[None, :], gsum, mask=partial[:, None] & m2)
-    ftrl_update_store(w_ptr, z_ptr, n_ptr, nonfinite_ptr, w, z, n, offs, sm, complete, gsum,
-                      lr, l1, l2_eff, beta, shrink2, neg_p, POW_HALF, HAS_SHRINK, LIBDEVICE_POW)
-
-
-@triton.jit
-def boundary_update_kernel(
-    sk_ptr, perm_ptr, tid_ptr, part_ptr,
-    w_ptr, z_ptr, n_ptr, table_w_offset_ptr, table_dim_ptr, row_base_ptr, nonfinite_ptr,
-    N, lr, l1, l2_eff, beta, shrink2, neg_p,
-    POW_HALF: tl.constexpr, HAS_SHRINK: tl.constexpr, LIBDEVICE_POW: tl.constexpr,
-    CHUNK: tl.constexpr, NB: tl.constexpr, BLOCK_D: tl.constexpr, VEC: tl.constexpr,
-    EVEN_D: tl.constexpr,
-):
-    mb = tl.program_id(0).to(tl.int64) + 1          # window edge b = mb * CHUNK, 0 < b < N
-    b = mb * CHUNK
-    kb = tl.load(sk_ptr + b)
-    crosses = tl.load(sk_ptr + b - 1) == kb
-    crossed_before = (mb > 1) & (tl.load(sk_ptr + b - CHUNK - 1, mask=mb > 1, other=-1) == kb)
-    if crosses & (crossed_before == 0):
+    j0 = tl.program_id(0).to(tl.int64) * G
+    count = tl.load(count_ptr).to(tl.int64)          # number of segments (device-side)
+    if j0 < count:
+        j = j0 + tl.arange(0, G)
+        valid = j < count
+        s = tl.load(seg_ptr + j, mask=valid, other=0).to(tl.int64)
+        e = tl.load(seg_ptr + j + 1, mask=valid, other=0).to(tl.int64)
+        key = tl.load(sk_ptr + s, mask=valid, other=0)
+        kprev = tl.load(sk_ptr + s - 1, mask=valid & (s > 0), other=0)
+        knext = tl.load(sk_ptr + e, mask=valid & (e < N), other=0)
+        head = (s == 0) | (kprev != key)
+        tail = (e >= N) | (knext != key)
+        complete = valid & head & tail
+        partial = valid & (complete == 0)
         cols = tl.arange(0, BLOCK_D)
         if EVEN_D:
-            cmask = cols < BLOCK_D
-            roff = kb.to(tl.int64) * BLOCK_D
+            # Every table has D == BLOCK_D: row r of the flat layout starts at r * BLOCK_D.
+            m2 = tl.broadcast_to(valid[:, None], [G, BLOCK_D])
+            roff = key.to(tl.int64) * BLOCK_D
         else:
-            orig = tl.load(perm_ptr + b)
-            tid = tl.load(tid_ptr + orig)
-            dim = tl.multiple_of(tl.load(table_dim_ptr + tid), VEC)
-            cmask = (cols // VEC) < (dim // VEC)
-            rbase = tl.load(row_base_ptr + tid)
-            woff = tl.multiple_of(tl.load(table_w_offset_ptr + tid), VEC)
-            roff = woff + (kb - rbase) * dim
-        whole_prev = tl.load(sk_ptr + b - CHUNK) == kb
-        first_slot = 2 * (mb - 1) + (whole_prev == 0).to(tl.int64)
-        acc = tl.load(part_ptr + first_slot * BLOCK_D + cols, mask=cmask, other=0.0)
-        jj = tl.arange(0, NB)
-        j0 = mb
-        go = kb == kb
-        while go:
-            js = j0 + jj
-            inb = js * CHUNK < N
-            kj = tl.load(sk_ptr + js * CHUNK, mask=inb, other=-1)
-            sel = inb & (kj == kb)
-            tile = tl.load(part_ptr + (2 * js)[:, None] * BLOCK_D + cols[None, :],
-                           mask=sel[:, None] & cmask[None, :], other=0.0)
-            acc += tl.sum(tile, axis=0)
-            go = tl.sum(sel.to(tl.int32), axis=0) == NB
-            j0 += NB
-        one = tl.arange(0, 1)
-        rmask = one == 0
-        w, z, n, offs, sm = load_states(w_ptr, z_ptr, n_ptr, roff + one * 0,
-                                        rmask[:, None] & cmask[None, :], cols)
-        ftrl_update_store(w_ptr, z_ptr, n_ptr, nonfinite_ptr, w, z, n, offs, sm, rmask, acc[None, :],
+            orig = tl.load(perm_ptr + s, mask=valid, other=0)
+            tid = tl.load(tid_ptr + orig, mask=valid, other=0)
+            dim = tl.multiple_of(tl.load(table_dim_ptr + tid, mask=valid, other=VEC), VEC)
+            m2 = valid[:, None] & ((cols // VEC)[None, :] < (dim // VEC)[:, None])
+            rbase = tl.load(row_base_ptr + tid, mask=valid, other=0)
+            woff = tl.multiple_of(tl.load(table_w_offset_ptr + tid, mask=valid, other=0), VEC)
+            roff = woff + (key - rbase) * dim
+        # State loads depend only on the row: issue them before the gradient gather.
+        w, z, n, offs, sm = load_states(w_ptr, z_ptr, n_ptr, roff, complete[:, None] & m2, cols)
+        length = tl.where(valid, e - s, 0)
+        max_len = tl.max(length, axis=0)
+        u = tl.arange(0, R)
+        m3c = m2[:, None, :]
+        acc = tl.zeros([G, BLOCK_D], dtype=tl.float32)
+        for t in range(0, max_len, R):
+            tt = t + u
+            lm = tt[None, :] < length[:, None]                                   # [G, R]
+            pos = s[:, None] + tt[None, :]
+            go = tl.load(sgofs_ptr + pos, mask=lm, other=0)
+            go = (go // VEC) * VEC          # VEC divides every offset: tells the compiler, no-op
+            g = tl.load(grad_ptr + go[:, :, None] + cols[None, None, :],
+                        mask=lm[:, :, None] & m3c, other=0.0).to(tl.float32)
+            if HAS_SCALE:
+                sc = tl.load(sscale_ptr + pos, mask=lm, other=0.0)
+                g = g * sc[:, :, None]
+            acc += tl.sum(g, axis=1)
+        slot = 2 * (s // SEG) + ((s % SEG) != 0).to(tl.int64)
+        tl.store(part_ptr + slot[:, None] * BLOCK_D + cols[None, :], acc, mask=partial[:, None] & m2)
+        ftrl_update_store(w_ptr, z_ptr, n_ptr, nonfinite_ptr, w, z, n, offs, sm, complete, acc,
                           lr, l1, l2_eff, beta, shrink2, neg_p, POW_HALF, HAS_SHRINK, LIBDEVICE_POW)
 
 
-def window_config(block_d: int, tile: int = 4096, chunk: int | None = None) -> tuple[int, int]:
-    """``(CHUNK, num_warps)`` of the window kernel for a ``BLOCK_D``."""
-    if chunk is None:
-        chunk = max(8, min(128, tile // block_d))
-    elems = chunk * block_d
-    num_warps = max(1, min(16, elems // 256))
+@triton.jit
+def segment_combine_kernel(
+    sk_ptr, perm_ptr, tid_ptr, part_ptr,
+    w_ptr, z_ptr, n_ptr, table_w_offset_ptr, table_dim_ptr, row_base_ptr, nonfinite_ptr,
+    N, lr, l1, l2_eff, beta, shrink2, neg_p,
+    SEG: tl.constexpr, CP: tl.constexpr, NB: tl.constexpr, POW_HALF: tl.constexpr,
+    HAS_SHRINK: tl.constexpr, LIBDEVICE_POW: tl.constexpr, BLOCK_D: tl.constexpr,
+    VEC: tl.constexpr, EVEN_D: tl.constexpr,
+):
+    # Candidates: the CP multiples p = m * SEG (m >= 1) of this program. p is the FIRST cut of a
+    # run iff key[p - SEG] == key[p] (p is a cut) and p - SEG is not a cut.
+    ar = tl.arange(0, CP)
+    mm = tl.program_id(0).to(tl.int64) * CP + 1 + ar
+    pc = mm * SEG
+    inb = pc < N
+    kc = tl.load(sk_ptr + pc, mask=inb, other=0)
+    is_cut = inb & (tl.load(sk_ptr + pc - SEG, mask=inb, other=0) == kc)
+    prev_cut = (pc >= 2 * SEG) & (tl.load(sk_ptr + pc - 2 * SEG, mask=inb & (pc >= 2 * SEG),
+                                          other=0) == kc)
+    first = is_cut & (prev_cut == 0)
+    nfirst = tl.sum(first.to(tl.int32), axis=0)
+    if nfirst > 0:
+        cols = tl.arange(0, BLOCK_D)
+        jj = tl.arange(0, NB)
+        for c in range(CP):
+            sel_c = ar == c
+            if tl.sum((first & sel_c).to(tl.int32), axis=0) > 0:
+                p1 = tl.sum(tl.where(sel_c, pc, 0), axis=0)
+                kb = tl.sum(tl.where(sel_c, kc, 0), axis=0)
+                if EVEN_D:
+                    cmask = cols < BLOCK_D
+                    roff = kb.to(tl.int64) * BLOCK_D
+                else:
+                    orig = tl.load(perm_ptr + p1)
+                    tid = tl.load(tid_ptr + orig)
+                    dim = tl.multiple_of(tl.load(table_dim_ptr + tid), VEC)
+                    cmask = (cols // VEC) < (dim // VEC)
+                    rbase = tl.load(row_base_ptr + tid)
+                    woff = tl.multiple_of(tl.load(table_w_offset_ptr + tid), VEC)
+                    roff = woff + (kb - rbase) * dim
+                one = tl.arange(0, 1)
+                rmask = one == 0
+                # States first: they depend only on the row.
+                w, z, n, offs, sm = load_states(w_ptr, z_ptr, n_ptr, roff + one * 0,
+                                                rmask[:, None] & cmask[None, :], cols)
+                # The run's first piece starts at p1 - SEG (slot 2(m-1)) or inside (p1-2SEG, p1-SEG)
+                # (slot 2(m-2)+1).
+                m1 = p1 // SEG
+                head_mult = (p1 == SEG) | (tl.load(sk_ptr + p1 - SEG - 1, mask=p1 > SEG, other=0) != kb)
+                head_slot = tl.where(head_mult, 2 * (m1 - 1), 2 * (m1 - 2) + 1)
+                acc = tl.load(part_ptr + head_slot * BLOCK_D + cols, mask=cmask, other=0.0)
+                j0 = m1
+                go = m1 > 0
+                while go:
+                    js = j0 + jj
+                    jin = js * SEG < N
+                    kj = tl.load(sk_ptr + js * SEG, mask=jin, other=0)
+                    selj = jin & (kj == kb)
+                    tile = tl.load(part_ptr + (2 * js)[:, None] * BLOCK_D + cols[None, :],
+                                   mask=selj[:, None] & cmask[None, :], other=0.0)
+                    acc += tl.sum(tile, axis=0)
+                    go = tl.sum(selj.to(tl.int32), axis=0) == NB
+                    j0 += NB
+                ftrl_update_store(w_ptr, z_ptr, n_ptr, nonfinite_ptr, w, z, n, offs, sm, rmask,
+                                  acc[None, :], lr, l1, l2_eff, beta, shrink2, neg_p, POW_HALF,
+                                  HAS_SHRINK, LIBDEVICE_POW)
+
+
+@triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def offsets_block_max_kernel(offsets_ptr, bmax_ptr, n, N, BLOCK: tl.constexpr):
+    """``bmax[b]`` = max over block ``b`` of ``clamp(offsets, 0, N)``."""
+    b = tl.program_id(0).to(tl.int64)
+    i = b * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(offsets_ptr + i, mask=i < n, other=0)
+    v = tl.minimum(tl.maximum(v, 0), N)
+    tl.store(bmax_ptr + b, tl.max(v, axis=0))
+
+
+@triton.jit
+def offsets_repair_kernel(offsets_ptr, bmax_ptr, fixed_ptr, warn_ptr, n, N,
+                          BLOCK: tl.constexpr, PBLOCK: tl.constexpr):
+    """WARNING repair: ``fixed = cummax(clamp(offsets, 0, N))`` with ``fixed[0] = 0`` and
+    ``fixed[n-1] = N``; the number of changed entries is added to ``warn``."""
+    b = tl.program_id(0).to(tl.int64)
+    pr = tl.zeros([PBLOCK], dtype=tl.int64)
+    for c in range(0, b, PBLOCK):                  # max of the clamped values of earlier blocks
+        cc = c + tl.arange(0, PBLOCK)
+        pr = tl.maximum(pr, tl.load(bmax_ptr + cc, mask=cc < b, other=0))
+    prefix = tl.max(pr, axis=0)
+    i = b * BLOCK + tl.arange(0, BLOCK)
+    valid = i < n
+    raw = tl.load(offsets_ptr + i, mask=valid, other=0)
+    v = tl.minimum(tl.maximum(raw, 0), N)
+    fixed = tl.maximum(tl.associative_scan(v, 0, _max_combine), prefix)
+    fixed = tl.where(i == 0, 0, tl.where(i == n - 1, N, fixed))
+    tl.store(fixed_ptr + i, fixed, mask=valid)
+    nbad = tl.sum((valid & (fixed != raw)).to(tl.int64), axis=0)
+    tl.atomic_add(warn_ptr, nbad, mask=nbad > 0)
+
+
+def segment_config(block_d: int, tile: int = 2048, rows: int = 2) -> tuple[int, int, int]:
+    """``(G, R, num_warps)`` of :func:`segment_update_kernel` for a ``BLOCK_D``: ``G`` segments per
+    program, ``R`` gradient rows per segment in flight, about ``tile`` elements per step."""
+    rows = max(1, min(rows, max(1, tile // block_d)))
+    g = max(1, tile // (rows * block_d))
+    g = 1 << (g.bit_length() - 1)
+    elems = g * rows * block_d
+    num_warps = max(1, min(8, elems // 512))
     num_warps = 1 << (num_warps.bit_length() - 1)
-    return chunk, num_warps
+    return g, rows, num_warps

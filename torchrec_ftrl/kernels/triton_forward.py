@@ -5,6 +5,8 @@ One program owns ``BAGS`` consecutive bags and walks their indices ``UNROLL`` at
 per step. Rows are read in the weights' dtype and accumulated in fp32; the pooled vector is written
 once, in the output dtype, at ``bag_out_offset[bag]`` (which covers the plain and the VBE layouts).
 ``PoolingMode.NONE`` writes each looked-up row at ``position * out_row_stride`` instead.
+With ``CHECK`` (the fused ``BoundsCheckMode.WARNING``) an index outside ``[0, rows of its table)`` is
+read as row 0 and counted (one integer atomic add per program) into ``warn_ptr``.
 
 Layout contract: :mod:`torchrec_ftrl.kernels.layout`.
 """
@@ -20,9 +22,9 @@ POOL_SUM, POOL_MEAN, POOL_NONE = 0, 1, 2
 @triton.jit
 def tbe_forward_kernel(
     w_ptr, out_ptr, indices_ptr, offsets_ptr, bag_feature_ptr, bag_out_ptr, feature_table_ptr,
-    table_w_offset_ptr, table_dim_ptr, psw_ptr,
+    table_w_offset_ptr, table_dim_ptr, table_rows_ptr, psw_ptr, warn_ptr,
     num_bags, out_row_stride,
-    POOL: tl.constexpr, HAS_PSW: tl.constexpr,
+    POOL: tl.constexpr, HAS_PSW: tl.constexpr, CHECK: tl.constexpr,
     BAGS: tl.constexpr, UNROLL: tl.constexpr, BLOCK_D: tl.constexpr,
     VEC: tl.constexpr, EVEN_D: tl.constexpr,
 ):
@@ -37,6 +39,9 @@ def tbe_forward_kernel(
     # VEC divides every table's D (host-checked): lets loads/stores use 16-byte vectors.
     woff = tl.multiple_of(tl.load(table_w_offset_ptr + tab, mask=bmask, other=0), VEC)
     dim = tl.multiple_of(tl.load(table_dim_ptr + tab, mask=bmask, other=VEC), VEC)
+    if CHECK:
+        trows = tl.load(table_rows_ptr + tab, mask=bmask, other=0)
+    nbad = tl.zeros([BAGS, UNROLL], dtype=tl.int32)
 
     cols = tl.arange(0, BLOCK_D)
     u = tl.arange(0, UNROLL)
@@ -57,6 +62,10 @@ def tbe_forward_kernel(
         pos = start[:, None] + jj[None, :]                                     # [BAGS, UNROLL]
         lmask_n = (jj + UNROLL)[None, :] < length[:, None]
         idx_n = tl.load(indices_ptr + pos + UNROLL, mask=lmask_n, other=0)
+        if CHECK:  # fused WARNING bounds check: an index outside [0, rows) reads row 0, counted
+            bad = lmask & ((idx < 0) | (idx >= trows[:, None]))
+            idx = tl.where(bad, 0, idx)
+            nbad += bad.to(tl.int32)
         if EVEN_D:
             roff = woff[:, None] + idx * BLOCK_D
         else:
@@ -72,6 +81,9 @@ def tbe_forward_kernel(
                      rows.to(out_ptr.dtype.element_ty), mask=m3)
         else:
             acc += tl.sum(rows, axis=1)
+    if CHECK:
+        total_bad = tl.sum(tl.sum(nbad, axis=1).to(tl.int64), axis=0)
+        tl.atomic_add(warn_ptr, total_bad, mask=total_bad > 0)
     if POOL != 2:
         if POOL == 1:
             lf = tl.maximum(length, 1).to(tl.float32)

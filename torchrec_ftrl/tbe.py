@@ -283,7 +283,15 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
             bag_feature = ar // max(B, 1)
             bag_out_offset = (ar % max(B, 1)) * self.total_D + self._D_offsets[bag_feature]
             out_numel = N * self.max_D if self.pooling_mode == PoolingMode.NONE else B * self.total_D
-        indices64, offsets64 = self._bounds_check(indices64, offsets64, bag_feature)
+        index_check = None
+        if (self.backend == "triton" and self.bounds_check_mode == BoundsCheckMode.WARNING
+                and not (per_sample_weights is not None and per_sample_weights.requires_grad)):
+            # Fused WARNING check (no torch-side repair): offsets repaired on the device; the
+            # kernels read a bad index as row 0 and the forward counts it (kernels/triton_backend.py).
+            offsets64 = self._backend.repair_offsets(offsets64, N, self.bounds_check_warning)
+            index_check = self.bounds_check_warning
+        else:
+            indices64, offsets64 = self._bounds_check(indices64, offsets64, bag_feature)
         return TBEBatch(
             table_w_offset=self._table_w_offset, table_dim=self._table_dim,
             table_rows=self._table_rows, feature_table=self._feature_table,
@@ -291,7 +299,8 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
             offsets=offsets64,
             per_sample_weights=per_sample_weights.detach().float() if per_sample_weights is not None else None,
             pooling_mode=int(self.pooling_mode), out_numel=out_numel, max_D=self.max_D,
-            total_rows=sum(r for r, *_ in self.embedding_specs))
+            total_rows=sum(r for r, *_ in self.embedding_specs),
+            table_dims=tuple(d for _, d, *_ in self.embedding_specs), index_check=index_check)
 
     def _vbe_layout(self, bsfpr, num_bags):
         F = len(self.feature_table_map)

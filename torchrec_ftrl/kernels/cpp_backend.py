@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import threading
 from types import ModuleType
 
@@ -55,9 +56,10 @@ def load_extension(verbose: bool = False) -> ModuleType:
 
             with open(_SOURCE, "rb") as f:
                 digest = hashlib.sha1(f.read()).hexdigest()[:10]
-            isa = torch.backends.cpu.get_cpu_capability().lower()
+            isa = re.sub(r"[^a-z0-9]", "", torch.backends.cpu.get_cpu_capability().lower())
             _ext = load(name=f"torchrec_ftrl_tbe_cpu_{digest}_{isa}", sources=[_SOURCE],
-                        extra_cflags=_BASE_FLAGS + _ISA_FLAGS.get(isa, []), extra_ldflags=["-fopenmp"], verbose=verbose)
+                        extra_cflags=_BASE_FLAGS + _ISA_FLAGS.get(isa, []),
+                        extra_ldflags=["-fopenmp"], verbose=verbose)
     return _ext
 
 

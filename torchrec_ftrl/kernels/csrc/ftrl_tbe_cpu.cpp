@@ -8,10 +8,11 @@
 // Update rule: shared/docs/FTRL.md (McMahan et al. 2013, Alg. 1, with TensorFlow ApplyFtrlV2's l2
 // shrinkage and Keras' beta). It lives in exactly one place below: ftrl_element().
 //
-// Backward + update is one call: linear row id per index -> stable LSD radix sort of (row, position)
-// -> parallel over unique rows: sum the row's gradient contributions in fp32 in index-position order
-// (deterministic, independent of the thread count) -> skip+count rows with a NaN/Inf sum -> one FTRL
-// update per row, states fp32, weight written back in its own dtype.
+// Backward + update is one call: linear row id per index -> stable LSD radix sort by row (carrying
+// each index's gradient offset and scale) -> parallel over unique rows: sum the row's gradient
+// contributions in fp32 in index-position order (deterministic, independent of the thread count)
+// -> skip+count rows with a NaN/Inf sum -> one FTRL update per row, states fp32, weight written back
+// in its own dtype. Scratch buffers are kept per calling thread (about 60 bytes per index) and reused.
 
 #include <torch/extension.h>
 
@@ -23,6 +24,8 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -175,31 +178,55 @@ void forward(const at::Tensor& weights, const at::Tensor& table_w_offset, const 
   });
 }
 
+// ------------------------------------------------------------------------------------------ workspace
+
+// Grow-only scratch array (uninitialised), reused across calls of one thread: no per-call page faults.
+template <typename T>
+struct Scratch {
+  std::unique_ptr<T[]> data;
+  int64_t cap = 0;
+  T* get(int64_t n) {
+    if (n > cap) {
+      data.reset(new T[static_cast<size_t>(n)]);
+      cap = n;
+    }
+    return data.get();
+  }
+};
+
+struct BackwardWorkspace {
+  Scratch<uint64_t> keys, keys_tmp;  // linear row id of each index (sorted in place)
+  Scratch<uint32_t> keys32, keys32_tmp;  // the same when every row id fits in 32 bits
+  Scratch<int64_t> src, src_tmp;     // element offset of each index's gradient vector in grad_out
+  Scratch<float> scale, scale_tmp;   // per-sample weight x 1/L (MEAN) of each index
+  Scratch<int64_t> seg_start;        // [U + 1] first sorted slot of each unique row
+  Scratch<int64_t> seg_off;          // [U] element offset of each unique row in weights/accum/linear
+  Scratch<int32_t> seg_dim;          // [U] D of each unique row
+};
+
 // ------------------------------------------------------------------------------------------ sort
 
-// Stable LSD radix sort of (key, value) pairs by key, keys < 2^key_bits. Parallel per pass: each
-// chunk histograms its slice, chunk-major prefix sums keep the sort stable, each chunk scatters.
-// Result is in keys/vals (the tmp buffers are scratch of the same size).
-void radix_sort_pairs(std::vector<uint64_t>& keys, std::vector<int64_t>& vals,
-                      std::vector<uint64_t>& keys_tmp, std::vector<int64_t>& vals_tmp,
-                      int key_bits) {
-  const int64_t n = static_cast<int64_t>(keys.size());
+// Stable LSD radix sort by key (keys < 2^key_bits), carrying an int64 payload and an optional float
+// payload. Parallel per pass: each chunk histograms its slice, chunk-major prefix sums keep the sort
+// stable, each chunk scatters. Sorts in place using the *_tmp arrays as scratch (the pointers are
+// swapped so that on return they name the sorted arrays).
+template <typename K>
+void radix_sort_pairs(K*& keys, int64_t*& vals, float*& fvals, K*& keys_tmp, int64_t*& vals_tmp,
+                      float*& fvals_tmp, int64_t n, int key_bits) {
   if (n <= 1 || key_bits <= 0) return;
-  const int passes = (key_bits + 10) / 11;
+  constexpr int kMaxDigitBits = 11;  // at most 2048 buckets
+  const int passes = (key_bits + kMaxDigitBits - 1) / kMaxDigitBits;
   const int digit_bits = (key_bits + passes - 1) / passes;
   const int64_t buckets = int64_t{1} << digit_bits;
-  const uint64_t mask = static_cast<uint64_t>(buckets - 1);
+  const K mask = static_cast<K>(buckets - 1);
   const int64_t nchunks =
       std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n / 32768));
   const int64_t chunk = (n + nchunks - 1) / nchunks;
   std::vector<int64_t> hist(static_cast<size_t>(nchunks * buckets));
-  uint64_t* kin = keys.data();
-  int64_t* vin = vals.data();
-  uint64_t* kout = keys_tmp.data();
-  int64_t* vout = vals_tmp.data();
   for (int pass = 0; pass < passes; ++pass) {
     const int shift = pass * digit_bits;
     std::fill(hist.begin(), hist.end(), 0);
+    const K* kin = keys;
     at::parallel_for(0, nchunks, 1, [&](int64_t c0, int64_t c1) {
       for (int64_t c = c0; c < c1; ++c) {
         int64_t* h = hist.data() + c * buckets;
@@ -215,6 +242,11 @@ void radix_sort_pairs(std::vector<uint64_t>& keys, std::vector<int64_t>& vals,
         run += cnt;
       }
     }
+    const int64_t* vin = vals;
+    const float* fin = fvals;
+    K* kout = keys_tmp;
+    int64_t* vout = vals_tmp;
+    float* fout = fvals_tmp;
     at::parallel_for(0, nchunks, 1, [&](int64_t c0, int64_t c1) {
       for (int64_t c = c0; c < c1; ++c) {
         int64_t* h = hist.data() + c * buckets;
@@ -223,72 +255,158 @@ void radix_sort_pairs(std::vector<uint64_t>& keys, std::vector<int64_t>& vals,
           const int64_t dst = h[(kin[i] >> shift) & mask]++;
           kout[dst] = kin[i];
           vout[dst] = vin[i];
+          if (fin != nullptr) fout[dst] = fin[i];
         }
       }
     });
-    std::swap(kin, kout);
-    std::swap(vin, vout);
-  }
-  if (kin != keys.data()) {  // odd number of passes: result lives in the tmp buffers
-    keys.swap(keys_tmp);
-    vals.swap(vals_tmp);
+    std::swap(keys, keys_tmp);
+    std::swap(vals, vals_tmp);
+    std::swap(fvals, fvals_tmp);
   }
 }
 
 // ------------------------------------------------------------------------------------------ backward
 
+inline void prefetch_row(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(c + b, 1, 1);
+}
+
+// True when every float of x[0:D] is finite (exponent bits not all ones); vectorises.
+inline bool all_finite(const float* __restrict__ x, int64_t D) {
+  uint32_t bad = 0;
+  for (int64_t d = 0; d < D; ++d) {
+    uint32_t bits;
+    std::memcpy(&bits, x + d, sizeof(bits));
+    bad |= static_cast<uint32_t>((bits & 0x7f800000u) == 0x7f800000u);
+  }
+  return bad == 0;
+}
+
 template <typename W, typename G, bool kSqrt>
 int64_t update_rows(W* __restrict__ weights, float* __restrict__ accum, float* __restrict__ linear,
-                    const int64_t* table_w_offset, const int64_t* table_dim,
-                    const int64_t* feature_table, const int64_t* bag_feature,
-                    const int64_t* bag_out_offset, const int64_t* indices, const int64_t* offsets,
-                    const float* psw, int pooling_mode, int64_t max_D, const G* __restrict__ grad,
-                    const std::vector<int64_t>& idx_bag, const std::vector<int64_t>& sorted_pos,
-                    const std::vector<int64_t>& seg_start, const FtrlHp& hp) {
-  const int64_t num_seg = static_cast<int64_t>(seg_start.size()) - 1;
+                    const G* __restrict__ grad, const int64_t* __restrict__ src,
+                    const float* __restrict__ scale,
+                    const int64_t* __restrict__ seg_start, const int64_t* __restrict__ seg_off,
+                    const int32_t* __restrict__ seg_dim, int64_t num_seg, int64_t max_D,
+                    const FtrlHp& hp) {
+  constexpr int64_t kAhead = 4;  // rows prefetched ahead
   std::atomic<int64_t> nonfinite{0};
-  at::parallel_for(0, num_seg, 16, [&](int64_t s0, int64_t s1) {
-    std::vector<float> gbuf(static_cast<size_t>(max_D));
-    float* __restrict__ gsum = gbuf.data();
+  at::parallel_for(0, num_seg, 64, [&](int64_t s0, int64_t s1) {
+    std::vector<float> buf(static_cast<size_t>(2 * max_D));
+    float* __restrict__ gsum = buf.data();
+    float* __restrict__ wf = buf.data() + max_D;
     int64_t local_bad = 0;
+    for (int64_t s = s0; s < std::min(s1, s0 + kAhead); ++s) {
+      prefetch_row(weights + seg_off[s], seg_dim[s] * int64_t(sizeof(W)));
+      prefetch_row(accum + seg_off[s], seg_dim[s] * 4);
+      prefetch_row(linear + seg_off[s], seg_dim[s] * 4);
+    }
     for (int64_t s = s0; s < s1; ++s) {
-      const int64_t j0 = seg_start[s], j1 = seg_start[s + 1];
-      const int64_t first = sorted_pos[j0];
-      const int64_t t = feature_table[bag_feature[idx_bag[first]]];
-      const int64_t D = table_dim[t];
-      std::fill(gsum, gsum + D, 0.0f);
-      for (int64_t j = j0; j < j1; ++j) {  // index-position order: deterministic
-        const int64_t pos = sorted_pos[j];
-        const int64_t bag = idx_bag[pos];
-        float scale = psw != nullptr ? psw[pos] : 1.0f;
-        const G* __restrict__ go;
-        if (pooling_mode == kPoolNone) {
-          go = grad + pos * max_D;
-        } else {
-          go = grad + bag_out_offset[bag];
-          if (pooling_mode == kPoolMean) {
-            scale *= 1.0f / static_cast<float>(offsets[bag + 1] - offsets[bag]);
-          }
-        }
-        for (int64_t d = 0; d < D; ++d) gsum[d] += to_f(go[d]) * scale;
+      if (s + kAhead < s1) {
+        const int64_t o = seg_off[s + kAhead];
+        const int64_t bytes = seg_dim[s + kAhead];
+        prefetch_row(weights + o, bytes * int64_t(sizeof(W)));
+        prefetch_row(accum + o, bytes * 4);
+        prefetch_row(linear + o, bytes * 4);
       }
-      bool finite = true;
-      for (int64_t d = 0; d < D; ++d) finite &= std::isfinite(gsum[d]);
-      if (!finite) {
+      const int64_t D = seg_dim[s];
+      std::fill(gsum, gsum + D, 0.0f);
+      for (int64_t j = seg_start[s]; j < seg_start[s + 1]; ++j) {  // index-position order
+        const G* __restrict__ go = grad + src[j];
+        if (scale != nullptr) {
+          const float c = scale[j];
+          for (int64_t d = 0; d < D; ++d) gsum[d] += to_f(go[d]) * c;
+        } else {
+          for (int64_t d = 0; d < D; ++d) gsum[d] += to_f(go[d]);
+        }
+      }
+      if (!all_finite(gsum, D)) {  // NaN/Inf policy: skip the row, count it
         ++local_bad;
         continue;
       }
-      const int64_t off = table_w_offset[t] + indices[first] * D;
+      const int64_t off = seg_off[s];
       W* __restrict__ w = weights + off;
       float* __restrict__ n = accum + off;
       float* __restrict__ z = linear + off;
-      for (int64_t d = 0; d < D; ++d) {
-        w[d] = static_cast<W>(ftrl_element<kSqrt>(to_f(w[d]), gsum[d], z[d], n[d], hp));
+      if constexpr (std::is_same_v<W, float>) {
+        for (int64_t d = 0; d < D; ++d) w[d] = ftrl_element<kSqrt>(w[d], gsum[d], z[d], n[d], hp);
+      } else {
+        for (int64_t d = 0; d < D; ++d) wf[d] = to_f(w[d]);
+        for (int64_t d = 0; d < D; ++d) wf[d] = ftrl_element<kSqrt>(wf[d], gsum[d], z[d], n[d], hp);
+        for (int64_t d = 0; d < D; ++d) w[d] = static_cast<W>(wf[d]);
       }
     }
     if (local_bad) nonfinite.fetch_add(local_bad, std::memory_order_relaxed);
   });
   return nonfinite.load();
+}
+
+// The unique rows of a batch and, in row order, the gradient source of each of their indices.
+struct SortedIndices {
+  const int64_t* src = nullptr;    // [N] grad_out element offset of each index, sorted by row
+  const float* scale = nullptr;    // [N] its scale (psw x 1/L), or null when all are 1
+  const int64_t* seg_start = nullptr;  // [U + 1]
+  const int64_t* seg_off = nullptr;    // [U] element offset of the row in weights/accum/linear
+  const int32_t* seg_dim = nullptr;    // [U] its D
+  int64_t U = 0;
+};
+
+// Steps 1-3 of the backward: per-index linear row id (key), gradient offset and scale (parallel over
+// bags); stable radix sort by row (ties keep index-position order, so each row's summation order
+// is fixed: deterministic); one segment per unique row. K: uint32_t when every row id fits.
+template <typename K>
+SortedIndices sort_by_row(BackwardWorkspace& ws, Scratch<K>& kbuf, Scratch<K>& kbuf_tmp,
+                          const std::vector<uint64_t>& row_base, int key_bits, int64_t N,
+                          int64_t num_bags, const int64_t* feat_tab, const int64_t* bag_feat,
+                          const int64_t* bag_out, const int64_t* off_p, const int64_t* idx_p,
+                          const float* psw_p, bool mean, bool none, int64_t max_D,
+                          const int64_t* woff_p, const int64_t* dim_p) {
+  K* keys = kbuf.get(N);
+  K* keys_tmp = kbuf_tmp.get(N);
+  int64_t* src = ws.src.get(N);
+  int64_t* src_tmp = ws.src_tmp.get(N);
+  const bool scaled = psw_p != nullptr || mean;
+  float* scale = scaled ? ws.scale.get(N) : nullptr;
+  float* scale_tmp = scaled ? ws.scale_tmp.get(N) : nullptr;
+  at::parallel_for(0, num_bags, 256, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint64_t base = row_base[feat_tab[bag_feat[b]]];
+      const int64_t start = off_p[b], end = off_p[b + 1];
+      const float inv_len = mean ? 1.0f / static_cast<float>(end - start) : 1.0f;
+      for (int64_t i = start; i < end; ++i) {
+        keys[i] = static_cast<K>(base + static_cast<uint64_t>(idx_p[i]));
+        src[i] = none ? i * max_D : bag_out[b];
+        if (scale != nullptr) scale[i] = (psw_p != nullptr ? psw_p[i] : 1.0f) * inv_len;
+      }
+    }
+  });
+  radix_sort_pairs<K>(keys, src, scale, keys_tmp, src_tmp, scale_tmp, N, key_bits);
+  // Unique rows: keys ascend, so the table of a key only moves forward.
+  int64_t* seg_start = ws.seg_start.get(N + 1);
+  int64_t* seg_off = ws.seg_off.get(N);
+  int32_t* seg_dim = ws.seg_dim.get(N);
+  int64_t U = 0;
+  int64_t t = 0;
+  for (int64_t j = 0; j < N; ++j) {
+    if (j == 0 || keys[j] != keys[j - 1]) {
+      const uint64_t key = keys[j];
+      while (key >= row_base[t + 1]) ++t;
+      seg_start[U] = j;
+      seg_off[U] = woff_p[t] + static_cast<int64_t>(key - row_base[t]) * dim_p[t];
+      seg_dim[U] = static_cast<int32_t>(dim_p[t]);
+      ++U;
+    }
+  }
+  seg_start[U] = N;
+  SortedIndices si;
+  si.src = src;
+  si.scale = scale;
+  si.seg_start = seg_start;
+  si.seg_off = seg_off;
+  si.seg_dim = seg_dim;
+  si.U = U;
+  return si;
 }
 
 void backward_update(at::Tensor& weights, at::Tensor& accum, at::Tensor& linear,
@@ -318,47 +436,31 @@ void backward_update(at::Tensor& weights, at::Tensor& accum, at::Tensor& linear,
 
   const int64_t T = table_rows.numel();
   const int64_t* rows_p = table_rows.data_ptr<int64_t>();
-  std::vector<uint64_t> row_base(static_cast<size_t>(T));
-  uint64_t total_rows = 0;
-  for (int64_t t = 0; t < T; ++t) {
-    row_base[t] = total_rows;
-    total_rows += static_cast<uint64_t>(rows_p[t]);
-  }
+  const int64_t* dim_p = table_dim.data_ptr<int64_t>();
+  const int64_t* woff_p = table_w_offset.data_ptr<int64_t>();
+  std::vector<uint64_t> row_base(static_cast<size_t>(T) + 1);
+  for (int64_t t = 0; t < T; ++t) row_base[t + 1] = row_base[t] + static_cast<uint64_t>(rows_p[t]);
+  const uint64_t total_rows = row_base[T];
   int key_bits = 0;
-  while (key_bits < 64 && (total_rows - 1) >> key_bits) ++key_bits;
+  while (key_bits < 64 && ((total_rows - 1) >> key_bits) != 0) ++key_bits;
 
-  // 1. Linear row id (key) and bag of every index, parallel over bags.
-  const int64_t* feat_tab = feature_table.data_ptr<int64_t>();
-  const int64_t* bag_feat = bag_feature.data_ptr<int64_t>();
-  const int64_t* off_p = offsets.data_ptr<int64_t>();
-  const int64_t* idx_p = indices.data_ptr<int64_t>();
-  std::vector<uint64_t> keys(static_cast<size_t>(N)), keys_tmp(static_cast<size_t>(N));
-  std::vector<int64_t> pos(static_cast<size_t>(N)), pos_tmp(static_cast<size_t>(N));
-  std::vector<int64_t> idx_bag(static_cast<size_t>(N));
-  at::parallel_for(0, num_bags, 256, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const uint64_t base = row_base[feat_tab[bag_feat[b]]];
-      for (int64_t i = off_p[b]; i < off_p[b + 1]; ++i) {
-        keys[i] = base + static_cast<uint64_t>(idx_p[i]);
-        pos[i] = i;
-        idx_bag[i] = b;
-      }
-    }
-  });
-
-  // 2. Stable sort by row; ties stay in index-position order.
-  radix_sort_pairs(keys, pos, keys_tmp, pos_tmp, key_bits);
-
-  // 3. Segments of equal rows.
-  std::vector<int64_t>& seg_start = pos_tmp;  // reuse scratch: at most N + 1 entries needed
-  seg_start.clear();
-  seg_start.reserve(static_cast<size_t>(N) + 1);
-  seg_start.push_back(0);
-  for (int64_t j = 1; j < N; ++j) {
-    if (keys[j] != keys[j - 1]) seg_start.push_back(j);
+  thread_local BackwardWorkspace ws;
+  const bool mean = pooling_mode == kPoolMean;
+  const float* psw_p = psw ? psw->data_ptr<float>() : nullptr;
+  SortedIndices si;
+  if (key_bits <= 32) {
+    si = sort_by_row<uint32_t>(ws, ws.keys32, ws.keys32_tmp, row_base, key_bits, N, num_bags,
+                               feature_table.data_ptr<int64_t>(), bag_feature.data_ptr<int64_t>(),
+                               bag_out_offset.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(),
+                               indices.data_ptr<int64_t>(), psw_p, mean,
+                               pooling_mode == kPoolNone, max_D, woff_p, dim_p);
+  } else {
+    si = sort_by_row<uint64_t>(ws, ws.keys, ws.keys_tmp, row_base, key_bits, N, num_bags,
+                               feature_table.data_ptr<int64_t>(), bag_feature.data_ptr<int64_t>(),
+                               bag_out_offset.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(),
+                               indices.data_ptr<int64_t>(), psw_p, mean,
+                               pooling_mode == kPoolNone, max_D, woff_p, dim_p);
   }
-  seg_start.push_back(N);
-
   // 4. Sum + FTRL per unique row, parallel over rows.
   FtrlHp hp;
   hp.lr = static_cast<float>(lr);
@@ -375,12 +477,10 @@ void backward_update(at::Tensor& weights, at::Tensor& accum, at::Tensor& linear,
       using G = scalar_t;
       auto run = [&](auto sqrt_tag) {
         constexpr bool kSqrt = decltype(sqrt_tag)::value;
-        return update_rows<W, G, kSqrt>(
-            weights.data_ptr<W>(), accum.data_ptr<float>(), linear.data_ptr<float>(),
-            table_w_offset.data_ptr<int64_t>(), table_dim.data_ptr<int64_t>(), feat_tab, bag_feat,
-            bag_out_offset.data_ptr<int64_t>(), idx_p, off_p,
-            psw ? psw->data_ptr<float>() : nullptr, static_cast<int>(pooling_mode), max_D,
-            grad_out.data_ptr<G>(), idx_bag, pos, seg_start, hp);
+        return update_rows<W, G, kSqrt>(weights.data_ptr<W>(), accum.data_ptr<float>(),
+                                        linear.data_ptr<float>(), grad_out.data_ptr<G>(), si.src,
+                                        si.scale, si.seg_start, si.seg_off, si.seg_dim, si.U,
+                                        max_D, hp);
       };
       bad = use_sqrt ? run(std::true_type{}) : run(std::false_type{});
     });

@@ -1,0 +1,199 @@
+"""CPU benchmark of one training step (forward + backward with the fused optimizer update) of a TBE.
+
+Compares ``torchrec_ftrl.FTRLTableBatchedEmbeddingBags`` (compiled "cpp" backend and vectorised "torch"
+backend) with FBGEMM's CPU TBE (``SplitTableBatchedEmbeddingBagsCodegen``, location HOST, compute device
+CPU) under EXACT_ROWWISE_ADAGRAD, EXACT_ADAGRAD and EXACT_SGD, and with an eager baseline
+(``nn.EmbeddingBag(sparse=True)`` per table + the dense ``torchrec_ftrl.FTRL`` optimizer on the sparse
+gradients). Shape (default): T=8 tables, E=100000 rows each, D=64, B=2048, L=20 indices per bag (fixed
+length), fp32 weights, SUM pooling; indices uniform or Zipf(1.15) (ranks scattered by a fixed random
+permutation of the rows). Reports the median wall time in ms per step over ``--iters`` timed steps after
+``--warmup`` steps, cycling through ``--batches`` pre-generated batches, and the ratio to ours (cpp).
+All modules of one index distribution are built first and their steps interleaved round-robin, so that
+a shared machine's changing background load hits every method alike.
+
+Usage: python benchmarks/bench_tbe_cpu.py [--threads 2] [--iters 20] [--out results.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import platform
+import statistics
+import time
+
+import numpy as np
+import torch
+from torch import nn
+
+import torchrec_ftrl
+from torchrec_ftrl import FTRLTableBatchedEmbeddingBags
+from torchrec_ftrl.tbe_compat import EmbOptimType, PoolingMode
+
+FTRL_KW = dict(learning_rate=0.05, ftrl_l1_reg=1e-4, ftrl_l2_reg=1e-4, ftrl_beta=1.0)
+
+
+def make_batches(args, dist: str, n: int, seed: int = 0):
+    """``n`` batches of (indices int64 [T*B*L], offsets int64 [T*B+1]), feature-major."""
+    rng = np.random.default_rng(seed)
+    T, E, B, L = args.T, args.E, args.B, args.L
+    if dist == "zipf":
+        p = np.arange(1, E + 1, dtype=np.float64) ** -args.zipf_a
+        p /= p.sum()
+        perms = [rng.permutation(E) for _ in range(T)]
+    out = []
+    for _ in range(n):
+        parts = []
+        for t in range(T):
+            if dist == "uniform":
+                parts.append(rng.integers(0, E, size=B * L))
+            else:
+                parts.append(perms[t][rng.choice(E, size=B * L, p=p)])
+        idx = torch.from_numpy(np.concatenate(parts).astype(np.int64))
+        off = torch.arange(0, T * B * L + 1, L, dtype=torch.int64)
+        out.append((idx, off))
+    return out
+
+
+def _fbgemm_version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("fbgemm-gpu-cpu")
+    except Exception:  # noqa: BLE001
+        return "?"
+
+
+def tbe_step(module, grad):
+    def step(idx, off):
+        out = module(idx, off)
+        out.backward(grad)
+    return step
+
+
+def build_ours(args, backend):
+    return FTRLTableBatchedEmbeddingBags([(args.E, args.D)] * args.T, backend=backend, **FTRL_KW)
+
+
+def build_fbgemm(args, optim):
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen)
+    return SplitTableBatchedEmbeddingBagsCodegen(
+        [(args.E, args.D, EmbeddingLocation.HOST, ComputeDevice.CPU)] * args.T,
+        optimizer=optim, learning_rate=0.05, eps=1e-8, pooling_mode=PoolingMode.SUM,
+        device=torch.device("cpu"))
+
+
+def eager_step(args):
+    embs = nn.ModuleList(nn.EmbeddingBag(args.E, args.D, mode="sum", sparse=True) for _ in range(args.T))
+    opt = torchrec_ftrl.FTRL(embs.parameters(), lr=FTRL_KW["learning_rate"],
+                             **{k: v for k, v in FTRL_KW.items() if k != "learning_rate"})
+    T, B = args.T, args.B
+    grad = torch.randn(B, T * args.D)
+
+    def step(idx, off):
+        n_per = idx.numel() // T
+        outs = [embs[t](idx[t * n_per:(t + 1) * n_per], off[t * B:(t + 1) * B] - t * n_per)
+                for t in range(T)]
+        torch.cat(outs, dim=1).backward(grad)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return embs, step
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--T", type=int, default=8)
+    ap.add_argument("--E", type=int, default=100_000)
+    ap.add_argument("--D", type=int, default=64)
+    ap.add_argument("--B", type=int, default=2048)
+    ap.add_argument("--L", type=int, default=20)
+    ap.add_argument("--zipf-a", type=float, default=1.15)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--batches", type=int, default=4)
+    ap.add_argument("--dists", default="uniform,zipf")
+    ap.add_argument("--methods", default="cpp,torch,fbgemm_rowwise_adagrad,fbgemm_adagrad,fbgemm_sgd,eager")
+    ap.add_argument("--out", default=None, help="also write the markdown table to this file")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    methods = args.methods.split(",")
+    fb = {"fbgemm_rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+          "fbgemm_adagrad": EmbOptimType.EXACT_ADAGRAD, "fbgemm_sgd": EmbOptimType.EXACT_SGD}
+    labels = {"cpp": "torchrec_ftrl FTRL, cpp backend", "torch": "torchrec_ftrl FTRL, torch backend",
+              "fbgemm_rowwise_adagrad": "FBGEMM CPU TBE EXACT_ROWWISE_ADAGRAD",
+              "fbgemm_adagrad": "FBGEMM CPU TBE EXACT_ADAGRAD", "fbgemm_sgd": "FBGEMM CPU TBE EXACT_SGD",
+              "eager": "nn.EmbeddingBag(sparse=True) x T + torchrec_ftrl.FTRL"}
+    dists = args.dists.split(",")
+    res: dict[tuple[str, str], float] = {}
+    cpu: dict[tuple[str, str], float] = {}
+    slow = {"torch": max(3, args.iters // 4), "eager": max(3, args.iters // 2)}
+    for dist in dists:
+        batches = make_batches(args, dist, args.batches)
+        uniq = np.mean([float(torch.unique(i[: i.numel() // args.T]).numel()) for i, _ in batches])
+        print(f"[{dist}] unique rows per table per batch ~ {uniq:.0f} of {args.B * args.L} lookups", flush=True)
+        steps, keep = {}, []
+        for m in methods:
+            grad = torch.randn(args.B, args.T * args.D)
+            if m in ("cpp", "torch"):
+                mod = build_ours(args, m)
+                steps[m] = tbe_step(mod, grad)
+            elif m in fb:
+                mod = build_fbgemm(args, fb[m])
+                steps[m] = tbe_step(mod, grad)
+            elif m == "eager":
+                mod, steps[m] = eager_step(args)
+            else:
+                raise SystemExit(f"unknown method {m!r}")
+            keep.append(mod)
+            for i in range(args.warmup):
+                steps[m](*batches[i % len(batches)])
+        # Round-robin: every round times one step of each method (in a rotating order), so that all
+        # methods see the same background load on a shared machine.
+        wall = {m: [] for m in methods}
+        cpus = {m: [] for m in methods}
+        for it in range(args.iters):
+            idx, off = batches[it % len(batches)]
+            order = methods[it % len(methods):] + methods[:it % len(methods)]
+            for m in order:
+                if it >= slow.get(m, args.iters):
+                    continue
+                t0, c0 = time.perf_counter(), time.process_time()
+                steps[m](idx, off)
+                wall[m].append((time.perf_counter() - t0) * 1e3)
+                cpus[m].append((time.process_time() - c0) * 1e3)
+        for m in methods:
+            res[(dist, m)] = statistics.median(wall[m])
+            cpu[(dist, m)] = statistics.median(cpus[m])
+            print(f"  {m:24s} {res[(dist, m)]:9.2f} ms/step wall {cpu[(dist, m)]:9.2f} ms/step CPU "
+                  f"({len(wall[m])} steps)", flush=True)
+        del keep, steps
+        gc.collect()
+
+    lines = [f"Fwd+bwd(+fused update) step, T={args.T}, E={args.E}, D={args.D}, B={args.B}, L={args.L}, fp32, "
+             f"SUM pooling, {args.threads} threads, {platform.processor() or platform.machine()}, "
+             f"torch {torch.__version__}, fbgemm_gpu {_fbgemm_version()}; median of {args.iters} steps (torch "
+             f"backend: {slow['torch']}, eager: {slow['eager']}) after {args.warmup} warm-up, methods "
+             "interleaved round-robin.", "",
+             f"Load average at the end: {os.getloadavg()[0]:.2f} (1 min) on {os.cpu_count()} CPUs. "
+             "CPU ms = process CPU time (all threads) per step.", "",
+             "| method | " + " | ".join(f"{d} wall ms | {d} / ours | {d} CPU ms" for d in dists) + " |",
+             "|---|" + "---:|---:|---:|" * len(dists)]
+    for m in methods:
+        cells = []
+        for d in dists:
+            ref = res.get((d, "cpp"))
+            v = res[(d, m)]
+            cells += [f"{v:.2f}", f"{v / ref:.2f}x" if ref else "-", f"{cpu[(d, m)]:.2f}"]
+        lines.append(f"| {labels[m]} | " + " | ".join(cells) + " |")
+    table = "\n".join(lines)
+    print(table)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(table + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -394,8 +394,9 @@ def mixed_weighted_vbe(rank: int, ws: int) -> None:
             values=torch.tensor([r for f in vfeats for bag in bags[f][rank] for r in bag], dtype=torch.int64),
             lengths=torch.tensor([len(bag) for f in vfeats for bag in bags[f][rank]], dtype=torch.int64),
             stride_per_key_per_rank=[[VBE_STRIDES[f]] for f in vfeats],
+            # int64: FBGEMM 1.6's CUDA group_index_select_dim0 backward rejects int32 inverse indices.
             inverse_indices=(vfeats, torch.tensor(np.stack([inv[f][rank] for f in vfeats]),
-                                                  dtype=torch.int32))).to(device())
+                                                  dtype=torch.int64))).to(device())
         vup = upstream(500 + step, ws, 2)
         wout, vout = dmp(local_kjt(gb, ["wf_ftrl", "wf_ada"], rank, weights=gw), vkjt)
         sl = slice(rank * B_LOCAL, (rank + 1) * B_LOCAL)

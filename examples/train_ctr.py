@@ -26,7 +26,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from ctr_job import checkpoint, cli, dist_env, evaluate, model as model_lib, report, sparsity  # noqa: E402
+from ctr_job import checkpoint, cli, dist_env, evaluate, faults, model as model_lib, report, sparsity  # noqa: E402
 from ctr_job.data import make_source, steps_for_epochs  # noqa: E402
 
 
@@ -50,6 +50,7 @@ def main(argv=None) -> dict:
     """Run the job with ``argv`` (default ``sys.argv[1:]``); returns the summary dict (every rank)."""
     _quiet()
     args = cli.parse_args(argv)
+    faults.parse(os.environ.get(faults.ENV))  # a malformed fault spec fails before any work
     fused_params = cli.sparse_fused_params(args)  # fails early if FTRL is not registered
     env = dist_env.init(args.device)
     if env.device.type == "cpu" and args.cpu_threads > 0:
@@ -145,6 +146,7 @@ def _run(args, env, fused_params, rank0) -> dict:
         opt.zero_grad()
         loss.backward()
         opt.step()
+        faults.maybe_fail(env.rank, step, "step")
         loss_val = float(loss.detach())
         window_loss += loss_val
         window_n += 1
@@ -215,9 +217,10 @@ def cli_ftrl_registered() -> bool:
 
 
 if __name__ == "__main__":
+    from ctr_job.checkpoint import CheckpointError
     from torchrec_ftrl.data import MalformedRowError
     try:
         main()
-    except (FileNotFoundError, MalformedRowError) as e:  # data problems: one clear line, no traceback
+    except (FileNotFoundError, MalformedRowError, CheckpointError) as e:  # one clear line, no traceback
         print(f"train_ctr: error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)

@@ -104,14 +104,19 @@ def import_ftrl_tables(model: torch.nn.Module, path: str | os.PathLike) -> None:
     tensor is written, so a bad file leaves the model untouched.
 
     Raises:
-        FileNotFoundError: no such file. ValueError: unknown suffix, a missing table/slot, or a shape
-        mismatch (naming the table, the slot and both shapes).
+        FileNotFoundError: no such file. ValueError: unknown suffix, an unreadable (corrupt or
+        truncated) file, a missing table/slot, or a shape mismatch (naming the table, the slot and
+        both shapes).
     """
     path = os.fspath(path)
     _check_suffix(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"no FTRL table file at {path!r}")
-    arrays = _read(path)
+    try:
+        arrays = _read(path)
+    except Exception as e:  # truncated / not an archive / wrong format: say which file
+        raise ValueError(f"{path!r} is not a readable {os.path.splitext(path)[1]} file of FTRL tables "
+                         f"({type(e).__name__}: {e})") from e
     tables = ftrl_table_tensors(model)
     plan = []
     for table, entry in sorted(tables.items()):

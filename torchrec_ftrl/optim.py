@@ -136,6 +136,13 @@ class FTRL(Optimizer):
         **fused_only: other keys of a ``fused_params`` dict (``optimizer``, ``eps``, ...) are ignored,
             as torchrec's ``RowWiseAdagrad`` does; an unknown ``ftrl_*`` key raises.
 
+    Non-finite gradients are NOT filtered (as in ``torch.optim``; the update is element-wise): an
+    element whose gradient is NaN or +-Inf gets a NaN/+Inf ``accum`` and a NaN/+-Inf ``linear``, and
+    keeps them (``accum`` only grows), and its weight becomes 0.0 (``|linear| > l1`` is false for
+    NaN), NaN, or +-Inf (``ftrl_learning_rate_power = 0``); every other element is updated
+    normally. Check gradients (``torch.isfinite``) before :meth:`step` if they can be non-finite. The fused TBE instead skips rows with a non-finite summed
+    gradient and counts them (``FTRLTableBatchedEmbeddingBags.nonfinite_grad_rows``).
+
     State per parameter: ``accum`` (n) and ``linear`` (z), shape of the parameter, fp32 whatever its
     dtype (kept fp32 by :meth:`load_state_dict` too), and ``step`` (float32 scalar tensor). Sparse COO
     gradients (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag(sparse=True)``) update only their rows,
@@ -196,8 +203,11 @@ class FTRL(Optimizer):
         cast them to the parameter dtype).
 
         Raises:
-            ValueError: an invalid knob in a saved param group, or a saved ``accum``/``linear`` whose
-                shape differs from its parameter. Nothing is modified then.
+            ValueError: an invalid knob in a saved param group, a saved per-parameter state that is
+                not empty but lacks an ``accum``, ``linear`` or ``step`` tensor (e.g. another
+                optimizer's state), a saved ``accum``/``linear`` whose shape differs from its
+                parameter, or (from ``torch.optim``) other numbers of groups or parameters.
+                Nothing is modified then.
         """
         saved_groups = state_dict["param_groups"]
         for g in saved_groups:
@@ -208,8 +218,13 @@ class FTRL(Optimizer):
             id_map = dict(zip(chain.from_iterable(g["params"] for g in saved_groups),
                               chain.from_iterable(g["params"] for g in self.param_groups)))
         for pid, p in id_map.items():
+            saved = saved_state.get(pid, {})
+            missing = [k for k in (*_STATE_KEYS, "step") if saved and not isinstance(saved.get(k), torch.Tensor)]
+            if missing:
+                raise ValueError(f"saved state of parameter {pid!r} lacks tensor(s) {missing} (has keys "
+                                 f"{sorted(saved)}); FTRL state needs 'accum', 'linear' and 'step'")
             for key in _STATE_KEYS:
-                v = saved_state.get(pid, {}).get(key)
+                v = saved.get(key)
                 if isinstance(v, torch.Tensor) and v.shape != p.shape:
                     raise ValueError(f"saved {key} of shape {tuple(v.shape)} does not match parameter "
                                      f"shape {tuple(p.shape)}")

@@ -426,6 +426,9 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
             ValueError: an unknown key or an invalid value (nothing is changed).
         """
         params = dict(params_dict)
+        if "lr" in params and "learning_rate" in params and params["lr"] != params["learning_rate"]:
+            raise ValueError(f"update_hyper_parameters got lr={params['lr']!r} and learning_rate="
+                             f"{params['learning_rate']!r}; give one")
         lr = params.pop("lr", params.pop("learning_rate", self._hp.learning_rate))
         unknown = sorted(k for k in params if k not in FTRL_KWARGS)
         if unknown:

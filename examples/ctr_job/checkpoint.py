@@ -14,6 +14,8 @@ from typing import Optional
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from . import faults
+
 
 def _barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -39,6 +41,7 @@ def save(root: str, step: int, model, optimizer, meta: dict, keep: int = 2,
     if extra:
         state["extra"] = extra
     dcp.save(state, checkpoint_id=tmp)
+    faults.maybe_fail(rank, step, "checkpoint")
     _barrier()
     if rank == 0:
         with open(os.path.join(tmp, "meta.json"), "w") as f:
@@ -77,13 +80,35 @@ def resolve(resume: str, root: Optional[str]) -> str:
     return path
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be loaded into this job (corrupt files, other tables or sizes)."""
+
+
+def _first_failure(e: BaseException) -> str:
+    """One line for a DCP ``CheckpointException``: the first failing rank's exception."""
+    failures = getattr(e, "failures", None) or {}
+    for rank, (exc, _) in sorted(failures.items()):
+        return f"rank {rank}: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+    return f"{type(e).__name__}: {e}"
+
+
 def load(path: str, model, optimizer, extra: Optional[dict] = None) -> dict:
     """Collective: load model and optimizer state (and ``extra``, same keys/shapes as saved) in place;
-    returns ``meta.json`` (with ``step``)."""
+    returns ``meta.json`` (with ``step``).
+
+    Raises:
+        CheckpointError: naming ``path`` and the first failure, when DCP cannot load it (a truncated
+            or corrupt file, or a checkpoint of other tables/sizes). DCP plans the whole load before
+            reading, so a checkpoint of other tables or shapes fails before any tensor is written.
+    """
     state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
     if extra:
         state["extra"] = extra
-    dcp.load(state, checkpoint_id=path)
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except (Exception, dcp.api.CheckpointException) as e:  # CheckpointException is a BaseException
+        raise CheckpointError(f"--resume: cannot load checkpoint {path!r} (corrupt, or saved by a job "
+                              f"with other tables/sizes): {_first_failure(e)}") from e
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optim"])
     with open(os.path.join(path, "meta.json")) as f:

@@ -17,35 +17,16 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from knob_rules import ANY_VALUE, valid_knob
 from torchrec_ftrl import FTRL
 from torchrec_ftrl.kernels.reference import ftrl_reference_step
 
 SETTINGS = settings(max_examples=60, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow])
-FP32_MAX, FP32_MIN_NORMAL = 3.4028234663852886e38, 1.1754943508222875e-38
 
 # ------------------------------------------------------------------------------------------ helpers
 KNOBS = ("lr", "ftrl_learning_rate_power", "ftrl_l1_reg", "ftrl_l2_reg", "ftrl_beta",
          "ftrl_l2_shrinkage", "ftrl_initial_accumulator_value")
-ANY_VALUE = st.one_of(
-    st.floats(allow_nan=True, allow_infinity=True, width=64),
-    st.sampled_from([0.0, -0.0, 1e-40, -1e-40, 1e39, -1e39, 1e-300, 0.5, -0.5, 1, -1, True, False,
-                     "0.1", None, 3 + 0j]),
-)
-
-
-def _valid(knob, v) -> bool:
-    """Independent statement of FTRL.md's constraints."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return False
-    v = float(v)
-    if not math.isfinite(v) or (v != 0.0 and not FP32_MIN_NORMAL <= abs(v) <= FP32_MAX):
-        return False
-    if knob == "lr":
-        return v > 0
-    if knob == "ftrl_learning_rate_power":
-        return v <= 0
-    return v >= 0
 
 
 def _snapshot(opt: FTRL):
@@ -89,7 +70,7 @@ def _trained(seed=0, **kw):
 @SETTINGS
 @given(knobs=st.dictionaries(st.sampled_from(KNOBS), ANY_VALUE, min_size=1, max_size=3))
 def test_constructor_knobs_valid_or_clear_error(knobs):
-    bad = [k for k, v in knobs.items() if not _valid(k, v)]
+    bad = [k for k, v in knobs.items() if not valid_knob(k, v)]
     p = torch.nn.Parameter(torch.zeros(2))
     if not bad:
         opt = FTRL([p], **knobs)
@@ -110,7 +91,7 @@ def test_edited_group_or_new_group_with_bad_knob_changes_nothing(knob, value, wh
     before = _snapshot(opt)
     if where == "step":
         opt.param_groups[0][knob] = value
-        if _valid(knob, value):
+        if valid_knob(knob, value):
             opt.step()
             return
         with pytest.raises(ValueError, match=knob.replace("lr", "learning_rate") if knob == "lr" else knob):
@@ -118,7 +99,7 @@ def test_edited_group_or_new_group_with_bad_knob_changes_nothing(knob, value, wh
         opt.param_groups[0][knob] = before[2][0][knob]          # undo the edit before comparing
     else:
         extra = torch.nn.Parameter(torch.zeros(3))
-        if _valid(knob, value):
+        if valid_knob(knob, value):
             opt.add_param_group({"params": [extra], knob: value})
             return
         with pytest.raises(ValueError, match="learning_rate" if knob == "lr" else knob):

@@ -26,6 +26,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import tbe_harness as H
+from knob_rules import ANY_VALUE, valid_knob
 from torchrec_ftrl import FTRLTableBatchedEmbeddingBags
 from torchrec_ftrl.kernels.reference import ftrl_reference_rows, reference_knobs
 from torchrec_ftrl.tbe_compat import BoundsCheckMode, PoolingMode, SparseType
@@ -143,21 +144,8 @@ def test_malformed_input_raises_naming_it_and_changes_nothing(backend, seed, kin
 
 
 # ------------------------------------------------------------------------ constructor / knobs
-FP32_MAX, FP32_MIN_NORMAL = 3.4028234663852886e38, 1.1754943508222875e-38
 KNOBS = ("learning_rate", "ftrl_learning_rate_power", "ftrl_l1_reg", "ftrl_l2_reg", "ftrl_beta",
          "ftrl_l2_shrinkage", "ftrl_initial_accumulator_value")
-ANY_VALUE = st.one_of(st.floats(allow_nan=True, allow_infinity=True),
-                      st.sampled_from([0.0, 1e-40, -1e-40, 1e39, 0.5, -0.5, 2, -2, True, "0.1", None]))
-
-
-def _valid(knob, v) -> bool:
-    """FTRL.md: lr > 0, power <= 0, the rest >= 0; finite; 0 or a normal fp32 magnitude."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return False
-    v = float(v)
-    if not math.isfinite(v) or (v != 0.0 and not FP32_MIN_NORMAL <= abs(v) <= FP32_MAX):
-        return False
-    return v > 0 if knob == "learning_rate" else v <= 0 if knob == "ftrl_learning_rate_power" else v >= 0
 
 
 def _msg_name(knob):
@@ -168,7 +156,7 @@ def _msg_name(knob):
 @SETTINGS
 @given(knobs=st.dictionaries(st.sampled_from(KNOBS), ANY_VALUE, min_size=1, max_size=3))
 def test_constructor_knobs_valid_or_clear_error(knobs):
-    bad = [k for k, v in knobs.items() if not _valid(k, v)]
+    bad = [k for k, v in knobs.items() if not valid_knob(k, v)]
     if not bad:
         FTRLTableBatchedEmbeddingBags([(4, 2)], backend="torch", **knobs)
         return
@@ -185,7 +173,7 @@ def test_update_hyper_parameters_valid_or_atomic_error(knobs):
     m = FTRLTableBatchedEmbeddingBags([(4, 2)], backend="torch", learning_rate=0.1)
     hp0, before = m.hyperparams, _state(m)
     # Both spellings with different values are an error; otherwise each value is checked.
-    bad = [k for k, v in knobs.items() if k == "ftrl_bogus" or not _valid(
+    bad = [k for k, v in knobs.items() if k == "ftrl_bogus" or not valid_knob(
         "learning_rate" if k == "lr" else k, v)]
     if "lr" in knobs and "learning_rate" in knobs and knobs["lr"] != knobs["learning_rate"]:
         bad.append("lr")

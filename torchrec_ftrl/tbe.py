@@ -338,6 +338,10 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         mode = self.bounds_check_mode
         if mode in (BoundsCheckMode.IGNORE, BoundsCheckMode.NONE):
             return indices, offsets
+        fast_check = getattr(self._backend, "count_invalid", None)
+        if mode == BoundsCheckMode.FATAL and fast_check is not None and offsets.numel() > 0 and \
+                fast_check(self._table_rows, self._feature_table, bag_feature, indices, offsets) == 0:
+            return indices, offsets  # valid; otherwise the checks below name the problem
         N = indices.numel()
         lengths = offsets[1:] - offsets[:-1]
         idx_bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=indices.device),

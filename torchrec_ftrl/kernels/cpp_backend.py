@@ -68,6 +68,14 @@ def _psw(batch: TBEBatch):
     return None if p is None else p.float().contiguous()
 
 
+def count_invalid(table_rows: torch.Tensor, feature_table: torch.Tensor, bag_feature: torch.Tensor,
+                  indices: torch.Tensor, offsets: torch.Tensor) -> int:
+    """Number of problems in int64 ``offsets``/``indices`` (bad offsets, indices outside their table);
+    0 when the batch is valid. Parallel, read-only: the FATAL bounds check's fast path."""
+    return int(load_extension().count_invalid(table_rows, feature_table, bag_feature.contiguous(),
+                                              indices.contiguous(), offsets.contiguous()))
+
+
 def forward(weights: torch.Tensor, batch: TBEBatch, out_dtype: torch.dtype) -> torch.Tensor:
     """Pooled (SUM/MEAN) or sequence (NONE) lookup, fp32 accumulation.
 

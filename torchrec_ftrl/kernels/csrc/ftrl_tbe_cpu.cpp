@@ -488,11 +488,46 @@ void backward_update(at::Tensor& weights, at::Tensor& accum, at::Tensor& linear,
   if (bad) nonfinite_rows.add_(bad);
 }
 
+// FATAL-mode input check, parallel over bags: the number of problems in (offsets, indices) - offsets
+// not starting at 0, decreasing, or not ending at N, plus indices outside [0, rows of the bag's
+// table). 0 means valid. Reads only; the caller builds the detailed error message when it is not 0.
+int64_t count_invalid(const at::Tensor& table_rows, const at::Tensor& feature_table,
+                      const at::Tensor& bag_feature, const at::Tensor& indices,
+                      const at::Tensor& offsets) {
+  TORCH_CHECK(indices.scalar_type() == at::kLong && offsets.scalar_type() == at::kLong &&
+                  bag_feature.scalar_type() == at::kLong,
+              "count_invalid: int64 indices, offsets and bag_feature expected");
+  const int64_t n = indices.numel();
+  const int64_t num_bags = offsets.numel() - 1;
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  const int64_t* idx = indices.data_ptr<int64_t>();
+  const int64_t* bf = bag_feature.data_ptr<int64_t>();
+  const int64_t* ft = feature_table.data_ptr<int64_t>();
+  const int64_t* rows = table_rows.data_ptr<int64_t>();
+  if (num_bags < 0 || off[0] != 0 || off[num_bags] != n) return 1;
+  std::atomic<int64_t> bad{0};
+  at::parallel_for(0, num_bags, 1024, [&](int64_t b0, int64_t b1) {
+    int64_t local = 0;
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t s = off[b], e = off[b + 1];
+      if (s > e || s < 0 || e > n) {
+        ++local;
+        continue;
+      }
+      const int64_t r = rows[ft[bf[b]]];
+      for (int64_t i = s; i < e; ++i) local += static_cast<int64_t>(idx[i] < 0) | (idx[i] >= r);
+    }
+    bad += local;
+  });
+  return bad.load();
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Fused FTRL-Proximal TBE CPU kernel (torchrec_ftrl)";
   m.def("forward", &forward, "Pooled lookup into a preallocated flat output");
+  m.def("count_invalid", &count_invalid, "FATAL bounds check: number of bad offsets/indices");
   m.def("backward_update", &backward_update,
         "Sum gradients per unique row, then one FTRL update per row, in place");
 }

@@ -10,6 +10,7 @@ import torchrec_ftrl
 from torchrec_ftrl.compat import check_torchrec_version
 from torchrec_ftrl.distributed.kernels import tbe_kwargs_from_fused_params
 from torchrec_ftrl.registration import is_ftrl, register
+from torchrec_ftrl.tbe_compat import BoundsCheckMode
 
 
 def test_enum_member_and_lookups():
@@ -51,7 +52,9 @@ def test_fused_params_to_tbe_kwargs():
     kw = tbe_kwargs_from_fused_params({"optimizer": EmbOptimType.FTRL, "learning_rate": 0.3,
                                        "ftrl_l1_reg": 0.1, "cache_precision": "fp32",
                                        "stochastic_rounding": True})
-    assert kw == {"learning_rate": 0.3, "ftrl_l1_reg": 0.1}
+    assert kw == {"learning_rate": 0.3, "ftrl_l1_reg": 0.1, "bounds_check_mode": BoundsCheckMode.WARNING}
+    kw = tbe_kwargs_from_fused_params({"learning_rate": 0.3, "bounds_check_mode": BoundsCheckMode.FATAL})
+    assert kw["bounds_check_mode"] == BoundsCheckMode.FATAL
     with pytest.raises(ValueError, match="ftrl_l1_regg"):
         tbe_kwargs_from_fused_params({"ftrl_l1_regg": 0.1})
 

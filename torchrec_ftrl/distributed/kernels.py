@@ -26,7 +26,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ..hyperparams import FTRL_KWARGS
 from ..tbe import FTRLTableBatchedEmbeddingBags
-from ..tbe_compat import PoolingMode
+from ..tbe_compat import BoundsCheckMode, PoolingMode
 
 # fused_params keys our TBE understands besides learning_rate and the ftrl_* knobs.
 _PASSED_THROUGH = ("output_dtype", "bounds_check_mode")
@@ -35,8 +35,9 @@ _PASSED_THROUGH = ("output_dtype", "bounds_check_mode")
 def tbe_kwargs_from_fused_params(fused_params: Optional[dict[str, Any]]) -> dict[str, Any]:
     """Constructor kwargs of :class:`FTRLTableBatchedEmbeddingBags` from a TorchRec ``fused_params``.
 
-    Keeps ``learning_rate`` (or ``lr``), the ``ftrl_*`` knobs, ``output_dtype`` and ``bounds_check_mode``;
-    drops FBGEMM-only keys (``optimizer``, ``cache_precision``, ``stochastic_rounding``, ...).
+    Keeps ``learning_rate`` (or ``lr``), the ``ftrl_*`` knobs, ``output_dtype`` and ``bounds_check_mode``
+    (default ``BoundsCheckMode.WARNING``, FBGEMM's default for stock tables); drops FBGEMM-only keys
+    (``optimizer``, ``cache_precision``, ``stochastic_rounding``, ...).
 
     Raises:
         ValueError: an unknown ``ftrl_*`` key (a misspelling would otherwise be ignored silently).
@@ -49,6 +50,8 @@ def tbe_kwargs_from_fused_params(fused_params: Optional[dict[str, Any]]) -> dict
     kwargs: dict[str, Any] = {"learning_rate": fp.get("learning_rate", fp.get("lr", 0.01))}
     kwargs.update({k: fp[k] for k in FTRL_KWARGS if k in fp})
     kwargs.update({k: fp[k] for k in _PASSED_THROUGH if k in fp and fp[k] is not None})
+    # Under TorchRec, FBGEMM's default (WARNING: repair + count, no host sync) as for stock tables.
+    kwargs.setdefault("bounds_check_mode", BoundsCheckMode.WARNING)
     return kwargs
 
 

@@ -40,6 +40,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from .triton_forward import load_bags
+
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
 
@@ -51,14 +53,8 @@ def linearize_kernel(
     POOL: tl.constexpr, HAS_PSW: tl.constexpr, HAS_SCALE: tl.constexpr, CHECK: tl.constexpr,
     HAS_TID: tl.constexpr, BAGS: tl.constexpr, UNROLL: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    bags = pid.to(tl.int64) * BAGS + tl.arange(0, BAGS)
-    bmask = bags < num_bags
-    start = tl.load(offsets_ptr + bags, mask=bmask, other=0)
-    end = tl.load(offsets_ptr + bags + 1, mask=bmask, other=0)
-    length = end - start
-    feat = tl.load(bag_feature_ptr + bags, mask=bmask, other=0)
-    tab = tl.load(feature_table_ptr + feat, mask=bmask, other=0)
+    bags, bmask, start, length, tab = load_bags(offsets_ptr, bag_feature_ptr, feature_table_ptr,
+                                                num_bags, BAGS)
     rbase = tl.load(row_base_ptr + tab, mask=bmask, other=0)
     if CHECK:
         trows = tl.load(table_rows_ptr + tab, mask=bmask, other=0)

@@ -20,6 +20,18 @@ POOL_SUM, POOL_MEAN, POOL_NONE = 0, 1, 2
 
 
 @triton.jit
+def load_bags(offsets_ptr, bag_feature_ptr, feature_table_ptr, num_bags, BAGS: tl.constexpr):
+    """This program's ``BAGS`` consecutive bags: ids, mask, first index position, length, table."""
+    bags = tl.program_id(0).to(tl.int64) * BAGS + tl.arange(0, BAGS)
+    bmask = bags < num_bags
+    start = tl.load(offsets_ptr + bags, mask=bmask, other=0)
+    end = tl.load(offsets_ptr + bags + 1, mask=bmask, other=0)
+    feat = tl.load(bag_feature_ptr + bags, mask=bmask, other=0)
+    tab = tl.load(feature_table_ptr + feat, mask=bmask, other=0)
+    return bags, bmask, start, end - start, tab
+
+
+@triton.jit
 def tbe_forward_kernel(
     w_ptr, out_ptr, indices_ptr, offsets_ptr, bag_feature_ptr, bag_out_ptr, feature_table_ptr,
     table_w_offset_ptr, table_dim_ptr, table_rows_ptr, psw_ptr, warn_ptr,
@@ -28,14 +40,8 @@ def tbe_forward_kernel(
     BAGS: tl.constexpr, UNROLL: tl.constexpr, BLOCK_D: tl.constexpr,
     VEC: tl.constexpr, EVEN_D: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    bags = pid.to(tl.int64) * BAGS + tl.arange(0, BAGS)                      # [BAGS]
-    bmask = bags < num_bags
-    start = tl.load(offsets_ptr + bags, mask=bmask, other=0)
-    end = tl.load(offsets_ptr + bags + 1, mask=bmask, other=0)
-    length = end - start
-    feat = tl.load(bag_feature_ptr + bags, mask=bmask, other=0)
-    tab = tl.load(feature_table_ptr + feat, mask=bmask, other=0)
+    bags, bmask, start, length, tab = load_bags(offsets_ptr, bag_feature_ptr, feature_table_ptr,
+                                                num_bags, BAGS)
     # VEC divides every table's D (host-checked): lets loads/stores use 16-byte vectors.
     woff = tl.multiple_of(tl.load(table_w_offset_ptr + tab, mask=bmask, other=0), VEC)
     dim = tl.multiple_of(tl.load(table_dim_ptr + tab, mask=bmask, other=VEC), VEC)

@@ -57,9 +57,12 @@ def main(argv=None) -> dict:
         torch.set_num_threads(args.cpu_threads)
     rank0 = env.rank == 0
     try:
-        return _run(args, env, fused_params, rank0)
-    finally:
-        dist_env.shutdown()
+        summary = _run(args, env, fused_params, rank0)
+    except BaseException:
+        dist_env.shutdown(clean=False)  # peers may be gone: no barrier
+        raise
+    dist_env.shutdown()
+    return summary
 
 
 def _run(args, env, fused_params, rank0) -> dict:
@@ -218,9 +221,9 @@ def cli_ftrl_registered() -> bool:
 
 if __name__ == "__main__":
     from ctr_job.checkpoint import CheckpointError
-    from torchrec_ftrl.data import MalformedRowError
+    from torchrec_ftrl.data import MalformedRowError, NoUsableRowsError
     try:
         main()
-    except (FileNotFoundError, MalformedRowError, CheckpointError) as e:  # one clear line, no traceback
+    except (FileNotFoundError, MalformedRowError, NoUsableRowsError, CheckpointError) as e:  # one clear line, no traceback
         print(f"train_ctr: error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)

@@ -133,6 +133,18 @@ def test_missing_data_file_fails_clearly(tmp_path):
     assert "CTR data file not found" in p.stderr and "none.tsv" in p.stderr
 
 
+def test_wrong_data_format_fails_in_one_line(tmp_path):
+    bad = tmp_path / "comma.csv"  # a comma-separated file read with the default Criteo TSV layout
+    bad.write_text("".join(f"{i % 2},1,2,3\n" for i in range(30)))
+    p = subprocess.run([sys.executable, SCRIPT, "--data", str(bad), "--steps", "1",
+                        "--output-dir", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 2, p.stderr[-2000:]
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("train_ctr: error: the validation split") and "--data-format" in last
+    assert "30 malformed rows" in last and "Traceback" not in p.stderr
+
+
 def test_flags_map_to_fused_params():
     from ctr_job import cli
     from fbgemm_gpu.split_embedding_configs import EmbOptimType

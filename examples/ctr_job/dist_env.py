@@ -50,6 +50,10 @@ def init(device_choice: str = "auto") -> DistEnv:
     return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
 
 
-def shutdown() -> None:
+def shutdown(clean: bool = True) -> None:
+    """Destroy the process group. After a clean run, first wait for every rank (rank 0 may still be
+    writing outputs): a rank that tears down gloo while a peer is still connected can abort."""
     if dist.is_initialized():
+        if clean and dist.get_world_size() > 1:
+            dist.barrier()
         dist.destroy_process_group()

@@ -7,7 +7,7 @@ Modules: ``spec`` (column specs, presets), ``hashing`` (stable ids, log transfor
 
 from .batching import make_batch
 from .hashing import hex_id, log_transform, string_id
-from .reader import CTRFileReader, MalformedRowError, ReadStats, Row
+from .reader import CTRFileReader, MalformedRowError, NoUsableRowsError, ReadStats, Row
 from .sources import FileSource, SyntheticSource
 from .spec import AVAZU_SPEC, CRITEO_SPEC, PRESETS, ColumnSpec, get_spec
 from .split import Split
@@ -15,6 +15,6 @@ from .synthetic import SyntheticCTR
 
 __all__ = [
     "AVAZU_SPEC", "CRITEO_SPEC", "PRESETS", "CTRFileReader", "ColumnSpec", "FileSource",
-    "MalformedRowError", "ReadStats", "Row", "Split", "SyntheticCTR", "SyntheticSource", "get_spec",
+    "MalformedRowError", "NoUsableRowsError", "ReadStats", "Row", "Split", "SyntheticCTR", "SyntheticSource", "get_spec",
     "hex_id", "log_transform", "make_batch", "string_id",
 ]

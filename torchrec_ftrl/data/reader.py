@@ -20,6 +20,10 @@ from .hashing import hex_id, log_transform, string_id
 from .spec import ColumnSpec, ResolvedSpec
 
 
+class NoUsableRowsError(ValueError):
+    """A split of the data has no valid row, usually because the file's layout is not --data-format."""
+
+
 class MalformedRowError(ValueError):
     """A malformed line under ``strict=True``; the message is ``"{path}:{line}: {reason}"``."""
 

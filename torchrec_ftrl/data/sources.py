@@ -18,7 +18,7 @@ from typing import Iterator, List, Optional, Tuple
 import numpy as np
 
 from .batching import make_batch
-from .reader import CTRFileReader
+from .reader import CTRFileReader, NoUsableRowsError
 from .split import Split
 from .synthetic import SyntheticCTR
 
@@ -108,15 +108,17 @@ class FileSource:
         """``[(Batch, n_real)]``, the same count on every rank; pad rows repeat the first one.
 
         Raises:
-            ValueError: an empty validation split.
+            NoUsableRowsError: an empty validation split (a ValueError).
         """
         _check_rank(rank, world_size, batch_size)
         rows = list(self._rows(True))
         if self.max_val_rows is not None:
             rows = rows[: self.max_val_rows]
         if not rows:
-            raise ValueError(f"the validation split {self.split} is empty; "
-                             f"reader: {self.reader.stats.summary()}")
+            raise NoUsableRowsError(
+                f"the validation split {self.split} is empty; reader: {self.reader.stats.summary()}; "
+                f"if most rows are malformed, the file's layout is probably not the --data-format "
+                f"given (a preset or a JSON column spec)")
         mine = rows[rank::world_size]
         n_batches = math.ceil(math.ceil(len(rows) / world_size) / batch_size)
         out = []

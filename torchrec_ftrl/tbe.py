@@ -378,14 +378,10 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
     # ------------------------------------------------------------------ backward
     def _per_sample_weight_grad(self, grad_out: torch.Tensor, batch: TBEBatch) -> torch.Tensor:
         """d loss / d psw[i] = <grad of its bag (÷L for MEAN), weight row before the update>."""
-        from .kernels.torch_backend import index_gradients
+        from .kernels.torch_backend import gather_index_rows, index_gradients
         unweighted = TBEBatch(**{**batch.__dict__, "per_sample_weights": None})
         g = index_gradients(grad_out, unweighted)                         # [N, max_D]
-        col = torch.arange(batch.max_D, device=g.device)
-        dims = batch.table_dim[batch.index_table()]
-        mask = col.unsqueeze(0) < dims.unsqueeze(1)
-        src = (batch.index_row_offset().unsqueeze(1) + col).masked_fill(~mask, 0)
-        w = self.weights_dev[src].float() * mask
+        w, _, _ = gather_index_rows(self.weights_dev, batch, batch.index_row_offset())
         return (g * w).sum(1)
 
     def _apply_ftrl(self, batch: TBEBatch, grad_out: torch.Tensor) -> None:

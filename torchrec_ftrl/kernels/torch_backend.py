@@ -13,24 +13,23 @@ from .ftrl_rule import ftrl_update_rows_
 from .layout import POOL_NONE, TBEBatch
 
 
+def gather_index_rows(buf: torch.Tensor, batch: TBEBatch, base: torch.Tensor):
+    """Rows ``buf[base[i] : base[i] + D_i]`` of every index ``i`` as fp32 ``[N, max_D]``, zero-padded
+    beyond the index's table dim D_i; also returns the ``[N, max_D]`` validity mask and the column ids."""
+    col = torch.arange(batch.max_D, device=buf.device)
+    mask = col.unsqueeze(0) < batch.table_dim[batch.index_table()].unsqueeze(1)
+    src = (base.unsqueeze(1) + col).masked_fill(~mask, 0)
+    return buf[src].float() * mask, mask, col
+
+
 def forward(weights: torch.Tensor, batch: TBEBatch, out_dtype: torch.dtype) -> torch.Tensor:
     """Pooled lookup. Returns the flat output ``[batch.out_numel]`` in ``out_dtype`` (fp32 accumulation)."""
     out = torch.zeros(batch.out_numel, dtype=torch.float32, device=weights.device)
-    n = batch.indices.numel()
-    if n:
-        D = batch.max_D
-        dims = batch.table_dim[batch.index_table()]
-        col = torch.arange(D, device=weights.device)
-        mask = col.unsqueeze(0) < dims.unsqueeze(1)                         # [N, D]
-        src = (batch.index_row_offset().unsqueeze(1) + col).masked_fill(~mask, 0)
-        rows = weights[src].float() * mask
-        scale = batch.per_sample_weights.float() if batch.per_sample_weights is not None else None
-        if batch.pooling_mode != POOL_NONE:
-            if scale is not None:
-                rows = rows * scale.unsqueeze(1)
-            if batch.pooling_mode == 1:  # MEAN
-                lengths = (batch.offsets[1:] - batch.offsets[:-1])[batch.index_bag()].float()
-                rows = rows / lengths.unsqueeze(1)
+    if batch.indices.numel():
+        rows, mask, col = gather_index_rows(weights, batch, batch.index_row_offset())
+        scale = batch.index_scale() if batch.pooling_mode != POOL_NONE else None  # psw, 1/L (MEAN)
+        if scale is not None:
+            rows = rows * scale.unsqueeze(1)
         dst = (batch.index_out_offset().unsqueeze(1) + col).masked_fill(~mask, 0)
         out.index_put_((dst[mask],), rows[mask], accumulate=True)
     return out.to(out_dtype)
@@ -38,12 +37,7 @@ def forward(weights: torch.Tensor, batch: TBEBatch, out_dtype: torch.dtype) -> t
 
 def index_gradients(grad_out: torch.Tensor, batch: TBEBatch) -> torch.Tensor:
     """``[N, max_D]`` fp32 gradient of each index's row (zero-padded beyond its table's D)."""
-    D = batch.max_D
-    col = torch.arange(D, device=grad_out.device)
-    dims = batch.table_dim[batch.index_table()]
-    mask = col.unsqueeze(0) < dims.unsqueeze(1)
-    src = (batch.index_out_offset().unsqueeze(1) + col).masked_fill(~mask, 0)
-    g = grad_out.float()[src] * mask
+    g, _, _ = gather_index_rows(grad_out, batch, batch.index_out_offset())
     scale = batch.index_scale()
     return g * scale.unsqueeze(1) if scale is not None else g
 

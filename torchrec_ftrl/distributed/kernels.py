@@ -62,9 +62,10 @@ class FTRLEmbeddingFusedOptimizer(EmbeddingFusedOptimizer):
     def __init__(self, config: GroupedEmbeddingConfig, emb_module: FTRLTableBatchedEmbeddingBags,
                  pg: Optional[dist.ProcessGroup] = None) -> None:
         super().__init__(config, emb_module, pg)
-        for param_state in self.state.values():
-            for key in [k for k in param_state if k.endswith(".momentum1")]:
-                param_state[key[: -len("momentum1")] + "accum"] = param_state.pop(key)
+        for param, param_state in list(self.state.items()):
+            self.state[param] = {
+                (k[: -len("momentum1")] + "accum" if k.endswith(".momentum1") else k): v
+                for k, v in param_state.items()}
 
 
 def _build_tbe(kernel, config: GroupedEmbeddingConfig, device, pooling) -> FTRLTableBatchedEmbeddingBags:

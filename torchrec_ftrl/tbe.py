@@ -165,6 +165,8 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         location = EmbeddingLocation.DEVICE if device.type == "cuda" else EmbeddingLocation.HOST
         compute = ComputeDevice.CUDA if device.type == "cuda" else ComputeDevice.CPU
         self.embedding_specs = [(r, d, location, compute) for r, d in rows_dims]
+        self._total_rows = sum(r for r, _ in rows_dims)
+        self._table_dims = tuple(d for _, d in rows_dims)
         self.backend, self._backend = resolve_backend(backend, device)
 
         sizes = [r * d for r, d in rows_dims]
@@ -299,8 +301,7 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
             offsets=offsets64,
             per_sample_weights=per_sample_weights.detach().float() if per_sample_weights is not None else None,
             pooling_mode=int(self.pooling_mode), out_numel=out_numel, max_D=self.max_D,
-            total_rows=sum(r for r, *_ in self.embedding_specs),
-            table_dims=tuple(d for _, d, *_ in self.embedding_specs), index_check=index_check)
+            total_rows=self._total_rows, table_dims=self._table_dims, index_check=index_check)
 
     def _vbe_layout(self, bsfpr, num_bags):
         F = len(self.feature_table_map)

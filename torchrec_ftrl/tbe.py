@@ -8,6 +8,7 @@ shaped after FBGEMM's ``SplitTableBatchedEmbeddingBagsCodegen`` so TorchRec's ke
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
@@ -380,7 +381,7 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
     def _per_sample_weight_grad(self, grad_out: torch.Tensor, batch: TBEBatch) -> torch.Tensor:
         """d loss / d psw[i] = <grad of its bag (÷L for MEAN), weight row before the update>."""
         from .kernels.torch_backend import gather_index_rows, index_gradients
-        unweighted = TBEBatch(**{**batch.__dict__, "per_sample_weights": None})
+        unweighted = dataclasses.replace(batch, per_sample_weights=None)
         g = index_gradients(grad_out, unweighted)                         # [N, max_D]
         w, _, _ = gather_index_rows(self.weights_dev, batch, batch.index_row_offset())
         return (g * w).sum(1)

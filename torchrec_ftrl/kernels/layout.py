@@ -62,17 +62,21 @@ class TBEBatch:
     total_rows: int | None = None
     table_dims: tuple | None = None
     index_check: torch.Tensor | None = None
+    _index_bag: torch.Tensor | None = dataclasses.field(default=None, init=False, repr=False,
+                                                        compare=False)
 
     @property
     def num_bags(self) -> int:
         return self.offsets.numel() - 1
 
     def index_bag(self) -> torch.Tensor:
-        """``[N]`` bag of each index (int64)."""
-        n = self.indices.numel()
-        lengths = self.offsets[1:] - self.offsets[:-1]
-        return torch.repeat_interleave(
-            torch.arange(self.num_bags, device=self.offsets.device), lengths, output_size=n)
+        """``[N]`` bag of each index (int64); computed once per batch."""
+        if self._index_bag is None:
+            lengths = self.offsets[1:] - self.offsets[:-1]
+            self._index_bag = torch.repeat_interleave(
+                torch.arange(self.num_bags, device=self.offsets.device), lengths,
+                output_size=self.indices.numel())
+        return self._index_bag
 
     def index_out_offset(self) -> torch.Tensor:
         """``[N]`` element offset in the flat output (or grad) of each index's bag vector."""

@@ -11,13 +11,14 @@ permutation of each table's rows). Time: CUDA events around each step, median ov
 after ``--warmup``, cycling through ``--batches`` batches. Achieved bandwidth uses the bytes-moved model
 of ``benchmarks/README.md`` (``bytes_model`` below), against the measured device-to-device copy rate.
 
-Usage: python benchmarks/bench_tbe_cuda.py [--out DIR] [--tune] [--quick]
+Usage: python benchmarks/bench_tbe_cuda.py [--out DIR] [--tune] [--tune-forward] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import os
 import statistics
@@ -134,26 +135,16 @@ def eager_step(T, E, D, B):
 
 
 def tune(T, E, B, L, batches_by_dist, log):
-    """Small sweep of the Triton launch knobs at D=128 fp32 (uniform + Zipf step time summed);
+    """Small sweep of the backward launch knobs at D=128 fp32 (uniform + Zipf step time summed);
     keeps the fastest setting of each group."""
     grad = torch.randn(B, T * 128, device="cuda")
     m = build_ours(T, E, 128, SparseType.FP32)
-    uni = batches_by_dist["uniform"]
 
     def step_ms():
         return sum(time_steps(tbe_step(m, grad), b, 3, 15) for b in batches_by_dist.values())
 
     best = {}
-    with torch.no_grad():  # first timing after building a module runs slow: discard one
-        time_steps(lambda i, o: m(i, o), uni, 3, 20)
-    for fwd_tile, unroll in ((2048, 4), (4096, 2), (4096, 4), (2048, 2)):
-        triton_backend.TUNING.update(fwd_tile=fwd_tile, fwd_unroll=unroll)
-        with torch.no_grad():
-            ms = time_steps(lambda i, o: m(i, o), uni, 3, 20)
-        log(f"  tune fwd_tile={fwd_tile} unroll={unroll}: fwd {ms:.3f} ms")
-        if ms < best.get("fwd", (1e9,))[0]:
-            best["fwd"] = (ms, dict(fwd_tile=fwd_tile, fwd_unroll=unroll))
-    triton_backend.TUNING.update(best["fwd"][1])
+    step_ms()  # first timing after building a module runs slow: discard one
     for seg_tile, seg_rows in ((2048, 4), (1024, 4), (2048, 8), (4096, 4)):
         triton_backend.TUNING.update(seg_tile=seg_tile, seg_rows=seg_rows)
         ms = step_ms()
@@ -170,6 +161,34 @@ def tune(T, E, B, L, batches_by_dist, log):
     triton_backend.TUNING.update(best["seg"][1])
     del m
     log(f"  chosen TUNING {triton_backend.TUNING}")
+
+
+def tune_forward(T, E, B, L, batches_by_dist, log):
+    """Sweep of the forward's launch table ``TUNING["fwd"]`` (elements per step, indices per bag in
+    flight, eviction policy) per weight row size: forward-only time, uniform + Zipf summed. Logs the
+    three fastest settings of each row size; the table is not changed."""
+    base = dict(triton_backend.TUNING["fwd"])
+    for D, prec in ((64, SparseType.FP32), (128, SparseType.FP32), (256, SparseType.FP32),
+                    (128, SparseType.FP16)):
+        m = build_ours(T, E, D, prec)
+        wbytes = 2 if prec == SparseType.FP16 else 4
+        row = triton_backend._block_d(D) * wbytes
+        lists = [[(m._make_batch(i, o, None, None), None) for i, o in b] for b in batches_by_dist.values()]
+
+        def fwd(batch, _):
+            return triton_backend.forward(m.weights_dev, batch, torch.float32)
+
+        res = []
+        for tile, unroll, ev in itertools.product((1024, 2048, 4096), (1, 2, 4), ("", "evict_last")):
+            if wbytes < 4 and unroll > 2:
+                continue  # capped at 2 by the backend
+            triton_backend.TUNING["fwd"] = {**base, row: (tile, unroll, ev)}
+            res.append((sum(time_steps(fwd, bl, 3, 20) for bl in lists), (tile, unroll, ev)))
+        triton_backend.TUNING["fwd"] = base
+        res.sort()
+        log(f"  tune forward D={D} {prec.name} (row {row} B): " +
+            " | ".join(f"{c} {ms:.3f} ms" for ms, c in res[:3]) + f"; current {base.get(row)}")
+        del m
 
 
 def profile_step(step, batches, log):
@@ -191,7 +210,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--batches", type=int, default=3)
-    ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--tune", action="store_true", help="sweep the backward launch knobs first")
+    ap.add_argument("--tune-forward", action="store_true",
+                    help="sweep the forward launch table, log the fastest settings, then exit")
     ap.add_argument("--profile", action="store_true", help="kernel time table of ours, first shape")
     ap.add_argument("--quick", action="store_true", help="first shape only")
     ap.add_argument("--no-eager", action="store_true", help="skip the (slow) eager baseline")
@@ -218,9 +239,13 @@ def main() -> None:
     results = []
     batches_cache = {}
     row_profiled = False
-    if args.tune:
+    if args.tune or args.tune_forward:
         for dist in ("uniform", "zipf"):
             batches_cache[dist] = make_batches(T, E, B, L, dist, args.batches)
+    if args.tune_forward:
+        tune_forward(T, E, B, L, batches_cache, log)
+        return
+    if args.tune:
         tune(T, E, B, L, batches_cache, log)
     for D, prec in shapes:
         for dist in ("uniform", "zipf"):

@@ -525,3 +525,42 @@ def test_cuda_harness_random_cases(seed):
     sys.path.insert(0, os.path.dirname(__file__))
     import tbe_harness as H
     H.check_case(H.random_case(seed), "triton", device="cuda", steps=3)
+
+
+
+@cuda
+@needs_cuda
+def test_cuda_ops_under_torch_compile():
+    """The registered ops trace into one torch.compile graph (fullgraph) and give the eager results:
+    forward output, then the FTRL update from the compiled backward op."""
+    specs, fmap = [(300, 64), (40, 64)], [0, 1, 0]
+    case = make_case(21, specs=specs, fmap=fmap, B=32, pooling=PoolingMode.SUM, hot=True)
+    idx, off = case["indices"].cuda(), case["offsets"].cuda()
+    mods = [build(specs, fmap, PoolingMode.SUM, "cuda", seed=3) for _ in range(3)]
+    ops = torch.ops.torchrec_ftrl
+
+    def step(m, compiled):
+        b = m._make_batch(idx, off, None, None)
+        vec, even = triton_backend._vec_even(b.table_dims, triton_backend._block_d(b.max_D))
+        hp = m.hyperparams
+
+        def fwd_bwd(w, accum, linear, nonfinite):
+            out = ops.triton_tbe_forward(w, b.indices, b.offsets, b.bag_feature, b.bag_out_offset,
+                                         b.feature_table, b.table_w_offset, b.table_dim,
+                                         b.table_rows, b.index_check, True, None, 0, b.out_numel,
+                                         b.max_D, torch.float32, vec, even)
+            ops.triton_tbe_backward_update_(
+                w, accum, linear, nonfinite, torch.cos(out), b.indices, b.offsets, b.bag_feature,
+                b.bag_out_offset, b.feature_table, b.table_w_offset, b.table_dim, b.table_rows,
+                b.table_row_base, True, None, 0, b.max_D, b.total_rows, vec, even,
+                hp.learning_rate, -hp.learning_rate_power, hp.l1_reg, hp.l2_effective, hp.beta,
+                2.0 * hp.l2_shrinkage)
+            return out
+        fn = torch.compile(fwd_bwd, fullgraph=True) if compiled else fwd_bwd
+        return fn(m.weights_dev, m.momentum1_dev, m.momentum2_dev, m.nonfinite_grad_rows)
+
+    out_e, out_c = step(mods[0], False), step(mods[1], True)
+    torch.testing.assert_close(out_c, out_e, rtol=0, atol=0)
+    for name in ("weights_dev", "momentum1_dev", "momentum2_dev"):
+        assert torch.equal(getattr(mods[0], name), getattr(mods[1], name))
+    assert not torch.equal(mods[0].weights_dev, mods[2].weights_dev)   # the step did update

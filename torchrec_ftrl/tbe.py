@@ -187,6 +187,8 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         self.register_buffer("_table_w_offset", torch.tensor(offs, **i64), persistent=False)
         self.register_buffer("_table_dim", torch.tensor([d for _, d in rows_dims], **i64), persistent=False)
         self.register_buffer("_table_rows", torch.tensor([r for r, _ in rows_dims], **i64), persistent=False)
+        self.register_buffer("_table_row_base", torch.tensor(
+            [sum(r for r, _ in rows_dims[:t]) for t in range(T)], **i64), persistent=False)
         self.register_buffer("_feature_table", torch.tensor(feature_table_map, **i64), persistent=False)
         self.register_buffer("_feature_dim", torch.tensor(dims_f, **i64), persistent=False)
         self.register_buffer("_D_offsets", torch.tensor(self.D_offsets, **i64), persistent=False)
@@ -282,9 +284,7 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
                 raise ValueError(f"offsets must have num_features * B + 1 = {F} * B + 1 elements, got "
                                  f"{offsets.numel()}")
             B = num_bags // F
-            ar = torch.arange(num_bags, device=dev)
-            bag_feature = ar // max(B, 1)
-            bag_out_offset = (ar % max(B, 1)) * self.total_D + self._D_offsets[bag_feature]
+            bag_feature, bag_out_offset = self._plain_layout(B)
             out_numel = N * self.max_D if self.pooling_mode == PoolingMode.NONE else B * self.total_D
         index_check = None
         if (self.backend == "triton" and self.bounds_check_mode == BoundsCheckMode.WARNING
@@ -302,7 +302,21 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
             offsets=offsets64,
             per_sample_weights=per_sample_weights.detach().float() if per_sample_weights is not None else None,
             pooling_mode=int(self.pooling_mode), out_numel=out_numel, max_D=self.max_D,
-            total_rows=self._total_rows, table_dims=self._table_dims, index_check=index_check)
+            total_rows=self._total_rows, table_dims=self._table_dims, index_check=index_check,
+            table_row_base=self._table_row_base)
+
+    def _plain_layout(self, B: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(bag_feature, bag_out_offset)`` of ``F * B`` bags in the ``[B, total_D]`` output; the
+        last batch size's pair is kept (device tensors, never modified)."""
+        cached = self.__dict__.get("_plain_layout_cache")
+        dev = self.weights_dev.device
+        if cached is None or cached[0] != (B, dev):
+            ar = torch.arange(B * len(self.feature_table_map), device=dev)
+            bag_feature = ar // max(B, 1)
+            bag_out_offset = (ar % max(B, 1)) * self.total_D + self._D_offsets[bag_feature]
+            cached = ((B, dev), bag_feature, bag_out_offset)
+            self.__dict__["_plain_layout_cache"] = cached
+        return cached[1], cached[2]
 
     def _vbe_layout(self, bsfpr, num_bags):
         F = len(self.feature_table_map)

@@ -45,6 +45,8 @@ class TBEBatch:
             ``BoundsCheckMode.WARNING``), ``indices`` are NOT yet checked: the kernels read an index
             outside ``[0, rows)`` as row 0 and the forward adds the number of such indices here.
             ``offsets`` are already repaired.
+        table_row_base: ``[T]`` first linearised row id of each table (``cumsum(rows) - rows``), or
+            None (the CUDA backend then computes it).
     """
 
     table_w_offset: torch.Tensor
@@ -62,6 +64,7 @@ class TBEBatch:
     total_rows: int | None = None
     table_dims: tuple | None = None
     index_check: torch.Tensor | None = None
+    table_row_base: torch.Tensor | None = None
     _index_bag: torch.Tensor | None = dataclasses.field(default=None, init=False, repr=False,
                                                         compare=False)
 

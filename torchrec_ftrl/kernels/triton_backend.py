@@ -17,7 +17,9 @@ Module contract (:mod:`.backends`): ``forward(weights, batch, out_dtype)`` and
 
 from __future__ import annotations
 
+import functools
 import math
+import threading
 from typing import Optional
 
 import torch
@@ -31,14 +33,26 @@ from .triton_backward import (linearize_kernel, offsets_block_max_kernel, offset
                               segment_scatter_kernel, segment_update_kernel)
 from .triton_forward import forward_config, tbe_forward_kernel
 
-# Launch shape knobs. fwd_tile/fwd_unroll: forward elements per step / indices per bag in flight.
+# Launch shape knobs. fwd: per row size in bytes (BLOCK_D times the weight element size), (elements
+# per step, indices per bag in flight, L2 eviction policy of the weight-row loads); the nearest
+# listed size serves the others, and 16-bit weights keep at most 2 indices per bag in flight (4 made
+# the fp16 kernel 7x slower on an H200). Picked with `bench_tbe_cuda.py --tune-forward` on an H200.
 # seg: longest piece of a run summed by one backward program (longer runs are cut and their pieces
 # combined); seg_tile/seg_rows: elements per step / gradient rows per segment in flight;
 # combine_cp/combine_nb: cut candidates per combine program / pieces added per step; block: 1-D
 # kernels' block; repair_block: offsets per program of the WARNING offsets repair. Results do not
 # depend on them beyond fp32 summation order.
-TUNING = {"fwd_tile": 4096, "fwd_unroll": 2, "seg": 64, "seg_tile": 2048, "seg_rows": 4,
+TUNING = {"fwd": {256: (2048, 2, "evict_last"), 512: (1024, 4, ""), 1024: (1024, 2, "")},
+          "seg": 64, "seg_tile": 2048, "seg_rows": 4,
           "combine_cp": 64, "combine_nb": 64, "block": 1024, "repair_block": 1024}
+
+
+def _forward_tuning(block_d: int, elem_bytes: int) -> tuple[int, int, str]:
+    """``(tile, unroll, eviction policy)`` of the forward for rows of ``block_d`` elements."""
+    table, row = TUNING["fwd"], block_d * elem_bytes
+    tile, unroll, evict = table[min(table, key=lambda b: (abs(math.log2(b) - math.log2(row)), b))]
+    return tile, (min(unroll, 2) if elem_bytes < 4 else unroll), evict
+
 
 try:
     from torch.library import triton_op, wrap_triton
@@ -46,17 +60,35 @@ except ImportError:  # pragma: no cover - torch < 2.6
     triton_op = wrap_triton = None
 
 
+_eager = threading.local()   # .on: running an implementation directly, outside its custom op
+
+
 def _k(kernel):
-    """``wrap_triton(kernel)`` for compiled kernels (traceable); the plain kernel under the interpreter."""
-    if wrap_triton is not None and isinstance(kernel, JITFunction):
+    """``wrap_triton(kernel)`` for compiled kernels inside the custom ops (traceable by
+    torch.compile); the plain kernel when called directly in eager mode or under the interpreter."""
+    if wrap_triton is not None and isinstance(kernel, JITFunction) and not getattr(_eager, "on", False):
         return wrap_triton(kernel)
     return kernel
+
+
+def _call(op, impl, *args):
+    """``op`` (the registered custom op) while ``torch.compile`` traces, so its graph holds the Triton
+    kernels; in eager mode ``impl`` itself: the same kernels without the dispatcher and
+    ``wrap_triton``'s per-call Python cost (a large share of a small step's host time)."""
+    if op is impl or torch.compiler.is_compiling():
+        return op(*args)
+    _eager.on = True
+    try:
+        return impl(*args)
+    finally:
+        _eager.on = False
 
 
 def _block_d(max_d: int) -> int:
     return max(1, triton.next_power_of_2(int(max_d)))
 
 
+@functools.lru_cache(maxsize=64)
 def _vec_even(table_dims, block_d: int) -> tuple[int, bool]:
     """(largest power of two <= 16 dividing every D, every D == BLOCK_D); (1, False) if unknown."""
     if not table_dims:
@@ -81,14 +113,15 @@ def _forward_impl(weights: torch.Tensor, indices: torch.Tensor, offsets: torch.T
     if num_bags <= 0 or out_numel == 0:
         return out.zero_()
     BLOCK_D = _block_d(max_D)
-    bags, unroll, warps = forward_config(BLOCK_D, TUNING["fwd_tile"], TUNING["fwd_unroll"])
+    tile, unroll, evict = _forward_tuning(BLOCK_D, weights.element_size())
+    bags, unroll, warps = forward_config(BLOCK_D, tile, unroll)
     has_psw = per_sample_weights is not None and pooling_mode != POOL_NONE
     psw = per_sample_weights if has_psw else out
     _k(tbe_forward_kernel)[(triton.cdiv(num_bags, bags),)](
         weights, out, indices, offsets, bag_feature, bag_out_offset, feature_table,
         table_w_offset, table_dim, table_rows, psw, warn, num_bags, max_D,
         POOL=pooling_mode, HAS_PSW=has_psw, CHECK=check, BAGS=bags, UNROLL=unroll, BLOCK_D=BLOCK_D,
-        VEC=vec, EVEN_D=even_d, num_warps=warps)
+        VEC=vec, EVEN_D=even_d, WEVICT=evict, num_warps=warps)
     return out
 
 
@@ -96,7 +129,8 @@ def _backward_impl(weights: torch.Tensor, accum: torch.Tensor, linear: torch.Ten
                    nonfinite_rows: torch.Tensor, grad: torch.Tensor, indices: torch.Tensor,
                    offsets: torch.Tensor, bag_feature: torch.Tensor, bag_out_offset: torch.Tensor,
                    feature_table: torch.Tensor, table_w_offset: torch.Tensor,
-                   table_dim: torch.Tensor, table_rows: torch.Tensor, check: bool,
+                   table_dim: torch.Tensor, table_rows: torch.Tensor, row_base: torch.Tensor,
+                   check: bool,
                    per_sample_weights: Optional[torch.Tensor], pooling_mode: int, max_D: int,
                    total_rows: int, vec: int, even_d: bool, lr: float, neg_p: float, l1: float,
                    l2_eff: float, beta: float, shrink2: float) -> None:
@@ -108,7 +142,6 @@ def _backward_impl(weights: torch.Tensor, accum: torch.Tensor, linear: torch.Ten
     BLOCK_D = _block_d(max_D)
     SEG = max(1, int(TUNING["seg"]))
     BLOCK = int(TUNING["block"])
-    row_base = torch.cumsum(table_rows, 0) - table_rows
     i32_max = 2 ** 31 - 1
     key_dtype = torch.int32 if 0 <= total_rows < i32_max else torch.int64
     key = torch.empty(N, dtype=key_dtype, device=dev)
@@ -192,11 +225,11 @@ def forward(weights: torch.Tensor, batch: TBEBatch, out_dtype: torch.dtype) -> t
     """Pooled lookup. Returns the flat output ``[batch.out_numel]`` in ``out_dtype`` (fp32 accumulation)."""
     check = batch.index_check is not None
     warn = batch.index_check if check else batch.indices.new_empty(0)
-    return _forward_op(weights, batch.indices, batch.offsets, batch.bag_feature,
-                       batch.bag_out_offset, batch.feature_table, batch.table_w_offset,
-                       batch.table_dim, batch.table_rows, warn, check, batch.per_sample_weights, int(batch.pooling_mode),
-                       int(batch.out_numel), int(batch.max_D), out_dtype,
-                       *_vec_even(getattr(batch, "table_dims", None), _block_d(batch.max_D)))
+    return _call(_forward_op, _forward_impl, weights, batch.indices, batch.offsets,
+                 batch.bag_feature, batch.bag_out_offset, batch.feature_table, batch.table_w_offset,
+                 batch.table_dim, batch.table_rows, warn, check, batch.per_sample_weights,
+                 int(batch.pooling_mode), int(batch.out_numel), int(batch.max_D), out_dtype,
+                 *_vec_even(getattr(batch, "table_dims", None), _block_d(batch.max_D)))
 
 
 def backward_update_(weights: torch.Tensor, accum: torch.Tensor, linear: torch.Tensor,
@@ -208,14 +241,17 @@ def backward_update_(weights: torch.Tensor, accum: torch.Tensor, linear: torch.T
     gradient has NaN/Inf are skipped and counted in ``nonfinite_rows`` (int64 ``[1]``, device).
     """
     total_rows = getattr(batch, "total_rows", None)
-    _backward_op(weights, accum, linear, nonfinite_rows, grad_out.reshape(-1).contiguous(),
-                 batch.indices, batch.offsets, batch.bag_feature, batch.bag_out_offset,
-                 batch.feature_table, batch.table_w_offset, batch.table_dim, batch.table_rows,
-                 batch.index_check is not None, batch.per_sample_weights, int(batch.pooling_mode), int(batch.max_D),
-                 -1 if total_rows is None else int(total_rows),
-                 *_vec_even(getattr(batch, "table_dims", None), _block_d(batch.max_D)),
-                 hp.learning_rate, -hp.learning_rate_power, hp.l1_reg, hp.l2_effective, hp.beta,
-                 2.0 * hp.l2_shrinkage)
+    row_base = batch.table_row_base
+    if row_base is None:
+        row_base = torch.cumsum(batch.table_rows, 0) - batch.table_rows
+    _call(_backward_op, _backward_impl, weights, accum, linear, nonfinite_rows,
+          grad_out.reshape(-1).contiguous(), batch.indices, batch.offsets, batch.bag_feature,
+          batch.bag_out_offset, batch.feature_table, batch.table_w_offset, batch.table_dim,
+          batch.table_rows, row_base, batch.index_check is not None, batch.per_sample_weights,
+          int(batch.pooling_mode), int(batch.max_D), -1 if total_rows is None else int(total_rows),
+          *_vec_even(getattr(batch, "table_dims", None), _block_d(batch.max_D)),
+          hp.learning_rate, -hp.learning_rate_power, hp.l1_reg, hp.l2_effective, hp.beta,
+          2.0 * hp.l2_shrinkage)
 
 
 def repair_offsets(offsets: torch.Tensor, num_indices: int, warn: torch.Tensor) -> torch.Tensor:
@@ -229,4 +265,4 @@ def repair_offsets(offsets: torch.Tensor, num_indices: int, warn: torch.Tensor) 
     Returns a new int64 ``[num_bags + 1]``: ``cummax(clamp(offsets, 0, N))`` with the first entry 0
     and the last N (the same repair as the PyTorch path of ``FTRLTableBatchedEmbeddingBags``).
     """
-    return _repair_offsets_op(offsets, warn, int(num_indices))
+    return _call(_repair_offsets_op, _repair_offsets_impl, offsets, warn, int(num_indices))

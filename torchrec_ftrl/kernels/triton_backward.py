@@ -143,6 +143,10 @@ def ftrl_update_store(w_ptr, z_ptr, n_ptr, nonfinite_ptr, w, z, n, offs, m, rmas
     """One FTRL step (shared/docs/FTRL.md) of rows ``rmask`` ``[R]`` with summed gradients ``g``
     ``[R, BLOCK_D]`` and their loaded states; rows whose gradient has a NaN/Inf are not stored and
     are counted in ``nonfinite_ptr``."""
+    # fp32 knobs whatever the caller's scalar type (torch.compile may pass Python floats as fp64).
+    lr, l1, l2_eff = tl.cast(lr, tl.float32), tl.cast(l1, tl.float32), tl.cast(l2_eff, tl.float32)
+    beta, shrink2 = tl.cast(beta, tl.float32), tl.cast(shrink2, tl.float32)
+    neg_p = tl.cast(neg_p, tl.float32)
     bad_el = (tl.abs(g) <= _FLT_MAX) == 0
     row_bad = tl.max((bad_el & m).to(tl.int32), axis=1) > 0
     nbad = tl.sum((rmask & row_bad).to(tl.int64), axis=0)
@@ -255,9 +259,12 @@ def segment_combine_kernel(
     if nfirst > 0:
         cols = tl.arange(0, BLOCK_D)
         jj = tl.arange(0, NB)
-        for c in range(CP):
+        todo = first
+        for _ in range(nfirst):  # one run per first cut, lowest candidate first
+            c = tl.min(tl.where(todo, ar, CP), axis=0)
             sel_c = ar == c
-            if tl.sum((first & sel_c).to(tl.int32), axis=0) > 0:
+            todo = todo & (sel_c == 0)
+            if c < CP:
                 p1 = tl.sum(tl.where(sel_c, pc, 0), axis=0)
                 kb = tl.sum(tl.where(sel_c, kc, 0), axis=0)
                 if EVEN_D:

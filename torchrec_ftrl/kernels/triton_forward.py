@@ -6,7 +6,8 @@ per step. Rows are read in the weights' dtype and accumulated in fp32; the poole
 once, in the output dtype, at ``bag_out_offset[bag]`` (which covers the plain and the VBE layouts).
 ``PoolingMode.NONE`` writes each looked-up row at ``position * out_row_stride`` instead.
 With ``CHECK`` (the fused ``BoundsCheckMode.WARNING``) an index outside ``[0, rows of its table)`` is
-read as row 0 and counted (one integer atomic add per program) into ``warn_ptr``.
+read as row 0 and counted (one integer atomic add per program) into ``warn_ptr``. ``WEVICT`` is the
+L2 eviction policy of the row loads ("" or "evict_last", which helps small D on an H200).
 
 Layout contract: :mod:`torchrec_ftrl.kernels.layout`.
 """
@@ -38,7 +39,7 @@ def tbe_forward_kernel(
     num_bags, out_row_stride,
     POOL: tl.constexpr, HAS_PSW: tl.constexpr, CHECK: tl.constexpr,
     BAGS: tl.constexpr, UNROLL: tl.constexpr, BLOCK_D: tl.constexpr,
-    VEC: tl.constexpr, EVEN_D: tl.constexpr,
+    VEC: tl.constexpr, EVEN_D: tl.constexpr, WEVICT: tl.constexpr,
 ):
     bags, bmask, start, length, tab = load_bags(offsets_ptr, bag_feature_ptr, feature_table_ptr,
                                                 num_bags, BAGS)
@@ -77,7 +78,8 @@ def tbe_forward_kernel(
         else:
             roff = woff[:, None] + idx * dim[:, None]
         m3 = lmask[:, :, None] & cmask3
-        rows = tl.load(w_ptr + roff[:, :, None] + cols[None, None, :], mask=m3, other=0.0)
+        rows = tl.load(w_ptr + roff[:, :, None] + cols[None, None, :], mask=m3, other=0.0,
+                       eviction_policy=WEVICT)
         rows = rows.to(tl.float32)
         if HAS_PSW:
             psw = tl.load(psw_ptr + pos, mask=lmask, other=0.0)

@@ -36,7 +36,8 @@ from .triton_forward import forward_config, tbe_forward_kernel
 # Launch shape knobs. fwd: per row size in bytes (BLOCK_D times the weight element size), (elements
 # per step, indices per bag in flight, L2 eviction policy of the weight-row loads); the nearest
 # listed size serves the others, and 16-bit weights keep at most 2 indices per bag in flight (4 made
-# the fp16 kernel 7x slower on an H200). Picked with `bench_tbe_cuda.py --tune-forward` on an H200.
+# the fp16 kernel 7x slower on an H200). From a forward-only sweep on an H200 (what
+# `bench_tbe_cuda.py --tune-forward` runs).
 # seg: longest piece of a run summed by one backward program (longer runs are cut and their pieces
 # combined); seg_tile/seg_rows: elements per step / gradient rows per segment in flight;
 # combine_cp/combine_nb: cut candidates per combine program / pieces added per step; block: 1-D

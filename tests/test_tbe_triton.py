@@ -527,7 +527,6 @@ def test_cuda_harness_random_cases(seed):
     H.check_case(H.random_case(seed), "triton", device="cuda", steps=3)
 
 
-
 @cuda
 @needs_cuda
 def test_cuda_ops_under_torch_compile():

@@ -190,6 +190,7 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         self.register_buffer("_table_row_base", torch.tensor(
             [sum(r for r, _ in rows_dims[:t]) for t in range(T)], **i64), persistent=False)
         self.register_buffer("_feature_table", torch.tensor(feature_table_map, **i64), persistent=False)
+        self._plain_layout_cache = None   # ((B, device), bag_feature, bag_out_offset) of the last batch
         self.register_buffer("_feature_dim", torch.tensor(dims_f, **i64), persistent=False)
         self.register_buffer("_D_offsets", torch.tensor(self.D_offsets, **i64), persistent=False)
         total = sum(sizes)
@@ -308,15 +309,13 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
     def _plain_layout(self, B: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(bag_feature, bag_out_offset)`` of ``F * B`` bags in the ``[B, total_D]`` output; the
         last batch size's pair is kept (device tensors, never modified)."""
-        cached = self.__dict__.get("_plain_layout_cache")
         dev = self.weights_dev.device
-        if cached is None or cached[0] != (B, dev):
+        if self._plain_layout_cache is None or self._plain_layout_cache[0] != (B, dev):
             ar = torch.arange(B * len(self.feature_table_map), device=dev)
             bag_feature = ar // max(B, 1)
             bag_out_offset = (ar % max(B, 1)) * self.total_D + self._D_offsets[bag_feature]
-            cached = ((B, dev), bag_feature, bag_out_offset)
-            self.__dict__["_plain_layout_cache"] = cached
-        return cached[1], cached[2]
+            self._plain_layout_cache = ((B, dev), bag_feature, bag_out_offset)
+        return self._plain_layout_cache[1], self._plain_layout_cache[2]
 
     def _vbe_layout(self, bsfpr, num_bags):
         F = len(self.feature_table_map)

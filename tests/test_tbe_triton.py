@@ -330,6 +330,26 @@ def test_interp_fused_warning_bounds_check(interp):
     torch.testing.assert_close(out.double(), expected, rtol=1e-6, atol=1e-7)
 
 
+def test_interp_eval_forward_matches_training_forward(interp):
+    """The eval forward (no autograd: checks and counts bad indices itself) and the training forward
+    (linearises first, looks up by row keys) give the float64 pooled sums and count each bad index
+    once per forward."""
+    m = build([(10, 3), (6, 4)], [0, 1], PoolingMode.SUM, interp)
+    W = [w.detach().double().clone() for w in m.split_embedding_weights()]
+    idx, off = torch.tensor([1, 99, -4, 6, 5]), torch.tensor([0, 2, 3, 3, 5])
+    expected = torch.stack([torch.cat([W[0][1] + W[0][0], torch.zeros(4, dtype=torch.float64)]),
+                            torch.cat([W[0][0], W[1][0] + W[1][5]])])
+    with torch.no_grad():
+        out_eval = m(idx, off)
+    assert int(m.bounds_check_warning) == 3
+    out_train = m(idx, off)
+    assert out_train.requires_grad and int(m.bounds_check_warning) == 6
+    for out in (out_eval, out_train):
+        torch.testing.assert_close(out.double(), expected, rtol=1e-6, atol=1e-7)
+    out_train.backward(torch.ones_like(out_train))
+    assert int(m.bounds_check_warning) == 6                 # the backward does not count again
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_interp_fused_warning_matches_index0_substitution(interp, seed):
     """Random bad indices and malformed offsets: the fused check gives the count, the output and the
@@ -531,7 +551,7 @@ def test_cuda_harness_random_cases(seed):
 @needs_cuda
 def test_cuda_ops_under_torch_compile():
     """The registered ops trace into one torch.compile graph (fullgraph) and give the eager results:
-    forward output, then the FTRL update from the compiled backward op."""
+    linearise, forward output by row keys, then the FTRL update from the compiled backward op."""
     specs, fmap = [(300, 64), (40, 64)], [0, 1, 0]
     case = make_case(21, specs=specs, fmap=fmap, B=32, pooling=PoolingMode.SUM, hot=True)
     idx, off = case["indices"].cuda(), case["offsets"].cuda()
@@ -544,14 +564,21 @@ def test_cuda_ops_under_torch_compile():
         hp = m.hyperparams
 
         def fwd_bwd(w, accum, linear, nonfinite):
+            # The training path: linearise once (with the WARNING check), look up by row keys,
+            # then the backward reuses the linearised batch.
+            lin = ops.triton_tbe_linearize(b.indices, b.offsets, b.bag_feature, b.bag_out_offset,
+                                           b.feature_table, b.table_row_base, b.table_rows,
+                                           b.index_check, True, True, None, 0, b.max_D,
+                                           b.total_rows, b.out_numel, even)
             out = ops.triton_tbe_forward(w, b.indices, b.offsets, b.bag_feature, b.bag_out_offset,
                                          b.feature_table, b.table_w_offset, b.table_dim,
-                                         b.table_rows, b.index_check, True, None, 0, b.out_numel,
-                                         b.max_D, torch.float32, vec, even)
+                                         b.table_rows, b.table_row_base, b.index_check, True,
+                                         lin[0], None, 0, b.out_numel, b.max_D, torch.float32,
+                                         vec, even)
             ops.triton_tbe_backward_update_(
                 w, accum, linear, nonfinite, torch.cos(out), b.indices, b.offsets, b.bag_feature,
                 b.bag_out_offset, b.feature_table, b.table_w_offset, b.table_dim, b.table_rows,
-                b.table_row_base, True, None, 0, b.max_D, b.total_rows, vec, even,
+                b.table_row_base, True, *lin, None, 0, b.max_D, b.total_rows, vec, even,
                 hp.learning_rate, -hp.learning_rate_power, hp.l1_reg, hp.l2_effective, hp.beta,
                 2.0 * hp.l2_shrinkage)
             return out

@@ -39,10 +39,12 @@ class _FTRLLookupFunction(torch.autograd.Function):
     """Autograd glue: forward = pooled lookup; backward = FTRL update in place (no weight grad)."""
 
     @staticmethod
-    def forward(ctx, placeholder, module, batch, per_sample_weights):  # noqa: D401
+    def forward(ctx, placeholder, module, batch, per_sample_weights, train):  # noqa: D401
         ctx.module, ctx.batch = module, batch
         ctx.psw_needs_grad = per_sample_weights is not None and per_sample_weights.requires_grad
-        return module._backend.forward(module.weights_dev, batch, module._output_torch_dtype)
+        # A backend may prepare its backward's inputs during a training forward (CUDA: linearise once).
+        lookup = getattr(module._backend, "forward_train", None) if train else None
+        return (lookup or module._backend.forward)(module.weights_dev, batch, module._output_torch_dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -50,7 +52,7 @@ class _FTRLLookupFunction(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         grad_psw = module._per_sample_weight_grad(grad_out, batch) if ctx.psw_needs_grad else None
         module._apply_ftrl(batch, grad_out)
-        return None, None, None, grad_psw
+        return None, None, None, grad_psw, None
 
 
 class FTRLTableBatchedEmbeddingBags(nn.Module):
@@ -241,7 +243,9 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         """Pooled (or sequence) lookup; see the class docstring for shapes. ``feature_requires_grad``
         is accepted for FBGEMM compatibility and ignored (every feature's table is trained)."""
         batch = self._make_batch(indices, offsets, per_sample_weights, batch_size_per_feature_per_rank)
-        out = _FTRLLookupFunction.apply(self.placeholder_autograd_tensor, self, batch, per_sample_weights)
+        train = torch.is_grad_enabled() and self.placeholder_autograd_tensor.requires_grad
+        out = _FTRLLookupFunction.apply(self.placeholder_autograd_tensor, self, batch, per_sample_weights,
+                                        train)
         if self.pooling_mode == PoolingMode.NONE:
             return out.view(-1, self.max_D)
         if batch_size_per_feature_per_rank is not None:

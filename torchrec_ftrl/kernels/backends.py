@@ -1,7 +1,9 @@
 """Choice of kernel backend for the FTRL TBE: "triton" (CUDA tensors), "cpp" (compiled CPU kernel),
 "torch" (vectorised PyTorch, any device). Each backend module exposes
 ``forward(weights, batch, out_dtype)`` and
-``backward_update_(weights, accum, linear, batch, grad_out, hp, nonfinite_rows)``.
+``backward_update_(weights, accum, linear, batch, grad_out, hp, nonfinite_rows)``; optionally
+``forward_train(weights, batch, out_dtype)``, the forward of a step whose backward follows (it may
+leave precomputed backward inputs on ``batch``).
 """
 
 from __future__ import annotations

@@ -47,6 +47,8 @@ class TBEBatch:
             ``offsets`` are already repaired.
         table_row_base: ``[T]`` first linearised row id of each table (``cumsum(rows) - rows``), or
             None (the CUDA backend then computes it).
+        linearized: set by the CUDA backend's training forward (``forward_train``): the backward's
+            per-index inputs (row keys, gradient offsets, factors, tables), reused by its backward.
     """
 
     table_w_offset: torch.Tensor
@@ -65,6 +67,7 @@ class TBEBatch:
     table_dims: tuple | None = None
     index_check: torch.Tensor | None = None
     table_row_base: torch.Tensor | None = None
+    linearized: tuple | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
     _index_bag: torch.Tensor | None = dataclasses.field(default=None, init=False, repr=False,
                                                         compare=False)
 

@@ -106,7 +106,8 @@ def _vec_even(table_dims, block_d: int) -> tuple[int, bool]:
 def _forward_impl(weights: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,
                   bag_feature: torch.Tensor, bag_out_offset: torch.Tensor,
                   feature_table: torch.Tensor, table_w_offset: torch.Tensor, table_dim: torch.Tensor,
-                  table_rows: torch.Tensor, warn: torch.Tensor, check: bool,
+                  table_rows: torch.Tensor, row_base: torch.Tensor, warn: torch.Tensor, check: bool,
+                  keys: Optional[torch.Tensor],
                   per_sample_weights: Optional[torch.Tensor], pooling_mode: int, out_numel: int,
                   max_D: int, out_dtype: torch.dtype, vec: int, even_d: bool) -> torch.Tensor:
     out = torch.empty(out_numel, dtype=out_dtype, device=weights.device)
@@ -118,12 +119,41 @@ def _forward_impl(weights: torch.Tensor, indices: torch.Tensor, offsets: torch.T
     bags, unroll, warps = forward_config(BLOCK_D, tile, unroll)
     has_psw = per_sample_weights is not None and pooling_mode != POOL_NONE
     psw = per_sample_weights if has_psw else out
+    use_keys = keys is not None
     _k(tbe_forward_kernel)[(triton.cdiv(num_bags, bags),)](
-        weights, out, indices, offsets, bag_feature, bag_out_offset, feature_table,
-        table_w_offset, table_dim, table_rows, psw, warn, num_bags, max_D,
-        POOL=pooling_mode, HAS_PSW=has_psw, CHECK=check, BAGS=bags, UNROLL=unroll, BLOCK_D=BLOCK_D,
-        VEC=vec, EVEN_D=even_d, WEVICT=evict, num_warps=warps)
+        weights, out, keys if use_keys else indices, offsets, bag_feature, bag_out_offset,
+        feature_table, table_w_offset, table_dim, table_rows, row_base, psw, warn, num_bags, max_D,
+        POOL=pooling_mode, HAS_PSW=has_psw, CHECK=check and not use_keys, KEYS=use_keys, BAGS=bags,
+        UNROLL=unroll, BLOCK_D=BLOCK_D, VEC=vec, EVEN_D=even_d, WEVICT=evict, num_warps=warps)
     return out
+
+
+def _linearize_impl(indices: torch.Tensor, offsets: torch.Tensor, bag_feature: torch.Tensor,
+                    bag_out_offset: torch.Tensor, feature_table: torch.Tensor,
+                    row_base: torch.Tensor, table_rows: torch.Tensor, warn: torch.Tensor,
+                    check: bool, count: bool, per_sample_weights: Optional[torch.Tensor],
+                    pooling_mode: int, max_D: int, total_rows: int, out_numel: int, even_d: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    N = indices.numel()
+    num_bags = offsets.numel() - 1
+    dev = indices.device
+    i32_max = 2 ** 31 - 1
+    key_dtype = torch.int32 if 0 <= total_rows < i32_max else torch.int64
+    key = torch.empty(N, dtype=key_dtype, device=dev)
+    gofs = torch.empty(N, dtype=torch.int32 if out_numel < i32_max else torch.int64, device=dev)
+    tid = torch.empty(1 if even_d else N, dtype=torch.int32, device=dev)  # table per index
+    has_psw = per_sample_weights is not None and pooling_mode != POOL_NONE
+    has_scale = has_psw or pooling_mode == POOL_MEAN
+    scale = torch.empty(N if has_scale else 1, dtype=torch.float32, device=dev)
+    if N == 0 or num_bags <= 0:
+        return key, gofs, scale, tid
+    psw = per_sample_weights if has_psw else scale
+    _k(linearize_kernel)[(triton.cdiv(num_bags, 64),)](
+        indices, offsets, bag_feature, bag_out_offset, feature_table, row_base, table_rows, psw,
+        key, gofs, scale, tid, warn, num_bags, max_D,
+        POOL=pooling_mode, HAS_PSW=has_psw, HAS_SCALE=has_scale, CHECK=check,
+        COUNT=check and count, HAS_TID=not even_d, BAGS=64, UNROLL=4, num_warps=4)
+    return key, gofs, scale, tid
 
 
 def _backward_impl(weights: torch.Tensor, accum: torch.Tensor, linear: torch.Tensor,
@@ -131,7 +161,8 @@ def _backward_impl(weights: torch.Tensor, accum: torch.Tensor, linear: torch.Ten
                    offsets: torch.Tensor, bag_feature: torch.Tensor, bag_out_offset: torch.Tensor,
                    feature_table: torch.Tensor, table_w_offset: torch.Tensor,
                    table_dim: torch.Tensor, table_rows: torch.Tensor, row_base: torch.Tensor,
-                   check: bool,
+                   check: bool, lin_key: Optional[torch.Tensor], lin_gofs: Optional[torch.Tensor],
+                   lin_scale: Optional[torch.Tensor], lin_tid: Optional[torch.Tensor],
                    per_sample_weights: Optional[torch.Tensor], pooling_mode: int, max_D: int,
                    total_rows: int, vec: int, even_d: bool, lr: float, neg_p: float, l1: float,
                    l2_eff: float, beta: float, shrink2: float) -> None:
@@ -144,21 +175,15 @@ def _backward_impl(weights: torch.Tensor, accum: torch.Tensor, linear: torch.Ten
     SEG = max(1, int(TUNING["seg"]))
     BLOCK = int(TUNING["block"])
     i32_max = 2 ** 31 - 1
-    key_dtype = torch.int32 if 0 <= total_rows < i32_max else torch.int64
-    key = torch.empty(N, dtype=key_dtype, device=dev)
-    gofs_dtype = torch.int32 if grad.numel() < i32_max else torch.int64
-    gofs = torch.empty(N, dtype=gofs_dtype, device=dev)
-    tid = torch.empty(1 if even_d else N, dtype=torch.int32, device=dev)  # table per index
     has_psw = per_sample_weights is not None and pooling_mode != POOL_NONE
     has_scale = has_psw or pooling_mode == POOL_MEAN
-    scale = torch.empty(N if has_scale else 1, dtype=torch.float32, device=dev)
-    psw = per_sample_weights if has_psw else scale
-    _k(linearize_kernel)[(triton.cdiv(num_bags, 64),)](
-        indices, offsets, bag_feature, bag_out_offset, feature_table, row_base, table_rows, psw,
-        key, gofs, scale, tid, num_bags, max_D,
-        POOL=pooling_mode, HAS_PSW=has_psw, HAS_SCALE=has_scale, CHECK=check, HAS_TID=not even_d,
-        BAGS=64, UNROLL=4,
-        num_warps=4)
+    if lin_key is None or lin_gofs is None or lin_scale is None or lin_tid is None:
+        # Not linearised by the training forward: do it here (bad indices were counted already).
+        lin_key, lin_gofs, lin_scale, lin_tid = _linearize_impl(
+            indices, offsets, bag_feature, bag_out_offset, feature_table, row_base, table_rows,
+            nonfinite_rows, check, False, per_sample_weights, pooling_mode, max_D, total_rows,
+            grad.numel(), even_d)
+    key, gofs, scale, tid = lin_key, lin_gofs, lin_scale, lin_tid
 
     sorted_key, perm = torch.sort(key, stable=True)
 
@@ -166,9 +191,10 @@ def _backward_impl(weights: torch.Tensor, accum: torch.Tensor, linear: torch.Ten
     flags = torch.empty(N, dtype=torch.int32, device=dev)
     sgofs = torch.empty_like(gofs)
     sscale = torch.empty_like(scale)
+    stid = torch.empty_like(tid)
     _k(segment_mark_kernel)[(triton.cdiv(N, BLOCK),)](
-        sorted_key, perm, gofs, scale, flags, sgofs, sscale, N,
-        SEG=SEG, HAS_SCALE=has_scale, BLOCK=BLOCK, num_warps=4)
+        sorted_key, perm, gofs, scale, tid, flags, sgofs, sscale, stid, N,
+        SEG=SEG, HAS_SCALE=has_scale, HAS_TID=not even_d, BLOCK=BLOCK, num_warps=4)
     cum = torch.cumsum(flags, 0, dtype=torch.int32 if N < i32_max else torch.int64)
     seg = torch.empty(N + 1, dtype=cum.dtype, device=dev)
     _k(segment_scatter_kernel)[(triton.cdiv(N, BLOCK),)](cum, seg, N, BLOCK=BLOCK, num_warps=4)
@@ -182,7 +208,7 @@ def _backward_impl(weights: torch.Tensor, accum: torch.Tensor, linear: torch.Ten
     has_shrink = shrink2 != 0.0
     libdev = isinstance(segment_update_kernel, JITFunction)
     _k(segment_update_kernel)[(triton.cdiv(bound, G),)](
-        seg, count, sorted_key, perm, sgofs, sscale, tid, grad, weights, linear, accum,
+        seg, count, sorted_key, sgofs, sscale, stid, grad, weights, linear, accum,
         table_w_offset, table_dim, row_base, part, nonfinite_rows,
         N, lr, l1, l2_eff, beta, shrink2, neg_p,
         SEG=SEG, HAS_SCALE=has_scale, POW_HALF=pow_half, HAS_SHRINK=has_shrink,
@@ -190,7 +216,7 @@ def _backward_impl(weights: torch.Tensor, accum: torch.Tensor, linear: torch.Ten
     if nmult > 0:
         cp = int(TUNING["combine_cp"])
         _k(segment_combine_kernel)[(triton.cdiv(nmult, cp),)](
-            sorted_key, perm, tid, part, weights, linear, accum,
+            sorted_key, stid, part, weights, linear, accum,
             table_w_offset, table_dim, row_base, nonfinite_rows,
             N, lr, l1, l2_eff, beta, shrink2, neg_p,
             SEG=SEG, CP=cp, NB=int(TUNING["combine_nb"]), POW_HALF=pow_half,
@@ -214,23 +240,60 @@ def _repair_offsets_impl(offsets: torch.Tensor, warn: torch.Tensor, num_indices:
 
 if triton_op is not None:
     _forward_op = triton_op("torchrec_ftrl::triton_tbe_forward", _forward_impl, mutates_args=("warn",))
+    _linearize_op = triton_op("torchrec_ftrl::triton_tbe_linearize", _linearize_impl,
+                              mutates_args=("warn",))
     _backward_op = triton_op("torchrec_ftrl::triton_tbe_backward_update_", _backward_impl,
                              mutates_args=("weights", "accum", "linear", "nonfinite_rows"))
     _repair_offsets_op = triton_op("torchrec_ftrl::triton_repair_offsets", _repair_offsets_impl,
                                    mutates_args=("warn",))
 else:  # pragma: no cover
     _forward_op, _backward_op, _repair_offsets_op = _forward_impl, _backward_impl, _repair_offsets_impl
+    _linearize_op = _linearize_impl
 
 
-def forward(weights: torch.Tensor, batch: TBEBatch, out_dtype: torch.dtype) -> torch.Tensor:
-    """Pooled lookup. Returns the flat output ``[batch.out_numel]`` in ``out_dtype`` (fp32 accumulation)."""
+def _row_base(batch: TBEBatch) -> torch.Tensor:
+    if batch.table_row_base is not None:
+        return batch.table_row_base
+    return torch.cumsum(batch.table_rows, 0) - batch.table_rows
+
+
+def _lookup(weights: torch.Tensor, batch: TBEBatch, out_dtype: torch.dtype,
+            keys: Optional[torch.Tensor]) -> torch.Tensor:
     check = batch.index_check is not None
     warn = batch.index_check if check else batch.indices.new_empty(0)
     return _call(_forward_op, _forward_impl, weights, batch.indices, batch.offsets,
                  batch.bag_feature, batch.bag_out_offset, batch.feature_table, batch.table_w_offset,
-                 batch.table_dim, batch.table_rows, warn, check, batch.per_sample_weights,
-                 int(batch.pooling_mode), int(batch.out_numel), int(batch.max_D), out_dtype,
+                 batch.table_dim, batch.table_rows, _row_base(batch), warn, check, keys,
+                 batch.per_sample_weights, int(batch.pooling_mode), int(batch.out_numel),
+                 int(batch.max_D), out_dtype,
                  *_vec_even(getattr(batch, "table_dims", None), _block_d(batch.max_D)))
+
+
+def forward(weights: torch.Tensor, batch: TBEBatch, out_dtype: torch.dtype) -> torch.Tensor:
+    """Pooled lookup. Returns the flat output ``[batch.out_numel]`` in ``out_dtype`` (fp32 accumulation).
+    With the fused WARNING check, out-of-range indices are read as row 0 and counted."""
+    return _lookup(weights, batch, out_dtype, None)
+
+
+def forward_train(weights: torch.Tensor, batch: TBEBatch, out_dtype: torch.dtype) -> torch.Tensor:
+    """The forward of a training step (its backward follows): same result as :func:`forward`.
+
+    Linearises the batch first (:func:`.triton_backward.linearize_kernel`: each index's row key
+    ``row_base[table] + index``, with the fused WARNING bounds check and its count, its gradient
+    offset, factor and table) and keeps the result on ``batch.linearized`` for
+    :func:`backward_update_`; the lookup then reads the checked row keys (32-bit when the tables
+    have fewer than 2**31 rows) instead of checking every index again.
+    """
+    total_rows = getattr(batch, "total_rows", None)
+    check = batch.index_check is not None
+    warn = batch.index_check if check else batch.indices.new_empty(0)
+    lin = _call(_linearize_op, _linearize_impl, batch.indices, batch.offsets, batch.bag_feature,
+                batch.bag_out_offset, batch.feature_table, _row_base(batch), batch.table_rows, warn,
+                check, True, batch.per_sample_weights, int(batch.pooling_mode), int(batch.max_D),
+                -1 if total_rows is None else int(total_rows), int(batch.out_numel),
+                _vec_even(getattr(batch, "table_dims", None), _block_d(batch.max_D))[1])
+    batch.linearized = tuple(lin)
+    return _lookup(weights, batch, out_dtype, lin[0])
 
 
 def backward_update_(weights: torch.Tensor, accum: torch.Tensor, linear: torch.Tensor,
@@ -239,16 +302,16 @@ def backward_update_(weights: torch.Tensor, accum: torch.Tensor, linear: torch.T
     """Sum gradients per unique (table, row), then one FTRL update per touched row, in place.
 
     ``grad_out`` is the flat ``[batch.out_numel]`` output gradient (fp32/fp16/bf16). Rows whose summed
-    gradient has NaN/Inf are skipped and counted in ``nonfinite_rows`` (int64 ``[1]``, device).
+    gradient has NaN/Inf are skipped and counted in ``nonfinite_rows`` (int64 ``[1]``, device). Uses
+    ``batch.linearized`` when :func:`forward_train` left it there.
     """
     total_rows = getattr(batch, "total_rows", None)
-    row_base = batch.table_row_base
-    if row_base is None:
-        row_base = torch.cumsum(batch.table_rows, 0) - batch.table_rows
+    lin = getattr(batch, "linearized", None) or (None, None, None, None)
     _call(_backward_op, _backward_impl, weights, accum, linear, nonfinite_rows,
           grad_out.reshape(-1).contiguous(), batch.indices, batch.offsets, batch.bag_feature,
           batch.bag_out_offset, batch.feature_table, batch.table_w_offset, batch.table_dim,
-          batch.table_rows, row_base, batch.index_check is not None, batch.per_sample_weights,
+          batch.table_rows, _row_base(batch), batch.index_check is not None, *lin,
+          batch.per_sample_weights,
           int(batch.pooling_mode), int(batch.max_D), -1 if total_rows is None else int(total_rows),
           *_vec_even(getattr(batch, "table_dims", None), _block_d(batch.max_D)),
           hp.learning_rate, -hp.learning_rate_power, hp.l1_reg, hp.l2_effective, hp.beta,

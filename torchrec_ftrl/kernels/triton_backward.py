@@ -48,10 +48,10 @@ _FLT_MAX = tl.constexpr(3.4028234663852886e38)
 @triton.jit
 def linearize_kernel(
     indices_ptr, offsets_ptr, bag_feature_ptr, bag_out_ptr, feature_table_ptr, row_base_ptr,
-    table_rows_ptr, psw_ptr, key_ptr, gofs_ptr, scale_ptr, tid_ptr,
+    table_rows_ptr, psw_ptr, key_ptr, gofs_ptr, scale_ptr, tid_ptr, warn_ptr,
     num_bags, out_row_stride,
     POOL: tl.constexpr, HAS_PSW: tl.constexpr, HAS_SCALE: tl.constexpr, CHECK: tl.constexpr,
-    HAS_TID: tl.constexpr, BAGS: tl.constexpr, UNROLL: tl.constexpr,
+    COUNT: tl.constexpr, HAS_TID: tl.constexpr, BAGS: tl.constexpr, UNROLL: tl.constexpr,
 ):
     bags, bmask, start, length, tab = load_bags(offsets_ptr, bag_feature_ptr, feature_table_ptr,
                                                 num_bags, BAGS)
@@ -62,13 +62,17 @@ def linearize_kernel(
     inv_len = tl.div_rn(1.0, tl.maximum(length, 1).to(tl.float32))
     u = tl.arange(0, UNROLL)
     max_len = tl.max(length, axis=0)
+    nbad = tl.zeros([BAGS, UNROLL], dtype=tl.int32)
     for j in range(0, max_len, UNROLL):
         jj = j + u
         lmask = jj[None, :] < length[:, None]
         pos = start[:, None] + jj[None, :]
         idx = tl.load(indices_ptr + pos, mask=lmask, other=0)
         if CHECK:
-            idx = tl.where((idx < 0) | (idx >= trows[:, None]), 0, idx)
+            bad = lmask & ((idx < 0) | (idx >= trows[:, None]))
+            idx = tl.where(bad, 0, idx)
+            if COUNT:
+                nbad += bad.to(tl.int32)
         tl.store(key_ptr + pos, (rbase[:, None] + idx).to(key_ptr.dtype.element_ty), mask=lmask)
         if POOL == 2:
             g = pos * out_row_stride
@@ -85,11 +89,15 @@ def linearize_kernel(
             else:
                 s = inv_len[:, None] + tl.zeros([BAGS, UNROLL], dtype=tl.float32)
             tl.store(scale_ptr + pos, s, mask=lmask)
+    if CHECK and COUNT:
+        total_bad = tl.sum(tl.sum(nbad, axis=1).to(tl.int64), axis=0)
+        tl.atomic_add(warn_ptr, total_bad, mask=total_bad > 0)
 
 
 @triton.jit
-def segment_mark_kernel(sk_ptr, perm_ptr, gofs_ptr, scale_ptr, flag_ptr, sgofs_ptr, sscale_ptr, N,
-                        SEG: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+def segment_mark_kernel(sk_ptr, perm_ptr, gofs_ptr, scale_ptr, tid_ptr, flag_ptr, sgofs_ptr,
+                        sscale_ptr, stid_ptr, N, SEG: tl.constexpr, HAS_SCALE: tl.constexpr,
+                        HAS_TID: tl.constexpr, BLOCK: tl.constexpr):
     p = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     valid = p < N
     k = tl.load(sk_ptr + p, mask=valid, other=0)
@@ -102,6 +110,8 @@ def segment_mark_kernel(sk_ptr, perm_ptr, gofs_ptr, scale_ptr, flag_ptr, sgofs_p
     tl.store(sgofs_ptr + p, tl.load(gofs_ptr + orig, mask=valid, other=0), mask=valid)
     if HAS_SCALE:
         tl.store(sscale_ptr + p, tl.load(scale_ptr + orig, mask=valid, other=0.0), mask=valid)
+    if HAS_TID:
+        tl.store(stid_ptr + p, tl.load(tid_ptr + orig, mask=valid, other=0), mask=valid)
 
 
 @triton.jit
@@ -176,7 +186,7 @@ def ftrl_update_store(w_ptr, z_ptr, n_ptr, nonfinite_ptr, w, z, n, offs, m, rmas
 
 @triton.jit
 def segment_update_kernel(
-    seg_ptr, count_ptr, sk_ptr, perm_ptr, sgofs_ptr, sscale_ptr, tid_ptr, grad_ptr,
+    seg_ptr, count_ptr, sk_ptr, sgofs_ptr, sscale_ptr, stid_ptr, grad_ptr,
     w_ptr, z_ptr, n_ptr, table_w_offset_ptr, table_dim_ptr, row_base_ptr, part_ptr, nonfinite_ptr,
     N, lr, l1, l2_eff, beta, shrink2, neg_p,
     SEG: tl.constexpr, HAS_SCALE: tl.constexpr, POW_HALF: tl.constexpr, HAS_SHRINK: tl.constexpr,
@@ -203,8 +213,7 @@ def segment_update_kernel(
             m2 = tl.broadcast_to(valid[:, None], [G, BLOCK_D])
             roff = key.to(tl.int64) * BLOCK_D
         else:
-            orig = tl.load(perm_ptr + s, mask=valid, other=0)
-            tid = tl.load(tid_ptr + orig, mask=valid, other=0)
+            tid = tl.load(stid_ptr + s, mask=valid, other=0)
             dim = tl.multiple_of(tl.load(table_dim_ptr + tid, mask=valid, other=VEC), VEC)
             m2 = valid[:, None] & ((cols // VEC)[None, :] < (dim // VEC)[:, None])
             rbase = tl.load(row_base_ptr + tid, mask=valid, other=0)
@@ -237,7 +246,7 @@ def segment_update_kernel(
 
 @triton.jit
 def segment_combine_kernel(
-    sk_ptr, perm_ptr, tid_ptr, part_ptr,
+    sk_ptr, stid_ptr, part_ptr,
     w_ptr, z_ptr, n_ptr, table_w_offset_ptr, table_dim_ptr, row_base_ptr, nonfinite_ptr,
     N, lr, l1, l2_eff, beta, shrink2, neg_p,
     SEG: tl.constexpr, CP: tl.constexpr, NB: tl.constexpr, POW_HALF: tl.constexpr,
@@ -271,8 +280,7 @@ def segment_combine_kernel(
                     cmask = cols < BLOCK_D
                     roff = kb.to(tl.int64) * BLOCK_D
                 else:
-                    orig = tl.load(perm_ptr + p1)
-                    tid = tl.load(tid_ptr + orig)
+                    tid = tl.load(stid_ptr + p1)
                     dim = tl.multiple_of(tl.load(table_dim_ptr + tid), VEC)
                     cmask = (cols // VEC) < (dim // VEC)
                     rbase = tl.load(row_base_ptr + tid)

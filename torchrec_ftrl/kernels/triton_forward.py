@@ -5,6 +5,9 @@ One program owns ``BAGS`` consecutive bags and walks their indices ``UNROLL`` at
 per step. Rows are read in the weights' dtype and accumulated in fp32; the pooled vector is written
 once, in the output dtype, at ``bag_out_offset[bag]`` (which covers the plain and the VBE layouts).
 ``PoolingMode.NONE`` writes each looked-up row at ``position * out_row_stride`` instead.
+With ``KEYS`` the index array holds the linearised row keys of :func:`.triton_backward.linearize_kernel`
+(``row_base[table] + index``, already bounds-checked) instead of raw indices: the training forward,
+which linearises once for the forward and the backward.
 With ``CHECK`` (the fused ``BoundsCheckMode.WARNING``) an index outside ``[0, rows of its table)`` is
 read as row 0 and counted (one integer atomic add per program) into ``warn_ptr``. ``WEVICT`` is the
 L2 eviction policy of the row loads ("" or "evict_last", which helps small D on an H200).
@@ -35,9 +38,9 @@ def load_bags(offsets_ptr, bag_feature_ptr, feature_table_ptr, num_bags, BAGS: t
 @triton.jit
 def tbe_forward_kernel(
     w_ptr, out_ptr, indices_ptr, offsets_ptr, bag_feature_ptr, bag_out_ptr, feature_table_ptr,
-    table_w_offset_ptr, table_dim_ptr, table_rows_ptr, psw_ptr, warn_ptr,
+    table_w_offset_ptr, table_dim_ptr, table_rows_ptr, row_base_ptr, psw_ptr, warn_ptr,
     num_bags, out_row_stride,
-    POOL: tl.constexpr, HAS_PSW: tl.constexpr, CHECK: tl.constexpr,
+    POOL: tl.constexpr, HAS_PSW: tl.constexpr, CHECK: tl.constexpr, KEYS: tl.constexpr,
     BAGS: tl.constexpr, UNROLL: tl.constexpr, BLOCK_D: tl.constexpr,
     VEC: tl.constexpr, EVEN_D: tl.constexpr, WEVICT: tl.constexpr,
 ):
@@ -48,6 +51,8 @@ def tbe_forward_kernel(
     dim = tl.multiple_of(tl.load(table_dim_ptr + tab, mask=bmask, other=VEC), VEC)
     if CHECK:
         trows = tl.load(table_rows_ptr + tab, mask=bmask, other=0)
+    if KEYS and not EVEN_D:
+        rbase = tl.load(row_base_ptr + tab, mask=bmask, other=0)
     nbad = tl.zeros([BAGS, UNROLL], dtype=tl.int32)
 
     cols = tl.arange(0, BLOCK_D)
@@ -73,7 +78,12 @@ def tbe_forward_kernel(
             bad = lmask & ((idx < 0) | (idx >= trows[:, None]))
             idx = tl.where(bad, 0, idx)
             nbad += bad.to(tl.int32)
-        if EVEN_D:
+        if KEYS:  # idx is a linearised row key (row_base[table] + checked index)
+            if EVEN_D:
+                roff = idx.to(tl.int64) * BLOCK_D
+            else:
+                roff = woff[:, None] + (idx.to(tl.int64) - rbase[:, None]) * dim[:, None]
+        elif EVEN_D:
             roff = woff[:, None] + idx * BLOCK_D
         else:
             roff = woff[:, None] + idx * dim[:, None]

@@ -207,6 +207,14 @@ def segment_update_kernel(
         tail = (e >= N) | (knext != key)
         complete = valid & head & tail
         partial = valid & (complete == 0)
+        length = tl.where(valid, e - s, 0)
+        # The first R entries' gradient offsets / factors depend only on the bounds: loaded with
+        # the keys, so their gradient rows go out together with the row states.
+        u = tl.arange(0, R)
+        lm0 = u[None, :] < length[:, None]                                   # [G, R]
+        go0 = tl.load(sgofs_ptr + s[:, None] + u[None, :], mask=lm0, other=0)
+        if HAS_SCALE:
+            sc0 = tl.load(sscale_ptr + s[:, None] + u[None, :], mask=lm0, other=0.0)
         cols = tl.arange(0, BLOCK_D)
         if EVEN_D:
             # Every table has D == BLOCK_D: row r of the flat layout starts at r * BLOCK_D.
@@ -221,17 +229,21 @@ def segment_update_kernel(
             roff = woff + (key - rbase) * dim
         # State loads depend only on the row: issue them before the gradient gather.
         w, z, n, offs, sm = load_states(w_ptr, z_ptr, n_ptr, roff, complete[:, None] & m2, cols)
-        length = tl.where(valid, e - s, 0)
-        max_len = tl.max(length, axis=0)
-        u = tl.arange(0, R)
         m3c = m2[:, None, :]
-        acc = tl.zeros([G, BLOCK_D], dtype=tl.float32)
-        for t in range(0, max_len, R):
+        go = (go0 // VEC) * VEC          # VEC divides every offset: tells the compiler, no-op
+        g = tl.load(grad_ptr + go[:, :, None] + cols[None, None, :],
+                    mask=lm0[:, :, None] & m3c, other=0.0).to(tl.float32)
+        if HAS_SCALE:
+            g = g * sc0[:, :, None]
+        acc = tl.sum(g, axis=1)
+        # Entries past the first R (pieces of long runs), R at a time in sorted order.
+        max_len = tl.max(length, axis=0)
+        for t in range(R, max_len, R):
             tt = t + u
             lm = tt[None, :] < length[:, None]                                   # [G, R]
             pos = s[:, None] + tt[None, :]
             go = tl.load(sgofs_ptr + pos, mask=lm, other=0)
-            go = (go // VEC) * VEC          # VEC divides every offset: tells the compiler, no-op
+            go = (go // VEC) * VEC
             g = tl.load(grad_ptr + go[:, :, None] + cols[None, None, :],
                         mask=lm[:, :, None] & m3c, other=0.0).to(tl.float32)
             if HAS_SCALE:

@@ -145,13 +145,14 @@ def tune(T, E, B, L, batches_by_dist, log):
 
     best = {}
     step_ms()  # first timing after building a module runs slow: discard one
+    launch = dict(triton_backend.TUNING["seg_launch"])
     for seg_tile, seg_rows in ((2048, 4), (1024, 4), (2048, 8), (4096, 4)):
-        triton_backend.TUNING.update(seg_tile=seg_tile, seg_rows=seg_rows)
+        triton_backend.TUNING["seg_launch"] = {**launch, 128: (seg_tile, seg_rows)}
         ms = step_ms()
-        log(f"  tune seg_tile={seg_tile} seg_rows={seg_rows}: uniform+zipf steps {ms:.3f} ms")
-        if ms < best.get("seg_tile", (1e9,))[0]:
-            best["seg_tile"] = (ms, dict(seg_tile=seg_tile, seg_rows=seg_rows))
-    triton_backend.TUNING.update(best["seg_tile"][1])
+        log(f"  tune seg_launch[128]=({seg_tile}, {seg_rows}): uniform+zipf steps {ms:.3f} ms")
+        if ms < best.get("seg_launch", (1e9,))[0]:
+            best["seg_launch"] = (ms, dict(seg_launch={**launch, 128: (seg_tile, seg_rows)}))
+    triton_backend.TUNING.update(best["seg_launch"][1])
     for seg in (32, 64, 128):
         triton_backend.TUNING.update(seg=seg)
         ms = step_ms()
@@ -164,9 +165,10 @@ def tune(T, E, B, L, batches_by_dist, log):
 
 
 def tune_forward(T, E, B, L, batches_by_dist, log):
-    """Sweep of the forward's launch table ``TUNING["fwd"]`` (elements per step, indices per bag in
-    flight, eviction policy) per weight row size: forward-only time, uniform + Zipf summed. Logs the
-    three fastest settings of each row size; the table is not changed."""
+    """Sweep of the training forward's launch table ``TUNING["fwd"]`` (elements per step, indices
+    per bag in flight, eviction policy) per weight row size: forward-only time (``forward_train``:
+    linearise + lookup by row keys), uniform + Zipf summed. Logs the three fastest settings of each
+    row size; the table is not changed."""
     base = dict(triton_backend.TUNING["fwd"])
     for D, prec in ((64, SparseType.FP32), (128, SparseType.FP32), (256, SparseType.FP32),
                     (128, SparseType.FP16)):
@@ -176,7 +178,7 @@ def tune_forward(T, E, B, L, batches_by_dist, log):
         lists = [[(m._make_batch(i, o, None, None), None) for i, o in b] for b in batches_by_dist.values()]
 
         def fwd(batch, _):
-            return triton_backend.forward(m.weights_dev, batch, torch.float32)
+            return triton_backend.forward_train(m.weights_dev, batch, torch.float32)
 
         res = []
         for tile, unroll, ev in itertools.product((1024, 2048, 4096), (1, 2, 4), ("", "evict_last")):

@@ -42,7 +42,8 @@ def interp(monkeypatch):
     longer than 4 are cut into pieces and combined), few segments per program, small 1-D blocks."""
     if not INTERP:
         pytest.skip("runs in the child process of test_interpreter_suite (TRITON_INTERPRET=1)")
-    for k, v in dict(seg=4, seg_tile=32, combine_cp=4, combine_nb=2, block=16, repair_block=4).items():
+    for k, v in dict(seg=4, seg_launch={8: (32, 4)}, combine_cp=4, combine_nb=2, block=16,
+                     repair_block=4).items():
         monkeypatch.setitem(triton_backend.TUNING, k, v)
     return "cpu"
 

@@ -36,22 +36,27 @@ from .triton_forward import forward_config, tbe_forward_kernel
 # Launch shape knobs. fwd: per row size in bytes (BLOCK_D times the weight element size), (elements
 # per step, indices per bag in flight, L2 eviction policy of the weight-row loads); the nearest
 # listed size serves the others, and 16-bit weights keep at most 2 indices per bag in flight (4 made
-# the fp16 kernel 7x slower on an H200). From a forward-only sweep on an H200 (what
-# `bench_tbe_cuda.py --tune-forward` runs).
+# the fp16 kernel 7x slower on an H200). From a sweep of the training forward (row keys) on an H200.
 # seg: longest piece of a run summed by one backward program (longer runs are cut and their pieces
-# combined); seg_tile/seg_rows: elements per step / gradient rows per segment in flight;
+# combined); seg_launch: per BLOCK_D (nearest listed serves the others), (elements per step,
+# gradient rows per segment in flight) of segment_update_kernel, from a step-time sweep on an H200
+# (D=256 Zipf: 2.82 ms with 4096 against 3.08 ms with 2048);
 # combine_cp/combine_nb: cut candidates per combine program / pieces added per step; block: 1-D
 # kernels' block; repair_block: offsets per program of the WARNING offsets repair. Results do not
 # depend on them beyond fp32 summation order.
-TUNING = {"fwd": {256: (2048, 2, "evict_last"), 512: (1024, 4, ""), 1024: (1024, 2, "")},
-          "seg": 64, "seg_tile": 2048, "seg_rows": 4,
+TUNING = {"fwd": {256: (1024, 4, ""), 512: (1024, 4, ""), 1024: (1024, 4, "")},
+          "seg": 64, "seg_launch": {64: (2048, 4), 128: (2048, 4), 256: (4096, 4)},
           "combine_cp": 64, "combine_nb": 64, "block": 1024, "repair_block": 1024}
+
+
+def _nearest(table: dict, size: int):
+    """The entry of ``table`` whose power-of-two key is nearest to ``size`` (the smaller on a tie)."""
+    return table[min(table, key=lambda b: (abs(math.log2(b) - math.log2(size)), b))]
 
 
 def _forward_tuning(block_d: int, elem_bytes: int) -> tuple[int, int, str]:
     """``(tile, unroll, eviction policy)`` of the forward for rows of ``block_d`` elements."""
-    table, row = TUNING["fwd"], block_d * elem_bytes
-    tile, unroll, evict = table[min(table, key=lambda b: (abs(math.log2(b) - math.log2(row)), b))]
+    tile, unroll, evict = _nearest(TUNING["fwd"], block_d * elem_bytes)
     return tile, (min(unroll, 2) if elem_bytes < 4 else unroll), evict
 
 
@@ -203,7 +208,7 @@ def _backward_impl(weights: torch.Tensor, accum: torch.Tensor, linear: torch.Ten
     nmult = triton.cdiv(N, SEG) - 1            # multiples m * SEG, m >= 1, inside [0, N)
     part = torch.empty(max(1, 2 * (nmult + 1)) * BLOCK_D, dtype=torch.float32, device=dev)
     bound = N if total_rows < 0 else min(N, total_rows + N // SEG)
-    G, R, warps = segment_config(BLOCK_D, TUNING["seg_tile"], TUNING["seg_rows"])
+    G, R, warps = segment_config(BLOCK_D, *_nearest(TUNING["seg_launch"], BLOCK_D))
     pow_half = neg_p == 0.5
     has_shrink = shrink2 != 0.0
     libdev = isinstance(segment_update_kernel, JITFunction)

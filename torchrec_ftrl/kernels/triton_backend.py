@@ -38,15 +38,17 @@ from .triton_forward import forward_config, tbe_forward_kernel
 # listed size serves the others, and 16-bit weights keep at most 2 indices per bag in flight (4 made
 # the fp16 kernel 7x slower on an H200). From a sweep of the training forward (row keys) on an H200.
 # seg: longest piece of a run summed by one backward program (longer runs are cut and their pieces
-# combined); seg_launch: per BLOCK_D (nearest listed serves the others), (elements per step,
-# gradient rows per segment in flight) of segment_update_kernel, from a step-time sweep on an H200
-# (D=256 Zipf: 2.82 ms with 4096 against 3.08 ms with 2048);
-# combine_cp/combine_nb: cut candidates per combine program / pieces added per step; block: 1-D
-# kernels' block; repair_block: offsets per program of the WARNING offsets repair. Results do not
-# depend on them beyond fp32 summation order.
+# combined), an int or per BLOCK_D; seg_launch: per BLOCK_D, (elements per step, gradient rows per
+# segment in flight) of segment_update_kernel. Both from step-time sweeps on an H200 (D=256 Zipf:
+# 2.82 ms with 4096 elements against 3.08 ms with 2048; seg 128 against 64: 2.77 vs 2.81 ms, fp16
+# D=128 1.79 vs 1.85 ms, but D=64 1.29 vs 1.25 ms). For the tables, the nearest listed size serves
+# the others. combine_cp/combine_nb: cut candidates per combine program / pieces added per step;
+# block: 1-D kernels' block; repair_block: offsets per program of the WARNING offsets repair.
+# Results do not depend on them beyond fp32 summation order.
 TUNING = {"fwd": {256: (1024, 4, ""), 512: (1024, 4, ""), 1024: (1024, 4, "")},
-          "seg": 64, "seg_launch": {64: (2048, 4), 128: (2048, 4), 256: (4096, 4)},
-          "combine_cp": 64, "combine_nb": 64, "block": 1024, "repair_block": 1024}
+          "seg": {64: 64, 128: 128, 256: 128},
+          "seg_launch": {64: (2048, 4), 128: (2048, 4), 256: (4096, 4)},
+          "combine_cp": 16, "combine_nb": 64, "block": 1024, "repair_block": 1024}
 
 
 def _nearest(table: dict, size: int):
@@ -177,7 +179,8 @@ def _backward_impl(weights: torch.Tensor, accum: torch.Tensor, linear: torch.Ten
         return
     dev = weights.device
     BLOCK_D = _block_d(max_D)
-    SEG = max(1, int(TUNING["seg"]))
+    seg = TUNING["seg"]
+    SEG = max(1, int(_nearest(seg, BLOCK_D) if isinstance(seg, dict) else seg))
     BLOCK = int(TUNING["block"])
     i32_max = 2 ** 31 - 1
     has_psw = per_sample_weights is not None and pooling_mode != POOL_NONE

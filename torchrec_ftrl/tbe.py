@@ -295,7 +295,7 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         if (self.backend == "triton" and self.bounds_check_mode == BoundsCheckMode.WARNING
                 and not (per_sample_weights is not None and per_sample_weights.requires_grad)):
             # Fused WARNING check (no torch-side repair): offsets repaired on the device; the
-            # kernels read a bad index as row 0 and the forward counts it (kernels/triton_backend.py).
+            # kernels read a bad index as row 0 and the forward counts it once (kernels/triton_backend.py).
             offsets64 = self._backend.repair_offsets(offsets64, N, self.bounds_check_warning)
             index_check = self.bounds_check_warning
         else:

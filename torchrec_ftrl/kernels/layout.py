@@ -43,7 +43,8 @@ class TBEBatch:
             specialise its kernels (vector width, no column mask) without reading the device.
         index_check: int64 ``[1]`` counter, or None. When set (Triton backend with the fused
             ``BoundsCheckMode.WARNING``), ``indices`` are NOT yet checked: the kernels read an index
-            outside ``[0, rows)`` as row 0 and the forward adds the number of such indices here.
+            outside ``[0, rows)`` as row 0 and the forward (its linearize pass in training) adds the
+            number of such indices here, once per forward.
             ``offsets`` are already repaired.
         table_row_base: ``[T]`` first linearised row id of each table (``cumsum(rows) - rows``), or
             None (the CUDA backend then computes it).

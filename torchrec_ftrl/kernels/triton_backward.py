@@ -5,20 +5,23 @@ Pipeline (all on the device, buffers sized from ``N = indices.numel()``, no host
 1. :func:`linearize_kernel` (one program per block of bags) writes, for every index position, its
    linearised row id ``row_base[table] + index`` (the sort key), the element offset of its bag's
    gradient vector, its gradient factor (per-sample weight, 1/L for MEAN) and its table. With the
-   fused WARNING bounds check an index outside ``[0, rows)`` is read as row 0.
+   fused WARNING bounds check an index outside ``[0, rows)`` is read as row 0 (and counted, when it
+   runs in the training forward: ``triton_backend.forward_train`` linearises once, the lookup reads
+   the checked row keys and the backward reuses them).
 2. ``torch.sort(keys, stable=True)`` groups equal rows (stable, so the order inside a run, hence the
    summation order, is fixed).
 3. :func:`segment_mark_kernel` cuts the sorted positions into *segments*: a segment starts at every
    run start (``key[i] != key[i-1]``) and, inside runs longer than ``SEG``, at every position ``i``
    that is a multiple of ``SEG`` with ``key[i - SEG] == key[i]``. So short runs are one segment, and
    a long run is cut into pieces of at most ``2 * SEG - 1`` entries (its first piece) and ``SEG``
-   (the others). The kernel also gathers each sorted entry's gradient offset and factor into sorted
-   order, so later loads need no ``perm`` round trip. ``torch.cumsum`` of the start flags and
+   (the others). The kernel also gathers each sorted entry's gradient offset, factor and table into
+   sorted order, so later loads need no ``perm`` round trip. ``torch.cumsum`` of the start flags and
    :func:`segment_scatter_kernel` compact the segment starts into a dense array whose length stays
    on the device (the last cumsum entry).
 4. :func:`segment_update_kernel`: a program takes ``G`` consecutive segments and sums each one's
-   gradient rows in sorted order (``R`` rows per segment in flight), loading the row's weight and
-   states before the gather loop. A segment that is a whole run gets its FTRL update right there; a
+   gradient rows in sorted order (``R`` rows per segment in flight). The gradient offsets of the
+   first ``R`` entries load with the segment's keys, so the first gradient rows are in flight
+   together with the row's weight and states. A segment that is a whole run gets its FTRL update right there; a
    piece of a long run writes its partial sum to a scratch slot: ``2 * (s // SEG)`` when it starts
    at a multiple ``s`` of ``SEG``, ``2 * (s // SEG) + 1`` for a run's first piece starting elsewhere
    (at most one run's first piece starts in one ``SEG`` window, so slots never collide).

@@ -351,6 +351,32 @@ def test_interp_eval_forward_matches_training_forward(interp):
     assert int(m.bounds_check_warning) == 6                 # the backward does not count again
 
 
+@pytest.mark.parametrize("pooling", [PoolingMode.SUM, PoolingMode.MEAN])
+def test_interp_backward_without_training_forward(interp, pooling):
+    """``backward_update_`` on a batch that the training forward did not linearise (it linearises
+    itself, without counting bad indices again) updates the states exactly as the training path."""
+    specs, fmap = [(9, 4), (5, 6)], [0, 1, 0]
+    case = make_case(44, specs=specs, fmap=fmap, B=5, pooling=pooling, hot=True)
+    idx = case["indices"].clone()
+    idx[[0, 3]] = torch.tensor([-2, 50])                     # two bad indices (WARNING: row 0)
+    mods = [build(specs, fmap, pooling, interp, seed=5) for _ in range(2)]
+    grads = []
+    for m, train in zip(mods, (True, False)):
+        b = m._make_batch(idx, case["offsets"], None, None)
+        fwd = triton_backend.forward_train if train else triton_backend.forward
+        out = fwd(m.weights_dev, b, torch.float32)
+        assert (b.linearized is not None) == train
+        g = torch.cos(out.double() * 3).float()
+        triton_backend.backward_update_(m.weights_dev, m.momentum1_dev, m.momentum2_dev, b, g,
+                                        m.hyperparams, m.nonfinite_grad_rows)
+        grads.append(out)
+        assert int(m.bounds_check_warning) == 2
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
+    for name in ("weights_dev", "momentum1_dev", "momentum2_dev"):
+        assert torch.equal(getattr(mods[0], name), getattr(mods[1], name))
+    assert not torch.equal(mods[0].weights_dev, build(specs, fmap, pooling, interp, seed=5).weights_dev)
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_interp_fused_warning_matches_index0_substitution(interp, seed):
     """Random bad indices and malformed offsets: the fused check gives the count, the output and the

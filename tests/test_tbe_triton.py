@@ -377,6 +377,25 @@ def test_interp_backward_without_training_forward(interp, pooling):
     assert not torch.equal(mods[0].weights_dev, build(specs, fmap, pooling, interp, seed=5).weights_dev)
 
 
+@pytest.mark.parametrize("which", ["indices", "offsets", "per_sample_weights"])
+def test_interp_strided_inputs(interp, which):
+    """Strided (non-contiguous) indices, offsets or per-sample weights give the float64 pooled sums
+    of their values (the kernels read flat memory, so the module copies strided views)."""
+    m = build([(9, 4), (6, 4)], [0, 1], PoolingMode.SUM, interp)
+    W = [w.detach().double().clone() for w in m.split_embedding_weights()]
+    vals = dict(indices=torch.tensor([1, 2, 3, 5]), offsets=torch.tensor([0, 2, 3, 3, 4]),
+                per_sample_weights=torch.tensor([0.5, 2.0, 1.5, 3.0]))
+    t = vals[which]
+    vals[which] = torch.stack([t, torch.full_like(t, 7)], 1)[:, 0]      # same values, stride 2
+    assert not vals[which].is_contiguous()
+    out = m(vals["indices"], vals["offsets"], vals["per_sample_weights"])
+    # feature 0: bags [1, 2] and [3]; feature 1: bags [] and [5]
+    expected = torch.stack([torch.cat([0.5 * W[0][1] + 2.0 * W[0][2], torch.zeros(4, dtype=torch.float64)]),
+                            torch.cat([1.5 * W[0][3], 3.0 * W[1][5]])])
+    torch.testing.assert_close(out.double(), expected, rtol=1e-6, atol=1e-7)
+    assert int(m.bounds_check_warning) == 0
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_interp_fused_warning_matches_index0_substitution(interp, seed):
     """Random bad indices and malformed offsets: the fused check gives the count, the output and the

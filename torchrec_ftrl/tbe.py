@@ -71,7 +71,9 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         bounds_check_mode: FBGEMM ``BoundsCheckMode``. FATAL (default) raises ``ValueError`` for an
             index out of ``[0, rows)`` or malformed offsets before anything changes (on CUDA this is one
             host sync per forward); WARNING replaces bad indices by 0 and clamps offsets as FBGEMM does,
-            counting them in ``bounds_check_warning`` with no host sync; IGNORE trusts the input.
+            counting them in ``bounds_check_warning`` with no host sync; IGNORE trusts the input: an
+            index out of range, or offsets that are not non-decreasing from 0 to ``indices.numel()``,
+            is undefined behaviour (the kernels may read or write outside the tables), as in FBGEMM.
         device: where weights and states live (default CPU).
         backend: ``"triton"`` (CUDA default), ``"cpp"`` (CPU default, compiled at first use), ``"torch"``.
         table_names: optional names (for messages and export).
@@ -278,8 +280,9 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
                                  f"shape={tuple(per_sample_weights.shape)}")
             if self.pooling_mode == PoolingMode.NONE:
                 raise ValueError("per_sample_weights is not supported with pooling_mode=NONE")
-        offsets64 = offsets.long()
-        indices64 = indices.long()
+        # The kernels index flat memory: strided views (e.g. a column of a 2-D tensor) are copied.
+        offsets64 = offsets.long().contiguous()
+        indices64 = indices.long().contiguous()
         if bsfpr is not None:
             if self.pooling_mode == PoolingMode.NONE:
                 raise ValueError("batch_size_per_feature_per_rank (VBE) needs pooling SUM or MEAN")
@@ -305,7 +308,8 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
             table_rows=self._table_rows, feature_table=self._feature_table,
             bag_feature=bag_feature, bag_out_offset=bag_out_offset, indices=indices64,
             offsets=offsets64,
-            per_sample_weights=per_sample_weights.detach().float() if per_sample_weights is not None else None,
+            per_sample_weights=(per_sample_weights.detach().float().contiguous()
+                                if per_sample_weights is not None else None),
             pooling_mode=int(self.pooling_mode), out_numel=out_numel, max_D=self.max_D,
             total_rows=self._total_rows, table_dims=self._table_dims, index_check=index_check,
             table_row_base=self._table_row_base)

@@ -360,7 +360,7 @@ def test_interp_backward_without_training_forward(interp, pooling):
     idx = case["indices"].clone()
     idx[[0, 3]] = torch.tensor([-2, 50])                     # two bad indices (WARNING: row 0)
     mods = [build(specs, fmap, pooling, interp, seed=5) for _ in range(2)]
-    grads = []
+    outs = []
     for m, train in zip(mods, (True, False)):
         b = m._make_batch(idx, case["offsets"], None, None)
         fwd = triton_backend.forward_train if train else triton_backend.forward
@@ -369,9 +369,9 @@ def test_interp_backward_without_training_forward(interp, pooling):
         g = torch.cos(out.double() * 3).float()
         triton_backend.backward_update_(m.weights_dev, m.momentum1_dev, m.momentum2_dev, b, g,
                                         m.hyperparams, m.nonfinite_grad_rows)
-        grads.append(out)
+        outs.append(out)
         assert int(m.bounds_check_warning) == 2
-    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
     for name in ("weights_dev", "momentum1_dev", "momentum2_dev"):
         assert torch.equal(getattr(mods[0], name), getattr(mods[1], name))
     assert not torch.equal(mods[0].weights_dev, build(specs, fmap, pooling, interp, seed=5).weights_dev)

@@ -186,7 +186,8 @@ def _backward_impl(weights: torch.Tensor, accum: torch.Tensor, linear: torch.Ten
     has_psw = per_sample_weights is not None and pooling_mode != POOL_NONE
     has_scale = has_psw or pooling_mode == POOL_MEAN
     if lin_key is None or lin_gofs is None or lin_scale is None or lin_tid is None:
-        # Not linearised by the training forward: do it here (bad indices were counted already).
+        # Not linearised by the training forward: do it here. Bad indices were counted by the
+        # forward already (count=False, so the counter argument is not touched).
         lin_key, lin_gofs, lin_scale, lin_tid = _linearize_impl(
             indices, offsets, bag_feature, bag_out_offset, feature_table, row_base, table_rows,
             nonfinite_rows, check, False, per_sample_weights, pooling_mode, max_D, total_rows,
@@ -265,16 +266,29 @@ def _row_base(batch: TBEBatch) -> torch.Tensor:
     return torch.cumsum(batch.table_rows, 0) - batch.table_rows
 
 
+def _warn_counter(batch: TBEBatch) -> tuple[bool, torch.Tensor]:
+    """``(check, counter)``: whether the fused WARNING check runs, and its int64 counter (an empty
+    placeholder when it does not)."""
+    check = batch.index_check is not None
+    return check, batch.index_check if check else batch.indices.new_empty(0)
+
+
+def _batch_shape(batch: TBEBatch) -> tuple[int, int, bool]:
+    """``(total_rows or -1, vec, even_d)``: the host-side facts the kernels are specialised on."""
+    total_rows = getattr(batch, "total_rows", None)
+    vec, even_d = _vec_even(getattr(batch, "table_dims", None), _block_d(batch.max_D))
+    return -1 if total_rows is None else int(total_rows), vec, even_d
+
+
 def _lookup(weights: torch.Tensor, batch: TBEBatch, out_dtype: torch.dtype,
             keys: Optional[torch.Tensor]) -> torch.Tensor:
-    check = batch.index_check is not None
-    warn = batch.index_check if check else batch.indices.new_empty(0)
+    check, warn = _warn_counter(batch)
+    _, vec, even_d = _batch_shape(batch)
     return _call(_forward_op, _forward_impl, weights, batch.indices, batch.offsets,
                  batch.bag_feature, batch.bag_out_offset, batch.feature_table, batch.table_w_offset,
                  batch.table_dim, batch.table_rows, _row_base(batch), warn, check, keys,
                  batch.per_sample_weights, int(batch.pooling_mode), int(batch.out_numel),
-                 int(batch.max_D), out_dtype,
-                 *_vec_even(getattr(batch, "table_dims", None), _block_d(batch.max_D)))
+                 int(batch.max_D), out_dtype, vec, even_d)
 
 
 def forward(weights: torch.Tensor, batch: TBEBatch, out_dtype: torch.dtype) -> torch.Tensor:
@@ -292,14 +306,12 @@ def forward_train(weights: torch.Tensor, batch: TBEBatch, out_dtype: torch.dtype
     :func:`backward_update_`; the lookup then reads the checked row keys (32-bit when the tables
     have fewer than 2**31 rows) instead of checking every index again.
     """
-    total_rows = getattr(batch, "total_rows", None)
-    check = batch.index_check is not None
-    warn = batch.index_check if check else batch.indices.new_empty(0)
+    check, warn = _warn_counter(batch)
+    total_rows, _, even_d = _batch_shape(batch)
     lin = _call(_linearize_op, _linearize_impl, batch.indices, batch.offsets, batch.bag_feature,
                 batch.bag_out_offset, batch.feature_table, _row_base(batch), batch.table_rows, warn,
                 check, True, batch.per_sample_weights, int(batch.pooling_mode), int(batch.max_D),
-                -1 if total_rows is None else int(total_rows), int(batch.out_numel),
-                _vec_even(getattr(batch, "table_dims", None), _block_d(batch.max_D))[1])
+                total_rows, int(batch.out_numel), even_d)
     batch.linearized = tuple(lin)
     return _lookup(weights, batch, out_dtype, lin[0])
 
@@ -313,16 +325,14 @@ def backward_update_(weights: torch.Tensor, accum: torch.Tensor, linear: torch.T
     gradient has NaN/Inf are skipped and counted in ``nonfinite_rows`` (int64 ``[1]``, device). Uses
     ``batch.linearized`` when :func:`forward_train` left it there.
     """
-    total_rows = getattr(batch, "total_rows", None)
     lin = getattr(batch, "linearized", None) or (None, None, None, None)
+    total_rows, vec, even_d = _batch_shape(batch)
     _call(_backward_op, _backward_impl, weights, accum, linear, nonfinite_rows,
           grad_out.reshape(-1).contiguous(), batch.indices, batch.offsets, batch.bag_feature,
           batch.bag_out_offset, batch.feature_table, batch.table_w_offset, batch.table_dim,
           batch.table_rows, _row_base(batch), batch.index_check is not None, *lin,
-          batch.per_sample_weights,
-          int(batch.pooling_mode), int(batch.max_D), -1 if total_rows is None else int(total_rows),
-          *_vec_even(getattr(batch, "table_dims", None), _block_d(batch.max_D)),
-          hp.learning_rate, -hp.learning_rate_power, hp.l1_reg, hp.l2_effective, hp.beta,
+          batch.per_sample_weights, int(batch.pooling_mode), int(batch.max_D), total_rows,
+          vec, even_d, hp.learning_rate, -hp.learning_rate_power, hp.l1_reg, hp.l2_effective, hp.beta,
           2.0 * hp.l2_shrinkage)
 
 

@@ -40,15 +40,20 @@ from .triton_forward import forward_config, tbe_forward_kernel
 # seg: longest piece of a run summed by one backward program (longer runs are cut and their pieces
 # combined), an int or per BLOCK_D; seg_launch: per BLOCK_D, (elements per step, gradient rows per
 # segment in flight) of segment_update_kernel. Both from step-time sweeps on an H200 (D=256 Zipf:
-# 2.82 ms with 4096 elements against 3.08 ms with 2048; seg 128 against 64: 2.77 vs 2.81 ms, fp16
-# D=128 1.79 vs 1.85 ms, but D=64 1.29 vs 1.25 ms). For the tables, the nearest listed size serves
-# the others. combine_cp/combine_nb: cut candidates per combine program / pieces added per step;
+# 2.64 ms with 4096 elements against 2.88 ms with 2048 and 3.37 ms with 8192; update kernel at
+# D=128 Zipf 1.06 ms with 4096 against 1.09 ms with 2048; seg 128 against 64: 2.77 vs 2.81 ms at
+# D=256 Zipf, fp16 D=128 1.79 vs 1.85 ms, but D=64 1.29 vs 1.25 ms). For the tables, the nearest
+# listed size serves the others. combine_cp/combine_nb: cut candidates per combine program / pieces
+# added per step;
+# linearize: (bags per program, indices per bag in flight, warps) of linearize_kernel (H200 sweep at
+# D=64 Zipf: (64, 8, 4) 0.042 ms against 0.075 ms with 4 indices in flight);
 # block: 1-D kernels' block; repair_block: offsets per program of the WARNING offsets repair.
 # Results do not depend on them beyond fp32 summation order.
 TUNING = {"fwd": {256: (1024, 4, ""), 512: (1024, 4, ""), 1024: (1024, 4, "")},
           "seg": {64: 64, 128: 128, 256: 128},
-          "seg_launch": {64: (2048, 4), 128: (2048, 4), 256: (4096, 4)},
-          "combine_cp": 16, "combine_nb": 64, "block": 1024, "repair_block": 1024}
+          "seg_launch": {64: (4096, 4), 128: (4096, 4), 256: (4096, 4)},
+          "combine_cp": 16, "combine_nb": 64, "linearize": (64, 8, 4), "block": 1024,
+          "repair_block": 1024}
 
 
 def _nearest(table: dict, size: int):
@@ -155,11 +160,12 @@ def _linearize_impl(indices: torch.Tensor, offsets: torch.Tensor, bag_feature: t
     if N == 0 or num_bags <= 0:
         return key, gofs, scale, tid
     psw = per_sample_weights if has_psw else scale
-    _k(linearize_kernel)[(triton.cdiv(num_bags, 64),)](
+    bags, unroll, warps = TUNING["linearize"]
+    _k(linearize_kernel)[(triton.cdiv(num_bags, bags),)](
         indices, offsets, bag_feature, bag_out_offset, feature_table, row_base, table_rows, psw,
         key, gofs, scale, tid, warn, num_bags, max_D,
         POOL=pooling_mode, HAS_PSW=has_psw, HAS_SCALE=has_scale, CHECK=check,
-        COUNT=check and count, HAS_TID=not even_d, BAGS=64, UNROLL=4, num_warps=4)
+        COUNT=check and count, HAS_TID=not even_d, BAGS=bags, UNROLL=unroll, num_warps=warps)
     return key, gofs, scale, tid
 
 

@@ -32,9 +32,13 @@ Every sum has a fixed order (sorted positions, fixed reduction trees), so result
 reproducible run to run without atomics on values. The only atomics are integer counts: rows skipped
 because their summed gradient has a NaN/Inf (``nonfinite_rows``) and bounds-check warnings.
 
-The FTRL lines follow ``shared/docs/FTRL.md`` exactly: accum uses the raw gradient; ``sqrt`` (IEEE
-round-to-nearest) when ``p == -0.5`` else ``pow``; ``z`` uses the OLD weight; the exact zero comes from
-a branch; states are fp32 and the weight is stored in its own dtype.
+The FTRL lines follow ``shared/docs/FTRL.md``: accum uses the raw gradient; ``z`` uses the OLD weight;
+the exact zero comes from a branch; states are fp32 and the weight is stored in its own dtype. The
+arithmetic is rearranged for speed, not bitwise equal to the CPU kernel (both agree with the float64
+reference to a few ulp): with ``p == -0.5``, ``sigma = g^2 / (sqrt(n_new) + sqrt(n)) / lr`` (equal to
+``(sqrt(n_new) - sqrt(n)) / lr`` without its cancellation) with the hardware sqrt and division
+(<= 2 ulp), ``pow`` for other powers; ``w = (l1 sign(z) - z) lr / (beta + n_new^(-p) + L2 lr)``,
+one division instead of three.
 """
 
 from __future__ import annotations
@@ -165,26 +169,37 @@ def ftrl_update_store(w_ptr, z_ptr, n_ptr, nonfinite_ptr, w, z, n, offs, m, rmas
     nbad = tl.sum((rmask & row_bad).to(tl.int64), axis=0)
     tl.atomic_add(nonfinite_ptr, nbad, mask=nbad > 0)
     sm = m & (row_bad == 0)[:, None]
-    n_new = n + g * g
+    g2 = g * g
+    n_new = n + g2
+    inv_lr = 1.0 / lr
     if POW_HALF:
-        pn_new = tl.sqrt_rn(n_new)
-        pn_old = tl.sqrt_rn(n)
+        # sqrt(n_new) - sqrt(n) == g^2 / (sqrt(n_new) + sqrt(n)): the same value without the
+        # cancellation of the difference (sigma of a row with a large accum and a small gradient
+        # is exact to a few ulp instead of losing digits), with the hardware sqrt / division (<= 2
+        # ulp each): the IEEE sequences made the update kernel instruction-bound (benchmarks/README.md).
+        pn_new = tl.sqrt(n_new)
+        den = pn_new + tl.sqrt(n)
+        sigma = tl.where(den > 0, tl.fdiv(g2, tl.where(den > 0, den, 1.0)), 0.0) * inv_lr
     else:
         pn_new = _pow(n_new, neg_p, LIBDEVICE_POW)
-        pn_old = _pow(n, neg_p, LIBDEVICE_POW)
-    sigma = tl.div_rn(pn_new - pn_old, lr)
+        sigma = (pn_new - _pow(n, neg_p, LIBDEVICE_POW)) * inv_lr
     if HAS_SHRINK:
         gs = g + shrink2 * w
     else:
         gs = g
     z_new = (z + gs) - sigma * w
-    q = tl.div_rn(beta + pn_new, lr) + l2_eff
+    # w = (l1 sign(z) - z) / q with q = (beta + pn_new) / lr + L2, multiplied through by lr: one
+    # division. qd == 0 (beta = L2 = 0, n_new = 0) gives +-inf, as the division by q == 0 does.
+    qd = (beta + pn_new) + l2_eff * lr
     keep = tl.abs(z_new) > l1
     sgn = tl.where(z_new > 0, 1.0, -1.0)
-    w_new = tl.where(keep, tl.div_rn(l1 * sgn - z_new, q), 0.0)
-    tl.store(w_ptr + offs, w_new.to(w_ptr.dtype.element_ty), mask=sm)
-    tl.store(z_ptr + offs, z_new, mask=sm)
-    tl.store(n_ptr + offs, n_new, mask=sm)
+    num = (l1 * sgn - z_new) * lr
+    w_new = tl.where(keep, tl.where(qd > 0, tl.fdiv(num, tl.where(qd > 0, qd, 1.0)), num * float("inf")),
+                     0.0)
+    # Streaming stores (.cs): the rows are not read again in this step; keeps L2 for the gradients.
+    tl.store(w_ptr + offs, w_new.to(w_ptr.dtype.element_ty), mask=sm, cache_modifier=".cs")
+    tl.store(z_ptr + offs, z_new, mask=sm, cache_modifier=".cs")
+    tl.store(n_ptr + offs, n_new, mask=sm, cache_modifier=".cs")
 
 
 @triton.jit

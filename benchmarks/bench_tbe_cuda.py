@@ -22,6 +22,7 @@ import itertools
 import json
 import os
 import statistics
+import time
 import traceback
 
 import torch
@@ -203,6 +204,33 @@ def profile_step(step, batches, log):
         sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
 
 
+def device_ms(step, batches, n=3):
+    """Kernel (device) time per step: the sum of the CUDA kernel, memcpy and memset times that
+    torch.profiler records over ``n`` steps, divided by ``n`` (no host time, no launch gaps)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(n):
+            step(*batches[i % len(batches)])
+        torch.cuda.synchronize()
+    total = sum(getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+                for e in prof.key_averages() if not e.key.startswith("ProfilerStep"))
+    return total / n / 1e3
+
+
+def host_floor_ms(step, batches, n=50):
+    """Host time per step when the GPU work is negligible (call with tiny batches): the least a step
+    can take on this machine, whatever the kernels."""
+    for i in range(5):
+        step(*batches[i % len(batches)])
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i in range(n):
+        step(*batches[i % len(batches)])
+    host = (time.perf_counter() - t0) / n * 1e3
+    torch.cuda.synchronize()
+    return host
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--T", type=int, default=32)
@@ -235,6 +263,17 @@ def main() -> None:
     sort_ms = time_steps(lambda *_: torch.sort(keys, stable=True), [(None, None)], 3, 20)
     log(f"torch.sort of {N} int32 keys (stable, with indices): {sort_ms:.3f} ms")
     del keys
+    tiny = make_batches(T, E, 64, L, "zipf", args.batches)
+    tiny_grad = torch.randn(64, T * 64, device="cuda")
+    host_floor = {}
+    for m in ("ours", "fbgemm_adam", "fbgemm_sgd"):
+        mod = build_ours(T, E, 64, SparseType.FP32) if m == "ours" else \
+            build_fbgemm(T, E, 64, SparseType.FP32, FB_OPT[m])
+        host_floor[m] = host_floor_ms(tbe_step(mod, tiny_grad), tiny)
+        del mod
+    log("host time per step with B=64 (GPU work negligible), D=64: " +
+        ", ".join(f"{LABELS[m]} {v:.3f} ms" for m, v in host_floor.items()))
+    del tiny, tiny_grad
     shapes = [(128, SparseType.FP32), (64, SparseType.FP32), (256, SparseType.FP32), (128, SparseType.FP16)]
     if args.quick:
         shapes = shapes[:1]
@@ -260,7 +299,8 @@ def main() -> None:
             methods = ["ours", "ours_ignore", "fbgemm_adam", "fbgemm_rowwise_adagrad", "fbgemm_sgd"]
             if D == 128 and prec == SparseType.FP32 and not args.no_eager:
                 methods.append("eager")
-            row = dict(D=D, precision=prec.name, dist=dist, unique_rows=U, lookups=N, ms={}, fwd_ms={})
+            row = dict(D=D, precision=prec.name, dist=dist, unique_rows=U, lookups=N, ms={}, fwd_ms={},
+                       device_ms={})
             log(f"[D={D} {prec.name} {dist}] N={N} lookups, U={U:.0f} unique rows")
             for m in methods:
                 try:
@@ -283,6 +323,9 @@ def main() -> None:
                     fb, bb = bytes_model(m, N, U, T, B, D, wbytes)
                     log(f"  {m:24s} step {ms:8.3f} ms  fwd {fwd_ms:7.3f} ms  "
                         f"model {(fb + bb) / 1e9:.2f} GB -> {(fb + bb) / (ms * 1e-3) / 1e12:.2f} TB/s")
+                    if m == "ours":
+                        row["device_ms"][m] = device_ms(step, batches)
+                        log(f"  {m:24s} kernel time {row['device_ms'][m]:.3f} ms per step")
                     if args.profile and m == "ours" and D == 128 and prec == SparseType.FP32:
                         profile_step(step, batches, log)
                         row_profiled = True
@@ -313,6 +356,22 @@ def main() -> None:
                       f"{(adam / ms) if adam else float('nan'):.2f}x | {bw / 1e12:.2f} | "
                       f"{100 * bw / bw_copy:.0f}% |")
     md.append("")
+    md.append("Ours (WARNING): step time against kernel time (device time summed by torch.profiler; "
+              "a step above it waits on the host). Host time per step with B=64, where the GPU work "
+              "is negligible: " + ", ".join(f"{LABELS[m]} {v:.3f} ms" for m, v in host_floor.items())
+              + ".")
+    md.append("")
+    md.append("| D | weights | indices | ms / step | kernel ms / step | BW by kernel time | % of copy BW |")
+    md.append("|---:|---|---|---:|---:|---:|---:|")
+    for row in results:
+        if "ours" in row["device_ms"]:
+            wbytes = 2 if row["precision"] == "FP16" else 4
+            fb, bb = bytes_model("ours", N, row["unique_rows"], T, B, row["D"], wbytes)
+            kbw = (fb + bb) / (row["device_ms"]["ours"] * 1e-3)
+            md.append(f"| {row['D']} | {row['precision']} | {row['dist']} | {row['ms']['ours']:.3f} | "
+                      f"{row['device_ms']['ours']:.3f} | {kbw / 1e12:.2f} TB/s | "
+                      f"{100 * kbw / bw_copy:.0f}% |")
+    md.append("")
     md.append("Speed-up of ours (WARNING) over each baseline (baseline ms / ours ms):")
     md.append("")
     md.append("| D | weights | indices | vs ADAM | vs ROWWISE_ADAGRAD | vs SGD | vs eager |")
@@ -328,7 +387,8 @@ def main() -> None:
     with open(os.path.join(args.out, "bench_tbe_cuda.md"), "w") as f:
         f.write(text + "\n\n```\n" + "\n".join(lines_log) + "\n```\n")
     with open(os.path.join(args.out, "bench_tbe_cuda.json"), "w") as f:
-        json.dump(dict(copy_bw=bw_copy, tuning=triton_backend.TUNING, results=results), f, indent=1)
+        json.dump(dict(copy_bw=bw_copy, host_floor_ms=host_floor, tuning=triton_backend.TUNING,
+                       results=results), f, indent=1)
 
 
 if __name__ == "__main__":

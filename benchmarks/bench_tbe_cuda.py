@@ -353,7 +353,7 @@ def main() -> None:
             bw = (fb + bb) / (ms * 1e-3)
             md.append(f"| {row['D']} | {row['precision']} | {row['dist']} | {row['unique_rows']:.0f} | "
                       f"{LABELS[m]} | {ms:.3f} | {row['fwd_ms'][m]:.3f} | "
-                      f"{(adam / ms) if adam else float('nan'):.2f}x | {bw / 1e12:.2f} | "
+                      f"{f'{adam / ms:.2f}x' if adam else '–'} | {bw / 1e12:.2f} | "
                       f"{100 * bw / bw_copy:.0f}% |")
     md.append("")
     md.append("Ours (WARNING): step time against kernel time (device time summed by torch.profiler; "

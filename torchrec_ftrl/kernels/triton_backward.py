@@ -35,10 +35,10 @@ because their summed gradient has a NaN/Inf (``nonfinite_rows``) and bounds-chec
 The FTRL lines follow ``shared/docs/FTRL.md``: accum uses the raw gradient; ``z`` uses the OLD weight;
 the exact zero comes from a branch; states are fp32 and the weight is stored in its own dtype. The
 arithmetic is rearranged for speed, not bitwise equal to the CPU kernel (both agree with the float64
-reference within the tests' tolerances): with ``p == -0.5``, ``sigma = g^2 / (sqrt(n_new) + sqrt(n)) / lr`` (equal to
-``(sqrt(n_new) - sqrt(n)) / lr`` without its cancellation) with the hardware sqrt and division
-(<= 2 ulp), ``pow`` for other powers; ``w = (l1 sign(z) - z) lr / (beta + n_new^(-p) + L2 lr)``,
-one division instead of three.
+reference within the tests' tolerances): with ``p == -0.5``,
+``sigma = g^2 / (sqrt(n_new) + sqrt(n)) / lr`` (equal to ``(sqrt(n_new) - sqrt(n)) / lr`` without its
+cancellation), ``pow`` for other powers; ``w = (l1 sign(z) - z) lr / (beta + n_new^(-p) + L2 lr)``;
+hardware sqrt and division (<= 2 ulp each): two divisions per element instead of three IEEE ones.
 """
 
 from __future__ import annotations

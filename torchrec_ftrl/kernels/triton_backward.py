@@ -203,6 +203,30 @@ def ftrl_update_store(w_ptr, z_ptr, n_ptr, nonfinite_ptr, w, z, n, offs, m, rmas
 
 
 @triton.jit
+def load_entries(sgofs_ptr, sscale_ptr, pos, lm, HAS_SCALE: tl.constexpr):
+    """Gradient offsets and factors of the sorted entries ``pos`` (mask ``lm``); the factors are the
+    offsets themselves (unused) without ``HAS_SCALE``."""
+    go = tl.load(sgofs_ptr + pos, mask=lm, other=0)
+    if HAS_SCALE:
+        sc = tl.load(sscale_ptr + pos, mask=lm, other=0.0)
+    else:
+        sc = go
+    return go, sc
+
+
+@triton.jit
+def sum_gradient_rows(grad_ptr, go, sc, lm, m3c, cols, HAS_SCALE: tl.constexpr, VEC: tl.constexpr):
+    """fp32 ``[G, BLOCK_D]``: per segment, the sum over its entries ``lm`` ``[G, R]`` of the gradient
+    rows at element offsets ``go`` (times their factors ``sc`` with ``HAS_SCALE``), columns ``m3c``."""
+    go = (go // VEC) * VEC          # VEC divides every offset: tells the compiler, no-op
+    g = tl.load(grad_ptr + go[:, :, None] + cols[None, None, :],
+                mask=lm[:, :, None] & m3c, other=0.0).to(tl.float32)
+    if HAS_SCALE:
+        g = g * sc[:, :, None]
+    return tl.sum(g, axis=1)
+
+
+@triton.jit
 def segment_update_kernel(
     seg_ptr, count_ptr, sk_ptr, sgofs_ptr, sscale_ptr, stid_ptr, grad_ptr,
     w_ptr, z_ptr, n_ptr, table_w_offset_ptr, table_dim_ptr, row_base_ptr, part_ptr, nonfinite_ptr,
@@ -230,9 +254,7 @@ def segment_update_kernel(
         # the keys, so their gradient rows go out together with the row states.
         u = tl.arange(0, R)
         lm0 = u[None, :] < length[:, None]                                   # [G, R]
-        go0 = tl.load(sgofs_ptr + s[:, None] + u[None, :], mask=lm0, other=0)
-        if HAS_SCALE:
-            sc0 = tl.load(sscale_ptr + s[:, None] + u[None, :], mask=lm0, other=0.0)
+        go0, sc0 = load_entries(sgofs_ptr, sscale_ptr, s[:, None] + u[None, :], lm0, HAS_SCALE)
         cols = tl.arange(0, BLOCK_D)
         if EVEN_D:
             # Every table has D == BLOCK_D: row r of the flat layout starts at r * BLOCK_D.
@@ -248,26 +270,15 @@ def segment_update_kernel(
         # State loads depend only on the row: issue them before the gradient gather.
         w, z, n, offs, sm = load_states(w_ptr, z_ptr, n_ptr, roff, complete[:, None] & m2, cols)
         m3c = m2[:, None, :]
-        go = (go0 // VEC) * VEC          # VEC divides every offset: tells the compiler, no-op
-        g = tl.load(grad_ptr + go[:, :, None] + cols[None, None, :],
-                    mask=lm0[:, :, None] & m3c, other=0.0).to(tl.float32)
-        if HAS_SCALE:
-            g = g * sc0[:, :, None]
-        acc = tl.sum(g, axis=1)
+        acc = sum_gradient_rows(grad_ptr, go0, sc0, lm0, m3c, cols, HAS_SCALE, VEC)
         # Entries past the first R (pieces of long runs), R at a time in sorted order.
         max_len = tl.max(length, axis=0)
         for t in range(R, max_len, R):
             tt = t + u
             lm = tt[None, :] < length[:, None]                                   # [G, R]
             pos = s[:, None] + tt[None, :]
-            go = tl.load(sgofs_ptr + pos, mask=lm, other=0)
-            go = (go // VEC) * VEC
-            g = tl.load(grad_ptr + go[:, :, None] + cols[None, None, :],
-                        mask=lm[:, :, None] & m3c, other=0.0).to(tl.float32)
-            if HAS_SCALE:
-                sc = tl.load(sscale_ptr + pos, mask=lm, other=0.0)
-                g = g * sc[:, :, None]
-            acc += tl.sum(g, axis=1)
+            go, sc = load_entries(sgofs_ptr, sscale_ptr, pos, lm, HAS_SCALE)
+            acc += sum_gradient_rows(grad_ptr, go, sc, lm, m3c, cols, HAS_SCALE, VEC)
         slot = 2 * (s // SEG) + ((s % SEG) != 0).to(tl.int64)
         tl.store(part_ptr + slot[:, None] * BLOCK_D + cols[None, :], acc, mask=partial[:, None] & m2)
         ftrl_update_store(w_ptr, z_ptr, n_ptr, nonfinite_ptr, w, z, n, offs, sm, complete, acc,

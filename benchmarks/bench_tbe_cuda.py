@@ -263,17 +263,6 @@ def main() -> None:
     sort_ms = time_steps(lambda *_: torch.sort(keys, stable=True), [(None, None)], 3, 20)
     log(f"torch.sort of {N} int32 keys (stable, with indices): {sort_ms:.3f} ms")
     del keys
-    tiny = make_batches(T, E, 64, L, "zipf", args.batches)
-    tiny_grad = torch.randn(64, T * 64, device="cuda")
-    host_floor = {}
-    for m in ("ours", "fbgemm_adam", "fbgemm_sgd"):
-        mod = build_ours(T, E, 64, SparseType.FP32) if m == "ours" else \
-            build_fbgemm(T, E, 64, SparseType.FP32, FB_OPT[m])
-        host_floor[m] = host_floor_ms(tbe_step(mod, tiny_grad), tiny)
-        del mod
-    log("host time per step with B=64 (GPU work negligible), D=64: " +
-        ", ".join(f"{LABELS[m]} {v:.3f} ms" for m, v in host_floor.items()))
-    del tiny, tiny_grad
     shapes = [(128, SparseType.FP32), (64, SparseType.FP32), (256, SparseType.FP32), (128, SparseType.FP16)]
     if args.quick:
         shapes = shapes[:1]
@@ -288,6 +277,17 @@ def main() -> None:
         return
     if args.tune:
         tune(T, E, B, L, batches_cache, log)
+    tiny = make_batches(T, E, 64, L, "zipf", args.batches)
+    tiny_grad = torch.randn(64, T * 64, device="cuda")
+    host_floor = {}
+    for m in ("ours", "fbgemm_adam", "fbgemm_sgd"):
+        mod = build_ours(T, E, 64, SparseType.FP32) if m == "ours" else \
+            build_fbgemm(T, E, 64, SparseType.FP32, FB_OPT[m])
+        host_floor[m] = host_floor_ms(tbe_step(mod, tiny_grad), tiny)
+        del mod
+    log("host time per step with B=64 (GPU work negligible), D=64: " +
+        ", ".join(f"{LABELS[m]} {v:.3f} ms" for m, v in host_floor.items()))
+    del tiny, tiny_grad
     for D, prec in shapes:
         for dist in ("uniform", "zipf"):
             batches = batches_cache.get(dist) or make_batches(T, E, B, L, dist, args.batches)
@@ -299,8 +299,8 @@ def main() -> None:
             methods = ["ours", "ours_ignore", "fbgemm_adam", "fbgemm_rowwise_adagrad", "fbgemm_sgd"]
             if D == 128 and prec == SparseType.FP32 and not args.no_eager:
                 methods.append("eager")
-            row = dict(D=D, precision=prec.name, dist=dist, unique_rows=U, lookups=N, ms={}, fwd_ms={},
-                       device_ms={})
+            row = dict(D=D, precision=prec.name, wbytes=wbytes, dist=dist, unique_rows=U, lookups=N,
+                       ms={}, fwd_ms={}, device_ms={})
             log(f"[D={D} {prec.name} {dist}] N={N} lookups, U={U:.0f} unique rows")
             for m in methods:
                 try:
@@ -347,9 +347,8 @@ def main() -> None:
           "|---:|---|---|---:|---|---:|---:|---:|---:|---:|"]
     for row in results:
         adam = row["ms"].get("fbgemm_adam")
-        wbytes = 2 if row["precision"] == "FP16" else 4
         for m, ms in row["ms"].items():
-            fb, bb = bytes_model(m, N, row["unique_rows"], T, B, row["D"], wbytes)
+            fb, bb = bytes_model(m, N, row["unique_rows"], T, B, row["D"], row["wbytes"])
             bw = (fb + bb) / (ms * 1e-3)
             md.append(f"| {row['D']} | {row['precision']} | {row['dist']} | {row['unique_rows']:.0f} | "
                       f"{LABELS[m]} | {ms:.3f} | {row['fwd_ms'][m]:.3f} | "
@@ -365,8 +364,7 @@ def main() -> None:
     md.append("|---:|---|---|---:|---:|---:|---:|")
     for row in results:
         if "ours" in row["device_ms"]:
-            wbytes = 2 if row["precision"] == "FP16" else 4
-            fb, bb = bytes_model("ours", N, row["unique_rows"], T, B, row["D"], wbytes)
+            fb, bb = bytes_model("ours", N, row["unique_rows"], T, B, row["D"], row["wbytes"])
             kbw = (fb + bb) / (row["device_ms"]["ours"] * 1e-3)
             md.append(f"| {row['D']} | {row['precision']} | {row['dist']} | {row['ms']['ours']:.3f} | "
                       f"{row['device_ms']['ours']:.3f} | {kbw / 1e12:.2f} TB/s | "

@@ -437,6 +437,69 @@ def test_interp_repair_offsets_matches_cummax(interp):
     assert int(warn) == int((exp != off).sum())
 
 
+def _mark_reference(keys: np.ndarray, seg: int) -> list[int]:
+    """Segment starts of sorted ``keys``: run starts, and every multiple ``p`` of ``seg`` inside a run
+    with ``keys[p - seg] == keys[p]`` (the cut rule of triton_backward, written out in numpy)."""
+    return [p for p in range(len(keys))
+            if p == 0 or keys[p] != keys[p - 1] or (p % seg == 0 and p >= seg and keys[p - seg] == keys[p])]
+
+
+def _run_mark(keys, gofs, ws, tiles, *, block, seg, lookback, grid):
+    from torchrec_ftrl.kernels.triton_backward import segment_mark_kernel
+    N = len(keys)
+    sk = torch.tensor(keys, dtype=torch.int32)
+    perm = torch.arange(N, dtype=torch.int64).flip(0)          # entry p came from position N-1-p
+    sgofs = torch.full((N,), -1, dtype=torch.int32)
+    segs = torch.full((N + 1,), -1, dtype=torch.int32)
+    g = torch.tensor(gofs, dtype=torch.int32)
+    # no factors / tables (HAS_SCALE, HAS_TID off): their pointers are placeholders
+    segment_mark_kernel[grid](sk, perm, g, g, g, sgofs, sgofs, sgofs, segs, ws, N, tiles, SEG=seg,
+                              HAS_SCALE=False, HAS_TID=False, BLOCK=block, LOOKBACK=lookback)
+    return sgofs, segs
+
+
+@pytest.mark.parametrize("seed,seg,lookback", [(0, 4, 2), (1, 3, 8), (2, 5, 1)])
+def test_interp_segment_mark_compacts_starts(interp, seed, seg, lookback):
+    """Over many tiles, the one-pass mark kernel writes exactly the numpy segment starts (then N),
+    their count, and each sorted entry's gradient offset gathered through the permutation."""
+    rng = np.random.RandomState(seed)
+    keys = np.sort(np.repeat(rng.randint(0, 60, 40), rng.randint(1, 12, 40)))
+    N, block = len(keys), 16
+    tiles = -(-N // block)
+    gofs = rng.randint(0, 10 ** 6, N)
+    ws = torch.zeros(tiles + 2, dtype=torch.int64)
+    sgofs, segs = _run_mark(keys, gofs, ws, tiles, block=block, seg=seg, lookback=lookback,
+                            grid=(tiles,))
+    starts = _mark_reference(keys, seg)
+    assert int(ws[tiles + 1]) == len(starts)
+    assert segs[:len(starts) + 1].tolist() == starts + [N]
+    assert sgofs.tolist() == gofs[::-1].tolist()
+    # every tile ends with its inclusive count published (flag 2)
+    incl = [sum(1 for s in starts if s < min(N, (t + 1) * block)) for t in range(tiles)]
+    assert ws[1:tiles + 1].tolist() == [(c << 2) | 2 for c in incl]
+
+
+@pytest.mark.parametrize("lookback", [1, 2, 4, 32])
+def test_interp_segment_mark_looks_back_over_unfinished_tiles(interp, lookback):
+    """A tile whose predecessors published only their own counts (flag 1), down to tile 0's inclusive
+    prefix (flag 2), adds them all, across several look-back windows, before writing its starts."""
+    block, seg, tiles = 8, 4, 7
+    rng = np.random.RandomState(3)
+    keys = np.sort(rng.randint(0, 20, block * tiles))
+    ws = torch.zeros(tiles + 2, dtype=torch.int64)
+    ws[0] = 6                                                 # this launch gets tile 6, the last
+    own = [2, 3, 1, 4, 1, 5]                                  # tiles 0..5
+    ws[1] = (own[0] << 2) | 2
+    ws[2:7] = torch.tensor([(c << 2) | 1 for c in own[1:]])
+    _, segs = _run_mark(keys, np.zeros(len(keys), dtype=np.int64), ws, tiles, block=block, seg=seg,
+                        lookback=lookback, grid=(1,))
+    prefix = sum(own)
+    mine = [p for p in _mark_reference(keys, seg) if p >= 6 * block]
+    assert segs[prefix:prefix + len(mine) + 1].tolist() == mine + [len(keys)]
+    assert int(ws[tiles + 1]) == prefix + len(mine)
+    assert int(ws[7]) == ((prefix + len(mine)) << 2) | 2
+
+
 def test_interp_warning_with_psw_grad_falls_back(interp):
     """per_sample_weights that need a gradient use the torch-side repair: same count and output."""
     m = build([(10, 3)], [0], PoolingMode.SUM, interp)

@@ -23,14 +23,13 @@ import threading
 from typing import Optional
 
 import torch
-import triton
 from triton.runtime.jit import JITFunction
 
 from ..hyperparams import FTRLHyperparams
 from .layout import POOL_MEAN, POOL_NONE, TBEBatch
 from .triton_backward import (linearize_kernel, offsets_block_max_kernel, offsets_repair_kernel,
                               segment_combine_kernel, segment_config, segment_mark_kernel,
-                              segment_scatter_kernel, segment_update_kernel)
+                              segment_update_kernel)
 from .triton_forward import forward_config, tbe_forward_kernel
 
 # Launch shape knobs. fwd: per row size in bytes (BLOCK_D times the weight element size), (elements
@@ -47,13 +46,15 @@ from .triton_forward import forward_config, tbe_forward_kernel
 # added per step;
 # linearize: (bags per program, indices per bag in flight, warps) of linearize_kernel (H200 sweep at
 # D=64 Zipf: (64, 8, 4) 0.042 ms against 0.075 ms with 4 indices in flight);
-# block: 1-D kernels' block; repair_block: offsets per program of the WARNING offsets repair.
+# block: 1-D kernels' block (positions per tile of segment_mark_kernel); repair_block: offsets per
+# program of the WARNING offsets repair; lookback: preceding tiles read at once by the mark kernel's
+# look-back.
 # Results do not depend on them beyond fp32 summation order.
 TUNING = {"fwd": {256: (1024, 4, ""), 512: (1024, 4, ""), 1024: (1024, 4, "")},
           "seg": {64: 64, 128: 128, 256: 128},
           "seg_launch": {64: (4096, 4), 128: (4096, 4), 256: (4096, 4)},
           "combine_cp": 16, "combine_nb": 64, "linearize": (64, 8, 4), "block": 1024,
-          "repair_block": 1024}
+          "repair_block": 1024, "lookback": 32}
 
 
 def _nearest(table: dict, size: int):
@@ -98,7 +99,14 @@ def _call(op, impl, *args):
 
 
 def _block_d(max_d: int) -> int:
-    return max(1, triton.next_power_of_2(int(max_d)))
+    """The power of two >= ``max_d`` (at least 1). Plain integer arithmetic here and in
+    :func:`_cdiv`: ``triton.next_power_of_2`` / ``triton.cdiv`` are JIT-callable objects whose Python
+    calls cost microseconds, a dozen times per training step."""
+    return 1 << max(0, int(max_d) - 1).bit_length()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 @functools.lru_cache(maxsize=64)
@@ -132,7 +140,7 @@ def _forward_impl(weights: torch.Tensor, indices: torch.Tensor, offsets: torch.T
     has_psw = per_sample_weights is not None and pooling_mode != POOL_NONE
     psw = per_sample_weights if has_psw else out
     use_keys = keys is not None
-    _k(tbe_forward_kernel)[(triton.cdiv(num_bags, bags),)](
+    _k(tbe_forward_kernel)[(_cdiv(num_bags, bags),)](
         weights, out, keys if use_keys else indices, offsets, bag_feature, bag_out_offset,
         feature_table, table_w_offset, table_dim, table_rows, row_base, psw, warn, num_bags, max_D,
         POOL=pooling_mode, HAS_PSW=has_psw, CHECK=check and not use_keys, KEYS=use_keys, BAGS=bags,
@@ -161,7 +169,7 @@ def _linearize_impl(indices: torch.Tensor, offsets: torch.Tensor, bag_feature: t
         return key, gofs, scale, tid
     psw = per_sample_weights if has_psw else scale
     bags, unroll, warps = TUNING["linearize"]
-    _k(linearize_kernel)[(triton.cdiv(num_bags, bags),)](
+    _k(linearize_kernel)[(_cdiv(num_bags, bags),)](
         indices, offsets, bag_feature, bag_out_offset, feature_table, row_base, table_rows, psw,
         key, gofs, scale, tid, warn, num_bags, max_D,
         POOL=pooling_mode, HAS_PSW=has_psw, HAS_SCALE=has_scale, CHECK=check,
@@ -202,27 +210,28 @@ def _backward_impl(weights: torch.Tensor, accum: torch.Tensor, linear: torch.Ten
 
     sorted_key, perm = torch.sort(key, stable=True)
 
-    # Segments: run starts, plus cuts every SEG positions inside long runs; compacted on the device.
-    flags = torch.empty(N, dtype=torch.int32, device=dev)
+    # Segments: run starts, plus cuts every SEG positions inside long runs; compacted on the device
+    # in the same pass (ws: tile tickets, tile statuses, then the segment count).
     sgofs = torch.empty_like(gofs)
     sscale = torch.empty_like(scale)
     stid = torch.empty_like(tid)
-    _k(segment_mark_kernel)[(triton.cdiv(N, BLOCK),)](
-        sorted_key, perm, gofs, scale, tid, flags, sgofs, sscale, stid, N,
-        SEG=SEG, HAS_SCALE=has_scale, HAS_TID=not even_d, BLOCK=BLOCK, num_warps=4)
-    cum = torch.cumsum(flags, 0, dtype=torch.int32 if N < i32_max else torch.int64)
-    seg = torch.empty(N + 1, dtype=cum.dtype, device=dev)
-    _k(segment_scatter_kernel)[(triton.cdiv(N, BLOCK),)](cum, seg, N, BLOCK=BLOCK, num_warps=4)
-    count = cum[N - 1:]
+    seg = torch.empty(N + 1, dtype=torch.int32 if N < i32_max else torch.int64, device=dev)
+    tiles = _cdiv(N, BLOCK)
+    ws = torch.zeros(tiles + 2, dtype=torch.int64, device=dev)
+    _k(segment_mark_kernel)[(tiles,)](
+        sorted_key, perm, gofs, scale, tid, sgofs, sscale, stid, seg, ws, N, tiles,
+        SEG=SEG, HAS_SCALE=has_scale, HAS_TID=not even_d, BLOCK=BLOCK,
+        LOOKBACK=int(TUNING["lookback"]), num_warps=4)
+    count = ws[tiles + 1:]
 
-    nmult = triton.cdiv(N, SEG) - 1            # multiples m * SEG, m >= 1, inside [0, N)
+    nmult = _cdiv(N, SEG) - 1            # multiples m * SEG, m >= 1, inside [0, N)
     part = torch.empty(max(1, 2 * (nmult + 1)) * BLOCK_D, dtype=torch.float32, device=dev)
     bound = N if total_rows < 0 else min(N, total_rows + N // SEG)
     G, R, warps = segment_config(BLOCK_D, *_nearest(TUNING["seg_launch"], BLOCK_D))
     pow_half = neg_p == 0.5
     has_shrink = shrink2 != 0.0
     libdev = isinstance(segment_update_kernel, JITFunction)
-    _k(segment_update_kernel)[(triton.cdiv(bound, G),)](
+    _k(segment_update_kernel)[(_cdiv(bound, G),)](
         seg, count, sorted_key, sgofs, sscale, stid, grad, weights, linear, accum,
         table_w_offset, table_dim, row_base, part, nonfinite_rows,
         N, lr, l1, l2_eff, beta, shrink2, neg_p,
@@ -230,7 +239,7 @@ def _backward_impl(weights: torch.Tensor, accum: torch.Tensor, linear: torch.Ten
         LIBDEVICE_POW=libdev, G=G, R=R, BLOCK_D=BLOCK_D, VEC=vec, EVEN_D=even_d, num_warps=warps)
     if nmult > 0:
         cp = int(TUNING["combine_cp"])
-        _k(segment_combine_kernel)[(triton.cdiv(nmult, cp),)](
+        _k(segment_combine_kernel)[(_cdiv(nmult, cp),)](
             sorted_key, stid, part, weights, linear, accum,
             table_w_offset, table_dim, row_base, nonfinite_rows,
             N, lr, l1, l2_eff, beta, shrink2, neg_p,
@@ -245,7 +254,7 @@ def _repair_offsets_impl(offsets: torch.Tensor, warn: torch.Tensor, num_indices:
     if n == 0:
         return fixed
     block = int(TUNING["repair_block"])
-    nblk = triton.cdiv(n, block)
+    nblk = _cdiv(n, block)
     bmax = torch.empty(nblk, dtype=offsets.dtype, device=offsets.device)
     _k(offsets_block_max_kernel)[(nblk,)](offsets, bmax, n, num_indices, BLOCK=block, num_warps=4)
     _k(offsets_repair_kernel)[(nblk,)](offsets, bmax, fixed, warn, n, num_indices,

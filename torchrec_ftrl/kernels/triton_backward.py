@@ -15,9 +15,10 @@ Pipeline (all on the device, buffers sized from ``N = indices.numel()``, no host
    that is a multiple of ``SEG`` with ``key[i - SEG] == key[i]``. So short runs are one segment, and
    a long run is cut into pieces of at most ``2 * SEG - 1`` entries (its first piece) and ``SEG``
    (the others). The kernel also gathers each sorted entry's gradient offset, factor and table into
-   sorted order, so later loads need no ``perm`` round trip. ``torch.cumsum`` of the start flags and
-   :func:`segment_scatter_kernel` compact the segment starts into a dense array whose length stays
-   on the device (the last cumsum entry).
+   sorted order, so later loads need no ``perm`` round trip, and compacts the segment starts into a
+   dense array in the same pass (a single-pass prefix sum of the start flags with decoupled
+   look-back, Merrill & Garland, "Single-pass Parallel Prefix Scan with Decoupled Look-back",
+   NVIDIA 2016); their number stays on the device.
 4. :func:`segment_update_kernel`: a program takes ``G`` consecutive segments and sums each one's
    gradient rows in sorted order (``R`` rows per segment in flight). The gradient offsets of the
    first ``R`` entries load with the segment's keys, so the first gradient rows are in flight
@@ -29,8 +30,9 @@ Pipeline (all on the device, buffers sized from ``N = indices.numel()``, no host
    first cut adds the pieces in position order and applies the update.
 
 Every sum has a fixed order (sorted positions, fixed reduction trees), so results are bitwise
-reproducible run to run without atomics on values. The only atomics are integer counts: rows skipped
-because their summed gradient has a NaN/Inf (``nonfinite_rows``) and bounds-check warnings.
+reproducible run to run without atomics on values. The only atomics are on integers: rows skipped
+because their summed gradient has a NaN/Inf (``nonfinite_rows``), bounds-check warnings, and the
+mark kernel's tile tickets and published counts (exact whatever the order).
 
 The FTRL lines follow ``shared/docs/FTRL.md``: accum uses the raw gradient; ``z`` uses the OLD weight;
 the exact zero comes from a branch; states are fp32 and the weight is stored in its own dtype. The
@@ -102,34 +104,63 @@ def linearize_kernel(
 
 
 @triton.jit
-def segment_mark_kernel(sk_ptr, perm_ptr, gofs_ptr, scale_ptr, tid_ptr, flag_ptr, sgofs_ptr,
-                        sscale_ptr, stid_ptr, N, SEG: tl.constexpr, HAS_SCALE: tl.constexpr,
-                        HAS_TID: tl.constexpr, BLOCK: tl.constexpr):
-    p = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+def segment_mark_kernel(sk_ptr, perm_ptr, gofs_ptr, scale_ptr, tid_ptr, sgofs_ptr, sscale_ptr,
+                        stid_ptr, seg_ptr, ws_ptr, N, num_tiles, SEG: tl.constexpr,
+                        HAS_SCALE: tl.constexpr, HAS_TID: tl.constexpr, BLOCK: tl.constexpr,
+                        LOOKBACK: tl.constexpr):
+    """Flag segment starts, gather the entries' offsets / factors / tables into sorted order and
+    compact the starts into ``seg`` in one pass (a single-pass scan with decoupled look-back).
+
+    ``ws`` (int64 ``[num_tiles + 2]``, zeroed): ``ws[0]`` hands out tiles in the order programs
+    start, so a tile only ever waits for tiles that are already running; ``ws[1 + t]`` is tile
+    ``t``'s status, 0 (not ready), ``count << 2 | 1`` (its own starts) or ``prefix << 2 | 2`` (starts
+    up to and including it); ``ws[num_tiles + 1]`` receives the number of segments.
+    """
+    t = tl.atomic_add(ws_ptr, 1).to(tl.int64)          # tile, in start order
+    p = t * BLOCK + tl.arange(0, BLOCK)
     valid = p < N
     k = tl.load(sk_ptr + p, mask=valid, other=0)
     kp = tl.load(sk_ptr + p - 1, mask=valid & (p > 0), other=0)
     ks = tl.load(sk_ptr + p - SEG, mask=valid & (p >= SEG), other=0)
     cut = ((p % SEG) == 0) & (p >= SEG) & (k == ks)
-    flag = (p == 0) | (k != kp) | cut
-    tl.store(flag_ptr + p, flag.to(tl.int32), mask=valid)
+    flag = valid & ((p == 0) | (k != kp) | cut)
     orig = tl.load(perm_ptr + p, mask=valid, other=0)
     tl.store(sgofs_ptr + p, tl.load(gofs_ptr + orig, mask=valid, other=0), mask=valid)
     if HAS_SCALE:
         tl.store(sscale_ptr + p, tl.load(scale_ptr + orig, mask=valid, other=0.0), mask=valid)
     if HAS_TID:
         tl.store(stid_ptr + p, tl.load(tid_ptr + orig, mask=valid, other=0), mask=valid)
-
-
-@triton.jit
-def segment_scatter_kernel(cum_ptr, seg_ptr, N, BLOCK: tl.constexpr):
-    # cum = inclusive cumsum of the start flags; position p starts a segment iff cum rises at p.
-    p = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    valid = p < N
-    c = tl.load(cum_ptr + p, mask=valid, other=0)
-    cp = tl.load(cum_ptr + p - 1, mask=valid & (p > 0), other=0)
-    tl.store(seg_ptr + c - 1, p.to(seg_ptr.dtype.element_ty), mask=valid & (c != cp))
-    tl.store(seg_ptr + c, (p + 1).to(seg_ptr.dtype.element_ty), mask=p == N - 1)  # sentinel = N
+    f = flag.to(tl.int64)
+    own = tl.sum(f, axis=0)
+    status = ws_ptr + 1
+    if t == 0:
+        prefix = own * 0
+        tl.atomic_xchg(status, (own << 2) | 2)
+    else:
+        tl.atomic_xchg(status + t, (own << 2) | 1)
+        # Look back over the preceding tiles, LOOKBACK at a time: add their counts down to the
+        # first one that knows its inclusive prefix; wait where a tile has not published yet.
+        lane = tl.arange(0, LOOKBACK)
+        prefix = own * 0
+        j = t - 1
+        go = t > 0
+        while go:
+            w = j - lane
+            st = tl.atomic_add(status + w, 0, mask=w >= 0, sem="relaxed")
+            st = tl.where(w >= 0, st, 2)                     # before tile 0: prefix 0
+            stop_wait = tl.min(tl.where(st == 0, lane, LOOKBACK), axis=0)
+            stop_pre = tl.min(tl.where((st & 3) == 2, lane, LOOKBACK), axis=0)
+            found = stop_pre < stop_wait
+            upto = tl.where(found, stop_pre + 1, stop_wait)
+            prefix += tl.sum(tl.where(lane < upto, st >> 2, 0), axis=0)
+            j -= upto
+            go = found == 0
+        tl.atomic_xchg(status + t, ((prefix + own) << 2) | 2)
+    cum = prefix + tl.cumsum(f, axis=0)                      # inclusive, global
+    tl.store(seg_ptr + cum - 1, p.to(seg_ptr.dtype.element_ty), mask=flag)
+    last = valid & (p == N - 1)
+    tl.store(seg_ptr + cum, (p + 1).to(seg_ptr.dtype.element_ty), mask=last)   # sentinel = N
+    tl.store(ws_ptr + num_tiles + 1 + p * 0, cum, mask=last)                    # segment count
 
 
 @triton.jit

@@ -397,9 +397,12 @@ def test_interp_strided_inputs(interp, which):
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_interp_fused_warning_matches_index0_substitution(interp, seed):
+@pytest.mark.parametrize("linearize_bags", [64, 4])
+def test_interp_fused_warning_matches_index0_substitution(interp, monkeypatch, seed, linearize_bags):
     """Random bad indices and malformed offsets: the fused check gives the count, the output and the
-    updated states of the PyTorch backend's torch-side repair (bad index := 0)."""
+    updated states of the PyTorch backend's torch-side repair (bad index := 0); with 4 bags per
+    linearize program the training forward's offsets repair spans several tiles."""
+    monkeypatch.setitem(triton_backend.TUNING, "linearize", (linearize_bags, 2, 1))
     rng = np.random.RandomState(30 + seed)
     specs, fmap, B = [(9, 4), (5, 4)], [0, 1, 0], 6
     m = build(specs, fmap, PoolingMode.MEAN, interp)
@@ -498,6 +501,35 @@ def test_interp_segment_mark_looks_back_over_unfinished_tiles(interp, lookback):
     assert segs[prefix:prefix + len(mine) + 1].tolist() == mine + [len(keys)]
     assert int(ws[tiles + 1]) == prefix + len(mine)
     assert int(ws[7]) == ((prefix + len(mine)) << 2) | 2
+
+
+@pytest.mark.parametrize("num_bags,bags_per_tile,lookback", [(16, 4, 2), (23, 4, 1), (7, 64, 32),
+                                                             (40, 2, 4)])
+def test_interp_linearize_repairs_offsets(interp, monkeypatch, num_bags, bags_per_tile, lookback):
+    """The training forward's linearize pass repairs raw offsets as clamp + running max with the ends
+    pinned (numpy), over tiles of ``bags_per_tile`` bags (the last tile full or not), and adds the
+    number of changed entries (no bad indices here) to the counter."""
+    monkeypatch.setitem(triton_backend.TUNING, "lookback", lookback)
+    monkeypatch.setitem(triton_backend.TUNING, "linearize", (bags_per_tile, 2, 1))
+    rng = np.random.RandomState(num_bags)
+    N = 60
+    off = np.sort(rng.randint(0, N + 1, num_bags + 1))
+    off[rng.randint(0, num_bags + 1, 3)] = [-4, N + 9, 7]      # negative, too large, maybe decreasing
+    idx = torch.tensor(rng.randint(0, 5, N))
+    warn = torch.zeros(1, dtype=torch.int64)
+    bag_feature = torch.zeros(num_bags, dtype=torch.int64)
+    zeros = torch.zeros(1, dtype=torch.int64)
+    key, gofs, _, _, fixed = triton_backend._linearize_impl(
+        idx, torch.tensor(off), bag_feature, torch.arange(num_bags) * 4, zeros, zeros,
+        torch.tensor([5]), warn, True, True, True, None, int(PoolingMode.SUM), 4, 5, num_bags * 4,
+        True)
+    exp = np.maximum.accumulate(np.clip(off, 0, N))
+    exp[0], exp[-1] = 0, N
+    assert fixed.tolist() == exp.tolist()
+    assert int(warn) == int((exp != off).sum()) > 0
+    bag_of = np.repeat(np.arange(num_bags), np.diff(exp))       # each index's bag, repaired offsets
+    assert key.tolist() == idx.tolist()
+    assert gofs.tolist() == (bag_of * 4).tolist()
 
 
 def test_interp_warning_with_psw_grad_falls_back(interp):
@@ -673,21 +705,23 @@ def test_cuda_ops_under_torch_compile():
         hp = m.hyperparams
 
         def fwd_bwd(w, accum, linear, nonfinite):
-            # The training path: linearise once (with the WARNING check), look up by row keys,
-            # then the backward reuses the linearised batch.
+            # The training path: linearise once (with the WARNING check and the offsets repair),
+            # look up by row keys, then the backward reuses the linearised batch.
+            assert b.offsets_raw
             lin = ops.triton_tbe_linearize(b.indices, b.offsets, b.bag_feature, b.bag_out_offset,
                                            b.feature_table, b.table_row_base, b.table_rows,
-                                           b.index_check, True, True, None, 0, b.max_D,
+                                           b.index_check, True, True, True, None, 0, b.max_D,
                                            b.total_rows, b.out_numel, even)
-            out = ops.triton_tbe_forward(w, b.indices, b.offsets, b.bag_feature, b.bag_out_offset,
+            fixed = lin[4]                                     # repaired offsets
+            out = ops.triton_tbe_forward(w, b.indices, fixed, b.bag_feature, b.bag_out_offset,
                                          b.feature_table, b.table_w_offset, b.table_dim,
                                          b.table_rows, b.table_row_base, b.index_check, True,
                                          lin[0], None, 0, b.out_numel, b.max_D, torch.float32,
                                          vec, even)
             ops.triton_tbe_backward_update_(
-                w, accum, linear, nonfinite, torch.cos(out), b.indices, b.offsets, b.bag_feature,
+                w, accum, linear, nonfinite, torch.cos(out), b.indices, fixed, b.bag_feature,
                 b.bag_out_offset, b.feature_table, b.table_w_offset, b.table_dim, b.table_rows,
-                b.table_row_base, True, *lin, None, 0, b.max_D, b.total_rows, vec, even,
+                b.table_row_base, True, *lin[:4], None, 0, b.max_D, b.total_rows, vec, even,
                 hp.learning_rate, -hp.learning_rate_power, hp.l1_reg, hp.l2_effective, hp.beta,
                 2.0 * hp.l2_shrinkage)
             return out

@@ -297,9 +297,9 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         index_check = None
         if (self.backend == "triton" and self.bounds_check_mode == BoundsCheckMode.WARNING
                 and not (per_sample_weights is not None and per_sample_weights.requires_grad)):
-            # Fused WARNING check (no torch-side repair): offsets repaired on the device; the
-            # kernels read a bad index as row 0 and the forward counts it once (kernels/triton_backend.py).
-            offsets64 = self._backend.repair_offsets(offsets64, N, self.bounds_check_warning)
+            # Fused WARNING check (no torch-side repair): the backend repairs the offsets on the
+            # device (in the training forward's linearize pass) and reads a bad index as row 0;
+            # the forward counts both once (kernels/triton_backend.py).
             index_check = self.bounds_check_warning
         else:
             indices64, offsets64 = self._bounds_check(indices64, offsets64, bag_feature)
@@ -312,7 +312,7 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
                                 if per_sample_weights is not None else None),
             pooling_mode=int(self.pooling_mode), out_numel=out_numel, max_D=self.max_D,
             total_rows=self._total_rows, table_dims=self._table_dims, index_check=index_check,
-            table_row_base=self._table_row_base)
+            table_row_base=self._table_row_base, offsets_raw=index_check is not None)
 
     def _plain_layout(self, B: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(bag_feature, bag_out_offset)`` of ``F * B`` bags in the ``[B, total_D]`` output; the

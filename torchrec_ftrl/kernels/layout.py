@@ -45,7 +45,10 @@ class TBEBatch:
             ``BoundsCheckMode.WARNING``), ``indices`` are NOT yet checked: the kernels read an index
             outside ``[0, rows)`` as row 0 and the forward (its linearize pass in training) adds the
             number of such indices here, once per forward.
-            ``offsets`` are already repaired.
+        offsets_raw: with ``index_check``, True while ``offsets`` are not yet repaired: the CUDA
+            backend repairs them (clamp + running max, changes counted in ``index_check``) in its
+            training forward's linearize pass, or with its repair kernels before an eval forward,
+            and replaces ``offsets`` by the repaired ones.
         table_row_base: ``[T]`` first linearised row id of each table (``cumsum(rows) - rows``), or
             None (the CUDA backend then computes it).
         linearized: set by the CUDA backend's training forward (``forward_train``): the backward's
@@ -68,6 +71,7 @@ class TBEBatch:
     table_dims: tuple | None = None
     index_check: torch.Tensor | None = None
     table_row_base: torch.Tensor | None = None
+    offsets_raw: bool = False
     linearized: tuple | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
     _index_bag: torch.Tensor | None = dataclasses.field(default=None, init=False, repr=False,
                                                         compare=False)

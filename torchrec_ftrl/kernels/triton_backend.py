@@ -4,7 +4,11 @@
   ``warn``, the bounds-check counter, when the fused WARNING check is on).
 * ``torch.ops.torchrec_ftrl.triton_tbe_backward_update_``: fused backward + FTRL update in place
   (mutates weights, accum, linear, nonfinite_rows), see :mod:`.triton_backward`.
-* ``torch.ops.torchrec_ftrl.triton_repair_offsets``: the WARNING repair of offsets (mutates ``warn``).
+* ``torch.ops.torchrec_ftrl.triton_tbe_linearize``: the training forward's linearize pass (row keys,
+  gradient offsets, factors, tables; with the fused WARNING check also the offsets repair), mutates
+  ``warn``.
+* ``torch.ops.torchrec_ftrl.triton_repair_offsets``: the WARNING repair of offsets before an eval
+  forward (mutates ``warn``).
 
 All are ``torch.library.triton_op`` s, so ``torch.compile`` / ``torch.export`` see the Triton kernels
 inside them. Neither synchronises with the host: every buffer is sized from ``indices.numel()`` and
@@ -137,7 +141,7 @@ def _forward_impl(weights: torch.Tensor, indices: torch.Tensor, offsets: torch.T
     BLOCK_D = _block_d(max_D)
     tile, unroll, evict = _forward_tuning(BLOCK_D, weights.element_size())
     bags, unroll, warps = forward_config(BLOCK_D, tile, unroll)
-    has_psw = per_sample_weights is not None and pooling_mode != POOL_NONE
+    has_psw = _has_scale(per_sample_weights, pooling_mode)[0]
     psw = per_sample_weights if has_psw else out
     use_keys = keys is not None
     _k(tbe_forward_kernel)[(_cdiv(num_bags, bags),)](
@@ -148,12 +152,22 @@ def _forward_impl(weights: torch.Tensor, indices: torch.Tensor, offsets: torch.T
     return out
 
 
+def _has_scale(per_sample_weights: Optional[torch.Tensor], pooling_mode: int) -> tuple[bool, bool]:
+    """``(has_psw, has_scale)``: whether the entries carry per-sample weights, and a factor at all
+    (per-sample weight and/or the 1/L of MEAN pooling)."""
+    has_psw = per_sample_weights is not None and pooling_mode != POOL_NONE
+    return has_psw, has_psw or pooling_mode == POOL_MEAN
+
+
 def _linearize_impl(indices: torch.Tensor, offsets: torch.Tensor, bag_feature: torch.Tensor,
                     bag_out_offset: torch.Tensor, feature_table: torch.Tensor,
                     row_base: torch.Tensor, table_rows: torch.Tensor, warn: torch.Tensor,
-                    check: bool, count: bool, per_sample_weights: Optional[torch.Tensor],
-                    pooling_mode: int, max_D: int, total_rows: int, out_numel: int, even_d: bool
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                    check: bool, count: bool, repair: bool,
+                    per_sample_weights: Optional[torch.Tensor], pooling_mode: int, max_D: int,
+                    total_rows: int, out_numel: int, even_d: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(key, gofs, scale, tid, fixed)``; ``fixed`` is the repaired offsets with ``repair`` (the
+    fused WARNING repair; ``offsets`` as given are raw), else empty."""
     N = indices.numel()
     num_bags = offsets.numel() - 1
     dev = indices.device
@@ -162,11 +176,25 @@ def _linearize_impl(indices: torch.Tensor, offsets: torch.Tensor, bag_feature: t
     key = torch.empty(N, dtype=key_dtype, device=dev)
     gofs = torch.empty(N, dtype=torch.int32 if out_numel < i32_max else torch.int64, device=dev)
     tid = torch.empty(1 if even_d else N, dtype=torch.int32, device=dev)  # table per index
-    has_psw = per_sample_weights is not None and pooling_mode != POOL_NONE
-    has_scale = has_psw or pooling_mode == POOL_MEAN
+    has_psw, has_scale = _has_scale(per_sample_weights, pooling_mode)
     scale = torch.empty(N if has_scale else 1, dtype=torch.float32, device=dev)
-    if N == 0 or num_bags <= 0:
-        return key, gofs, scale, tid
+    repair = repair and num_bags > 0
+    fixed = torch.empty(num_bags + 1 if repair else 0, dtype=offsets.dtype, device=dev)
+    if not repair and (N == 0 or num_bags <= 0):
+        return key, gofs, scale, tid, fixed
+    psw = per_sample_weights if has_psw else scale
+    bags, unroll, warps = TUNING["linearize"]
+    tiles = _cdiv(num_bags, bags)
+    # repair: tile tickets and statuses of the look-back over the offsets' running max (without
+    # it, both pointers are unused placeholders)
+    ws = torch.zeros(tiles + 1, dtype=torch.int64, device=dev) if repair else offsets
+    _k(linearize_kernel)[(tiles,)](
+        indices, offsets, bag_feature, bag_out_offset, feature_table, row_base, table_rows, psw,
+        key, gofs, scale, tid, warn, fixed if repair else offsets, ws, num_bags, N, max_D,
+        POOL=pooling_mode, HAS_PSW=has_psw, HAS_SCALE=has_scale, CHECK=check or repair,
+        COUNT=(check or repair) and count, HAS_TID=not even_d, BAGS=bags, UNROLL=unroll,
+        REPAIR=repair, LOOKBACK=int(TUNING["lookback"]), num_warps=warps)
+    return key, gofs, scale, tid, fixed
     psw = per_sample_weights if has_psw else scale
     bags, unroll, warps = TUNING["linearize"]
     _k(linearize_kernel)[(_cdiv(num_bags, bags),)](
@@ -197,15 +225,14 @@ def _backward_impl(weights: torch.Tensor, accum: torch.Tensor, linear: torch.Ten
     SEG = max(1, int(_nearest(seg, BLOCK_D) if isinstance(seg, dict) else seg))
     BLOCK = int(TUNING["block"])
     i32_max = 2 ** 31 - 1
-    has_psw = per_sample_weights is not None and pooling_mode != POOL_NONE
-    has_scale = has_psw or pooling_mode == POOL_MEAN
+    has_scale = _has_scale(per_sample_weights, pooling_mode)[1]
     if lin_key is None or lin_gofs is None or lin_scale is None or lin_tid is None:
-        # Not linearised by the training forward: do it here. Bad indices were counted by the
-        # forward already (count=False, so the counter argument is not touched).
-        lin_key, lin_gofs, lin_scale, lin_tid = _linearize_impl(
+        # Not linearised by the training forward: do it here (offsets repaired by then). Bad
+        # indices were counted by the forward already (count=False: the counter is not touched).
+        lin_key, lin_gofs, lin_scale, lin_tid, _ = _linearize_impl(
             indices, offsets, bag_feature, bag_out_offset, feature_table, row_base, table_rows,
-            nonfinite_rows, check, False, per_sample_weights, pooling_mode, max_D, total_rows,
-            grad.numel(), even_d)
+            nonfinite_rows, check, False, False, per_sample_weights, pooling_mode, max_D,
+            total_rows, grad.numel(), even_d)
     key, gofs, scale, tid = lin_key, lin_gofs, lin_scale, lin_tid
 
     sorted_key, perm = torch.sort(key, stable=True)
@@ -306,9 +333,18 @@ def _lookup(weights: torch.Tensor, batch: TBEBatch, out_dtype: torch.dtype,
                  int(batch.max_D), out_dtype, vec, even_d)
 
 
+def _repair_batch_offsets(batch: TBEBatch) -> None:
+    """Repair (and count) ``batch.offsets`` in place of the batch if they are still raw."""
+    if batch.offsets_raw:
+        batch.offsets = repair_offsets(batch.offsets, batch.indices.numel(), batch.index_check)
+        batch.offsets_raw = False
+
+
 def forward(weights: torch.Tensor, batch: TBEBatch, out_dtype: torch.dtype) -> torch.Tensor:
     """Pooled lookup. Returns the flat output ``[batch.out_numel]`` in ``out_dtype`` (fp32 accumulation).
-    With the fused WARNING check, out-of-range indices are read as row 0 and counted."""
+    With the fused WARNING check, out-of-range indices are read as row 0 and counted (raw offsets
+    are repaired first)."""
+    _repair_batch_offsets(batch)
     return _lookup(weights, batch, out_dtype, None)
 
 
@@ -317,17 +353,20 @@ def forward_train(weights: torch.Tensor, batch: TBEBatch, out_dtype: torch.dtype
 
     Linearises the batch first (:func:`.triton_backward.linearize_kernel`: each index's row key
     ``row_base[table] + index``, with the fused WARNING bounds check and its count, its gradient
-    offset, factor and table) and keeps the result on ``batch.linearized`` for
-    :func:`backward_update_`; the lookup then reads the checked row keys (32-bit when the tables
-    have fewer than 2**31 rows) instead of checking every index again.
+    offset, factor and table; raw offsets repaired in the same pass) and keeps the result on
+    ``batch.linearized`` for :func:`backward_update_`; the lookup then reads the checked row keys
+    (32-bit when the tables have fewer than 2**31 rows) instead of checking every index again.
     """
     check, warn = _warn_counter(batch)
     total_rows, _, even_d = _batch_shape(batch)
     lin = _call(_linearize_op, _linearize_impl, batch.indices, batch.offsets, batch.bag_feature,
                 batch.bag_out_offset, batch.feature_table, _row_base(batch), batch.table_rows, warn,
-                check, True, batch.per_sample_weights, int(batch.pooling_mode), int(batch.max_D),
-                total_rows, int(batch.out_numel), even_d)
-    batch.linearized = tuple(lin)
+                check, True, bool(batch.offsets_raw), batch.per_sample_weights,
+                int(batch.pooling_mode), int(batch.max_D), total_rows, int(batch.out_numel), even_d)
+    if batch.offsets_raw and batch.num_bags > 0:
+        batch.offsets = lin[4]
+    batch.offsets_raw = False
+    batch.linearized = tuple(lin[:4])
     return _lookup(weights, batch, out_dtype, lin[0])
 
 
@@ -340,6 +379,7 @@ def backward_update_(weights: torch.Tensor, accum: torch.Tensor, linear: torch.T
     gradient has NaN/Inf are skipped and counted in ``nonfinite_rows`` (int64 ``[1]``, device). Uses
     ``batch.linearized`` when :func:`forward_train` left it there.
     """
+    _repair_batch_offsets(batch)
     lin = getattr(batch, "linearized", None) or (None, None, None, None)
     total_rows, vec, even_d = _batch_shape(batch)
     _call(_backward_op, _backward_impl, weights, accum, linear, nonfinite_rows,

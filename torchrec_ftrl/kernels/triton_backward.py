@@ -7,7 +7,9 @@ Pipeline (all on the device, buffers sized from ``N = indices.numel()``, no host
    gradient vector, its gradient factor (per-sample weight, 1/L for MEAN) and its table. With the
    fused WARNING bounds check an index outside ``[0, rows)`` is read as row 0 (and counted, when it
    runs in the training forward: ``triton_backend.forward_train`` linearises once, the lookup reads
-   the checked row keys and the backward reuses them).
+   the checked row keys and the backward reuses them). There it also repairs the raw offsets first
+   (clamp + running max over all bags, one pass with decoupled look-back across programs) and writes
+   them out for the lookup.
 2. ``torch.sort(keys, stable=True)`` groups equal rows (stable, so the order inside a run, hence the
    summation order, is fixed).
 3. :func:`segment_mark_kernel` cuts the sorted positions into *segments*: a segment starts at every
@@ -55,15 +57,90 @@ _FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
 
 @triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def publish_and_look_back(status_ptr, t, own, LOOKBACK: tl.constexpr, MAX: tl.constexpr):
+    """One tile's step of a single-pass scan with decoupled look-back (Merrill & Garland, "Single-pass
+    Parallel Prefix Scan with Decoupled Look-back", NVIDIA 2016).
+
+    Tile ``t`` (tiles numbered in the order their programs started, so a tile only waits for tiles
+    that are running) with its own value ``own`` (int64 scalar, >= 0): publishes ``own``, adds the
+    values of tiles ``t-1, t-2, ...`` (``LOOKBACK`` at a time, waiting where one has not published
+    yet) down to the first that published its inclusive value, publishes its own inclusive value and
+    returns the exclusive one: the sum of tiles ``0..t-1``, or their max with ``MAX`` (0 for tile 0).
+    ``status[t]`` (int64, zeroed before the launch): 0 not ready, ``v << 2 | 1`` own value ``v``,
+    ``v << 2 | 2`` inclusive value ``v``.
+    """
+    prefix = own * 0
+    if t == 0:
+        tl.atomic_xchg(status_ptr, (own << 2) | 2)
+    else:
+        tl.atomic_xchg(status_ptr + t, (own << 2) | 1)
+        lane = tl.arange(0, LOOKBACK)
+        j = t - 1
+        go = t > 0
+        while go:
+            w = j - lane                                          # tiles j, j-1, ...
+            st = tl.atomic_add(status_ptr + w, 0, mask=w >= 0, sem="relaxed")
+            st = tl.where(w >= 0, st, 2)                          # before tile 0: inclusive 0
+            stop_wait = tl.min(tl.where(st == 0, lane, LOOKBACK), axis=0)
+            stop_pre = tl.min(tl.where((st & 3) == 2, lane, LOOKBACK), axis=0)
+            found = stop_pre < stop_wait
+            upto = tl.where(found, stop_pre + 1, stop_wait)       # lanes taken this round
+            vals = tl.where(lane < upto, st >> 2, 0)
+            if MAX:
+                prefix = tl.maximum(prefix, tl.max(vals, axis=0))
+            else:
+                prefix += tl.sum(vals, axis=0)
+            j -= upto
+            go = found == 0
+        if MAX:
+            incl = tl.maximum(prefix, own)
+        else:
+            incl = prefix + own
+        tl.atomic_xchg(status_ptr + t, (incl << 2) | 2)
+    return prefix
+
+
+@triton.jit
 def linearize_kernel(
     indices_ptr, offsets_ptr, bag_feature_ptr, bag_out_ptr, feature_table_ptr, row_base_ptr,
-    table_rows_ptr, psw_ptr, key_ptr, gofs_ptr, scale_ptr, tid_ptr, warn_ptr,
-    num_bags, out_row_stride,
+    table_rows_ptr, psw_ptr, key_ptr, gofs_ptr, scale_ptr, tid_ptr, warn_ptr, fixed_ptr, ws_ptr,
+    num_bags, num_indices, out_row_stride,
     POOL: tl.constexpr, HAS_PSW: tl.constexpr, HAS_SCALE: tl.constexpr, CHECK: tl.constexpr,
     COUNT: tl.constexpr, HAS_TID: tl.constexpr, BAGS: tl.constexpr, UNROLL: tl.constexpr,
+    REPAIR: tl.constexpr, LOOKBACK: tl.constexpr,
 ):
-    bags, bmask, start, length, tab = load_bags(offsets_ptr, bag_feature_ptr, feature_table_ptr,
-                                                num_bags, BAGS)
+    if REPAIR:
+        # WARNING repair of the offsets fused in (one pass, decoupled look-back over the tiles'
+        # running maxima): fixed = cummax(clamp(offsets, 0, N)), fixed[0] = 0, fixed[num_bags] = N,
+        # the same as offsets_repair_kernel; written to fixed_ptr for the lookup, changes counted.
+        t = tl.atomic_add(ws_ptr, 1).to(tl.int64)                # tiles in start order
+        bags = t * BAGS + tl.arange(0, BAGS)
+        bmask = bags < num_bags
+        raw = tl.load(offsets_ptr + bags, mask=bmask, other=0)
+        v = tl.where(bmask, tl.minimum(tl.maximum(raw, 0), num_indices), 0)
+        prefix = publish_and_look_back(ws_ptr + 1, t, tl.max(v, axis=0).to(tl.int64), LOOKBACK, True)
+        run = tl.maximum(tl.associative_scan(v, 0, _max_combine), prefix)   # cummax to each bag
+        start = tl.where(bags == 0, 0, run)
+        is_last = bags == num_bags - 1
+        raw_next = tl.load(offsets_ptr + bags + 1, mask=bmask, other=0)
+        nxt = tl.minimum(tl.maximum(raw_next, 0), num_indices)
+        end = tl.where(is_last, num_indices, tl.maximum(run, nxt))
+        tl.store(fixed_ptr + bags, start, mask=bmask)
+        tl.store(fixed_ptr + bags + 1, end, mask=bmask & is_last)
+        nfix = tl.sum((bmask & (start != raw)).to(tl.int64) + (is_last & (raw_next != num_indices)).to(tl.int64),
+                      axis=0)
+        length = end - start
+        feat = tl.load(bag_feature_ptr + bags, mask=bmask, other=0)
+        tab = tl.load(feature_table_ptr + feat, mask=bmask, other=0)
+    else:
+        bags, bmask, start, length, tab = load_bags(offsets_ptr, bag_feature_ptr, feature_table_ptr,
+                                                    num_bags, BAGS)
+        nfix = tl.sum(bmask.to(tl.int64), axis=0) * 0
     rbase = tl.load(row_base_ptr + tab, mask=bmask, other=0)
     if CHECK:
         trows = tl.load(table_rows_ptr + tab, mask=bmask, other=0)
@@ -99,7 +176,7 @@ def linearize_kernel(
                 s = inv_len[:, None] + tl.zeros([BAGS, UNROLL], dtype=tl.float32)
             tl.store(scale_ptr + pos, s, mask=lmask)
     if CHECK and COUNT:
-        total_bad = tl.sum(tl.sum(nbad, axis=1).to(tl.int64), axis=0)
+        total_bad = tl.sum(tl.sum(nbad, axis=1).to(tl.int64), axis=0) + nfix
         tl.atomic_add(warn_ptr, total_bad, mask=total_bad > 0)
 
 
@@ -131,31 +208,7 @@ def segment_mark_kernel(sk_ptr, perm_ptr, gofs_ptr, scale_ptr, tid_ptr, sgofs_pt
     if HAS_TID:
         tl.store(stid_ptr + p, tl.load(tid_ptr + orig, mask=valid, other=0), mask=valid)
     f = flag.to(tl.int64)
-    own = tl.sum(f, axis=0)
-    status = ws_ptr + 1
-    if t == 0:
-        prefix = own * 0
-        tl.atomic_xchg(status, (own << 2) | 2)
-    else:
-        tl.atomic_xchg(status + t, (own << 2) | 1)
-        # Look back over the preceding tiles, LOOKBACK at a time: add their counts down to the
-        # first one that knows its inclusive prefix; wait where a tile has not published yet.
-        lane = tl.arange(0, LOOKBACK)
-        prefix = own * 0
-        j = t - 1
-        go = t > 0
-        while go:
-            w = j - lane
-            st = tl.atomic_add(status + w, 0, mask=w >= 0, sem="relaxed")
-            st = tl.where(w >= 0, st, 2)                     # before tile 0: prefix 0
-            stop_wait = tl.min(tl.where(st == 0, lane, LOOKBACK), axis=0)
-            stop_pre = tl.min(tl.where((st & 3) == 2, lane, LOOKBACK), axis=0)
-            found = stop_pre < stop_wait
-            upto = tl.where(found, stop_pre + 1, stop_wait)
-            prefix += tl.sum(tl.where(lane < upto, st >> 2, 0), axis=0)
-            j -= upto
-            go = found == 0
-        tl.atomic_xchg(status + t, ((prefix + own) << 2) | 2)
+    prefix = publish_and_look_back(ws_ptr + 1, t, tl.sum(f, axis=0), LOOKBACK, False)
     cum = prefix + tl.cumsum(f, axis=0)                      # inclusive, global
     tl.store(seg_ptr + cum - 1, p.to(seg_ptr.dtype.element_ty), mask=flag)
     last = valid & (p == N - 1)
@@ -384,11 +437,6 @@ def segment_combine_kernel(
                 ftrl_update_store(w_ptr, z_ptr, n_ptr, nonfinite_ptr, w, z, n, offs, sm, rmask,
                                   acc[None, :], lr, l1, l2_eff, beta, shrink2, neg_p, POW_HALF,
                                   HAS_SHRINK, LIBDEVICE_POW)
-
-
-@triton.jit
-def _max_combine(a, b):
-    return tl.maximum(a, b)
 
 
 @triton.jit

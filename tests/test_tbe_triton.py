@@ -532,6 +532,17 @@ def test_interp_linearize_repairs_offsets(interp, monkeypatch, num_bags, bags_pe
     assert gofs.tolist() == (bag_of * 4).tolist()
 
 
+def test_interp_zero_bags_bad_first_offset_counted_once(interp):
+    """A batch of zero bags whose single offset is not 0: the training forward (nothing to
+    linearise) still repairs and counts it, once, and the step changes no row."""
+    m = build([(5, 4), (6, 4)], [0, 1], PoolingMode.SUM, interp)
+    before = m.weights_dev.clone()
+    out = m(torch.tensor([1, 2, 3]), torch.tensor([3]))
+    assert tuple(out.shape) == (0, 8) and int(m.bounds_check_warning) == 1
+    out.sum().backward()
+    assert int(m.bounds_check_warning) == 1 and torch.equal(m.weights_dev, before)
+
+
 def test_interp_warning_with_psw_grad_falls_back(interp):
     """per_sample_weights that need a gradient use the torch-side repair: same count and output."""
     m = build([(10, 3)], [0], PoolingMode.SUM, interp)

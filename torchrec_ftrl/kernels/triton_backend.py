@@ -359,13 +359,15 @@ def forward_train(weights: torch.Tensor, batch: TBEBatch, out_dtype: torch.dtype
     """
     check, warn = _warn_counter(batch)
     total_rows, _, even_d = _batch_shape(batch)
+    if batch.num_bags <= 0:
+        _repair_batch_offsets(batch)      # no bags to linearise; a bad offsets[0] is still counted
+    repair = bool(batch.offsets_raw)
     lin = _call(_linearize_op, _linearize_impl, batch.indices, batch.offsets, batch.bag_feature,
                 batch.bag_out_offset, batch.feature_table, _row_base(batch), batch.table_rows, warn,
-                check, True, bool(batch.offsets_raw), batch.per_sample_weights,
-                int(batch.pooling_mode), int(batch.max_D), total_rows, int(batch.out_numel), even_d)
-    if batch.offsets_raw and batch.num_bags > 0:
-        batch.offsets = lin[4]
-    batch.offsets_raw = False
+                check, True, repair, batch.per_sample_weights, int(batch.pooling_mode),
+                int(batch.max_D), total_rows, int(batch.out_numel), even_d)
+    if repair:
+        batch.offsets, batch.offsets_raw = lin[4], False
     batch.linearized = tuple(lin[:4])
     return _lookup(weights, batch, out_dtype, lin[0])
 

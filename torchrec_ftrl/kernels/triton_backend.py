@@ -51,8 +51,8 @@ from .triton_forward import forward_config, tbe_forward_kernel
 # linearize: (bags per program, indices per bag in flight, warps) of linearize_kernel (H200 sweep at
 # D=64 Zipf: (64, 8, 4) 0.042 ms against 0.075 ms with 4 indices in flight);
 # block: 1-D kernels' block (positions per tile of segment_mark_kernel); repair_block: offsets per
-# program of the WARNING offsets repair; lookback: preceding tiles read at once by the mark kernel's
-# look-back.
+# program of the eval forward's WARNING offsets repair; lookback: preceding tiles read at once by
+# the look-back of the mark kernel and of linearize_kernel's offsets repair.
 # Results do not depend on them beyond fp32 summation order.
 TUNING = {"fwd": {256: (1024, 4, ""), 512: (1024, 4, ""), 1024: (1024, 4, "")},
           "seg": {64: 64, 128: 128, 256: 128},
@@ -195,14 +195,6 @@ def _linearize_impl(indices: torch.Tensor, offsets: torch.Tensor, bag_feature: t
         COUNT=(check or repair) and count, HAS_TID=not even_d, BAGS=bags, UNROLL=unroll,
         REPAIR=repair, LOOKBACK=int(TUNING["lookback"]), num_warps=warps)
     return key, gofs, scale, tid, fixed
-    psw = per_sample_weights if has_psw else scale
-    bags, unroll, warps = TUNING["linearize"]
-    _k(linearize_kernel)[(_cdiv(num_bags, bags),)](
-        indices, offsets, bag_feature, bag_out_offset, feature_table, row_base, table_rows, psw,
-        key, gofs, scale, tid, warn, num_bags, max_D,
-        POOL=pooling_mode, HAS_PSW=has_psw, HAS_SCALE=has_scale, CHECK=check,
-        COUNT=check and count, HAS_TID=not even_d, BAGS=bags, UNROLL=unroll, num_warps=warps)
-    return key, gofs, scale, tid
 
 
 def _backward_impl(weights: torch.Tensor, accum: torch.Tensor, linear: torch.Tensor,

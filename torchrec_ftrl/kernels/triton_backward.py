@@ -34,7 +34,8 @@ Pipeline (all on the device, buffers sized from ``N = indices.numel()``, no host
 Every sum has a fixed order (sorted positions, fixed reduction trees), so results are bitwise
 reproducible run to run without atomics on values. The only atomics are on integers: rows skipped
 because their summed gradient has a NaN/Inf (``nonfinite_rows``), bounds-check warnings, and the
-mark kernel's tile tickets and published counts (exact whatever the order).
+tile tickets and published counts / maxima of the single-pass scans in the mark kernel and the
+offsets repair (exact whatever the order).
 
 The FTRL lines follow ``shared/docs/FTRL.md``: accum uses the raw gradient; ``z`` uses the OLD weight;
 the exact zero comes from a branch; states are fp32 and the weight is stored in its own dtype. The
@@ -132,8 +133,8 @@ def linearize_kernel(
         end = tl.where(is_last, num_indices, tl.maximum(run, nxt))
         tl.store(fixed_ptr + bags, start, mask=bmask)
         tl.store(fixed_ptr + bags + 1, end, mask=bmask & is_last)
-        nfix = tl.sum((bmask & (start != raw)).to(tl.int64) + (is_last & (raw_next != num_indices)).to(tl.int64),
-                      axis=0)
+        changed = (bmask & (start != raw)).to(tl.int64) + (is_last & (raw_next != num_indices)).to(tl.int64)
+        nfix = tl.sum(changed, axis=0)
         length = end - start
         feat = tl.load(bag_feature_ptr + bags, mask=bmask, other=0)
         tab = tl.load(feature_table_ptr + feat, mask=bmask, other=0)

@@ -31,7 +31,7 @@ from triton.runtime.jit import JITFunction
 
 from ..hyperparams import FTRLHyperparams
 from .layout import POOL_MEAN, POOL_NONE, TBEBatch
-from .triton_backward import (linearize_kernel, offsets_block_max_kernel, offsets_repair_kernel,
+from .triton_backward import (linearize_kernel, offsets_repair_kernel,
                               segment_combine_kernel, segment_config, segment_mark_kernel,
                               segment_update_kernel)
 from .triton_forward import forward_config, tbe_forward_kernel
@@ -50,9 +50,9 @@ from .triton_forward import forward_config, tbe_forward_kernel
 # added per step;
 # linearize: (bags per program, indices per bag in flight, warps) of linearize_kernel (H200 sweep at
 # D=64 Zipf: (64, 8, 4) 0.042 ms against 0.075 ms with 4 indices in flight);
-# block: 1-D kernels' block (positions per tile of segment_mark_kernel); repair_block: offsets per
+# block: 1-D kernels' block (positions per tile of segment_mark_kernel); repair_block: bags per
 # program of the eval forward's WARNING offsets repair; lookback: preceding tiles read at once by
-# the look-back of the mark kernel and of linearize_kernel's offsets repair.
+# the look-back of the mark kernel and of the offsets repair (eval kernel and linearize_kernel).
 # Results do not depend on them beyond fp32 summation order.
 TUNING = {"fwd": {256: (1024, 4, ""), 512: (1024, 4, ""), 1024: (1024, 4, "")},
           "seg": {64: 64, 128: 128, 256: 128},
@@ -272,12 +272,11 @@ def _repair_offsets_impl(offsets: torch.Tensor, warn: torch.Tensor, num_indices:
     fixed = torch.empty_like(offsets)
     if n == 0:
         return fixed
-    block = int(TUNING["repair_block"])
-    nblk = _cdiv(n, block)
-    bmax = torch.empty(nblk, dtype=offsets.dtype, device=offsets.device)
-    _k(offsets_block_max_kernel)[(nblk,)](offsets, bmax, n, num_indices, BLOCK=block, num_warps=4)
-    _k(offsets_repair_kernel)[(nblk,)](offsets, bmax, fixed, warn, n, num_indices,
-                                       BLOCK=block, PBLOCK=128, num_warps=4)
+    bags = int(TUNING["repair_block"])
+    tiles = _cdiv(max(1, n - 1), bags)
+    ws = torch.zeros(tiles + 1, dtype=torch.int64, device=offsets.device)  # ticket, statuses
+    _k(offsets_repair_kernel)[(tiles,)](offsets, fixed, warn, ws, n - 1, num_indices, BAGS=bags,
+                                        LOOKBACK=int(TUNING["lookback"]), num_warps=4)
     return fixed
 
 
@@ -315,9 +314,12 @@ def _batch_shape(batch: TBEBatch) -> tuple[int, int, bool]:
 
 
 def _lookup(weights: torch.Tensor, batch: TBEBatch, out_dtype: torch.dtype,
-            keys: Optional[torch.Tensor]) -> torch.Tensor:
-    check, warn = _warn_counter(batch)
-    _, vec, even_d = _batch_shape(batch)
+            keys: Optional[torch.Tensor], counter: Optional[tuple] = None,
+            shape: Optional[tuple] = None) -> torch.Tensor:
+    """The pooled lookup; ``counter`` / ``shape``: :func:`_warn_counter` / :func:`_batch_shape` of
+    the batch when the caller has them already."""
+    check, warn = counter or _warn_counter(batch)
+    _, vec, even_d = shape or _batch_shape(batch)
     return _call(_forward_op, _forward_impl, weights, batch.indices, batch.offsets,
                  batch.bag_feature, batch.bag_out_offset, batch.feature_table, batch.table_w_offset,
                  batch.table_dim, batch.table_rows, _row_base(batch), warn, check, keys,
@@ -349,8 +351,8 @@ def forward_train(weights: torch.Tensor, batch: TBEBatch, out_dtype: torch.dtype
     ``batch.linearized`` for :func:`backward_update_`; the lookup then reads the checked row keys
     (32-bit when the tables have fewer than 2**31 rows) instead of checking every index again.
     """
-    check, warn = _warn_counter(batch)
-    total_rows, _, even_d = _batch_shape(batch)
+    counter, shape = _warn_counter(batch), _batch_shape(batch)
+    (check, warn), (total_rows, _, even_d) = counter, shape
     if batch.num_bags <= 0:
         _repair_batch_offsets(batch)      # no bags to linearise; a bad offsets[0] is still counted
     repair = bool(batch.offsets_raw)
@@ -361,7 +363,7 @@ def forward_train(weights: torch.Tensor, batch: TBEBatch, out_dtype: torch.dtype
     if repair:
         batch.offsets, batch.offsets_raw = lin[4], False
     batch.linearized = tuple(lin[:4])
-    return _lookup(weights, batch, out_dtype, lin[0])
+    return _lookup(weights, batch, out_dtype, lin[0], counter, shape)
 
 
 def backward_update_(weights: torch.Tensor, accum: torch.Tensor, linear: torch.Tensor,

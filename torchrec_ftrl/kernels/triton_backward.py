@@ -52,7 +52,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .triton_forward import load_bags
+from .triton_forward import bag_table, load_bags
 
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
@@ -107,6 +107,40 @@ def publish_and_look_back(status_ptr, t, own, LOOKBACK: tl.constexpr, MAX: tl.co
 
 
 @triton.jit
+def repair_offsets_tile(offsets_ptr, fixed_ptr, ws_ptr, num_bags, num_indices, BAGS: tl.constexpr,
+                        LOOKBACK: tl.constexpr):
+    """One tile of the ``BoundsCheckMode.WARNING`` offsets repair, in one pass over all tiles:
+    ``fixed = cummax(clamp(offsets, 0, N))`` with ``fixed[0] = 0`` and ``fixed[num_bags] = N``
+    (``N = num_indices``), FBGEMM's repair; the running max crosses tiles by decoupled look-back
+    (:func:`publish_and_look_back`).
+
+    The tile (``BAGS`` bags) comes from the ticket ``ws[0]``; ``ws[1:]`` (int64, zeroed with the
+    ticket) hold the tiles' statuses. Writes ``fixed[bag]`` for its bags (and ``fixed[num_bags]``
+    in the tile of the last bag; ``fixed[0]`` alone when ``num_bags == 0``). Returns
+    ``(bags, bmask, start, end, nfix)``: the tile's bag ids ``[BAGS]``, which exist, their repaired
+    start and end offsets, and the number of entries of ``offsets`` it changed (int64).
+    """
+    t = tl.atomic_add(ws_ptr, 1).to(tl.int64)                # tiles in start order
+    bags = t * BAGS + tl.arange(0, BAGS)
+    bmask = bags < num_bags
+    raw = tl.load(offsets_ptr + bags, mask=bmask | (bags == 0), other=0)
+    v = tl.where(bmask, tl.minimum(tl.maximum(raw, 0), num_indices), 0)
+    prefix = publish_and_look_back(ws_ptr + 1, t, tl.max(v, axis=0).to(tl.int64), LOOKBACK, True)
+    run = tl.maximum(tl.associative_scan(v, 0, _max_combine), prefix)   # cummax to each bag
+    start = tl.where(bags == 0, 0, run)
+    is_last = bags == num_bags - 1
+    raw_next = tl.load(offsets_ptr + bags + 1, mask=bmask, other=0)
+    nxt = tl.minimum(tl.maximum(raw_next, 0), num_indices)
+    end = tl.where(is_last, num_indices, tl.maximum(run, nxt))
+    only = (bags == 0) & (num_bags == 0)                          # offsets == [x]: fixed [0]
+    tl.store(fixed_ptr + bags, start, mask=bmask | only)
+    tl.store(fixed_ptr + bags + 1, end, mask=bmask & is_last)
+    changed = ((bmask | only) & (start != raw)).to(tl.int64) + \
+        (is_last & (raw_next != num_indices)).to(tl.int64)
+    return bags, bmask, start, end, tl.sum(changed, axis=0)
+
+
+@triton.jit
 def linearize_kernel(
     indices_ptr, offsets_ptr, bag_feature_ptr, bag_out_ptr, feature_table_ptr, row_base_ptr,
     table_rows_ptr, psw_ptr, key_ptr, gofs_ptr, scale_ptr, tid_ptr, warn_ptr, fixed_ptr, ws_ptr,
@@ -116,28 +150,12 @@ def linearize_kernel(
     REPAIR: tl.constexpr, LOOKBACK: tl.constexpr,
 ):
     if REPAIR:
-        # WARNING repair of the offsets fused in (one pass, decoupled look-back over the tiles'
-        # running maxima): fixed = cummax(clamp(offsets, 0, N)), fixed[0] = 0, fixed[num_bags] = N,
-        # the same as offsets_repair_kernel; written to fixed_ptr for the lookup, changes counted.
-        t = tl.atomic_add(ws_ptr, 1).to(tl.int64)                # tiles in start order
-        bags = t * BAGS + tl.arange(0, BAGS)
-        bmask = bags < num_bags
-        raw = tl.load(offsets_ptr + bags, mask=bmask, other=0)
-        v = tl.where(bmask, tl.minimum(tl.maximum(raw, 0), num_indices), 0)
-        prefix = publish_and_look_back(ws_ptr + 1, t, tl.max(v, axis=0).to(tl.int64), LOOKBACK, True)
-        run = tl.maximum(tl.associative_scan(v, 0, _max_combine), prefix)   # cummax to each bag
-        start = tl.where(bags == 0, 0, run)
-        is_last = bags == num_bags - 1
-        raw_next = tl.load(offsets_ptr + bags + 1, mask=bmask, other=0)
-        nxt = tl.minimum(tl.maximum(raw_next, 0), num_indices)
-        end = tl.where(is_last, num_indices, tl.maximum(run, nxt))
-        tl.store(fixed_ptr + bags, start, mask=bmask)
-        tl.store(fixed_ptr + bags + 1, end, mask=bmask & is_last)
-        changed = (bmask & (start != raw)).to(tl.int64) + (is_last & (raw_next != num_indices)).to(tl.int64)
-        nfix = tl.sum(changed, axis=0)
+        # WARNING repair of the offsets fused in (the same tile step as offsets_repair_kernel):
+        # the repaired offsets go to fixed_ptr for the lookup, changes counted with bad indices.
+        bags, bmask, start, end, nfix = repair_offsets_tile(offsets_ptr, fixed_ptr, ws_ptr,
+                                                            num_bags, num_indices, BAGS, LOOKBACK)
         length = end - start
-        feat = tl.load(bag_feature_ptr + bags, mask=bmask, other=0)
-        tab = tl.load(feature_table_ptr + feat, mask=bmask, other=0)
+        tab = bag_table(bag_feature_ptr, feature_table_ptr, bags, bmask)
     else:
         bags, bmask, start, length, tab = load_bags(offsets_ptr, bag_feature_ptr, feature_table_ptr,
                                                     num_bags, BAGS)
@@ -441,35 +459,14 @@ def segment_combine_kernel(
 
 
 @triton.jit
-def offsets_block_max_kernel(offsets_ptr, bmax_ptr, n, N, BLOCK: tl.constexpr):
-    """``bmax[b]`` = max over block ``b`` of ``clamp(offsets, 0, N)``."""
-    b = tl.program_id(0).to(tl.int64)
-    i = b * BLOCK + tl.arange(0, BLOCK)
-    v = tl.load(offsets_ptr + i, mask=i < n, other=0)
-    v = tl.minimum(tl.maximum(v, 0), N)
-    tl.store(bmax_ptr + b, tl.max(v, axis=0))
-
-
-@triton.jit
-def offsets_repair_kernel(offsets_ptr, bmax_ptr, fixed_ptr, warn_ptr, n, N,
-                          BLOCK: tl.constexpr, PBLOCK: tl.constexpr):
-    """WARNING repair: ``fixed = cummax(clamp(offsets, 0, N))`` with ``fixed[0] = 0`` and
-    ``fixed[n-1] = N``; the number of changed entries is added to ``warn``."""
-    b = tl.program_id(0).to(tl.int64)
-    pr = tl.zeros([PBLOCK], dtype=tl.int64)
-    for c in range(0, b, PBLOCK):                  # max of the clamped values of earlier blocks
-        cc = c + tl.arange(0, PBLOCK)
-        pr = tl.maximum(pr, tl.load(bmax_ptr + cc, mask=cc < b, other=0))
-    prefix = tl.max(pr, axis=0)
-    i = b * BLOCK + tl.arange(0, BLOCK)
-    valid = i < n
-    raw = tl.load(offsets_ptr + i, mask=valid, other=0)
-    v = tl.minimum(tl.maximum(raw, 0), N)
-    fixed = tl.maximum(tl.associative_scan(v, 0, _max_combine), prefix)
-    fixed = tl.where(i == 0, 0, tl.where(i == n - 1, N, fixed))
-    tl.store(fixed_ptr + i, fixed, mask=valid)
-    nbad = tl.sum((valid & (fixed != raw)).to(tl.int64), axis=0)
-    tl.atomic_add(warn_ptr, nbad, mask=nbad > 0)
+def offsets_repair_kernel(offsets_ptr, fixed_ptr, warn_ptr, ws_ptr, num_bags, num_indices,
+                          BAGS: tl.constexpr, LOOKBACK: tl.constexpr):
+    """WARNING repair of ``offsets`` (``[num_bags + 1]``) before an eval forward, one tile of
+    ``BAGS`` bags per program (:func:`repair_offsets_tile`); the changed entries are added to
+    ``warn``."""
+    _, _, _, _, nfix = repair_offsets_tile(offsets_ptr, fixed_ptr, ws_ptr, num_bags, num_indices,
+                                           BAGS, LOOKBACK)
+    tl.atomic_add(warn_ptr, nfix, mask=nfix > 0)
 
 
 def segment_config(block_d: int, tile: int = 2048, rows: int = 2) -> tuple[int, int, int]:

@@ -24,15 +24,20 @@ POOL_SUM, POOL_MEAN, POOL_NONE = 0, 1, 2
 
 
 @triton.jit
+def bag_table(bag_feature_ptr, feature_table_ptr, bags, bmask):
+    """The table of each bag ``bags`` (mask ``bmask``): ``feature_table[bag_feature[bag]]``."""
+    feat = tl.load(bag_feature_ptr + bags, mask=bmask, other=0)
+    return tl.load(feature_table_ptr + feat, mask=bmask, other=0)
+
+
+@triton.jit
 def load_bags(offsets_ptr, bag_feature_ptr, feature_table_ptr, num_bags, BAGS: tl.constexpr):
     """This program's ``BAGS`` consecutive bags: ids, mask, first index position, length, table."""
     bags = tl.program_id(0).to(tl.int64) * BAGS + tl.arange(0, BAGS)
     bmask = bags < num_bags
     start = tl.load(offsets_ptr + bags, mask=bmask, other=0)
     end = tl.load(offsets_ptr + bags + 1, mask=bmask, other=0)
-    feat = tl.load(bag_feature_ptr + bags, mask=bmask, other=0)
-    tab = tl.load(feature_table_ptr + feat, mask=bmask, other=0)
-    return bags, bmask, start, end - start, tab
+    return bags, bmask, start, end - start, bag_table(bag_feature_ptr, feature_table_ptr, bags, bmask)
 
 
 @triton.jit

@@ -47,7 +47,7 @@ class TBEBatch:
             number of such indices here, once per forward.
         offsets_raw: with ``index_check``, True while ``offsets`` are not yet repaired: the CUDA
             backend repairs them (clamp + running max, changes counted in ``index_check``) in its
-            training forward's linearize pass, or with its repair kernels before an eval forward,
+            training forward's linearize pass, or with its repair kernel before an eval forward,
             and replaces ``offsets`` by the repaired ones.
         table_row_base: ``[T]`` first linearised row id of each table (``cumsum(rows) - rows``), or
             None (the CUDA backend then computes it).

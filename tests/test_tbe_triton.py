@@ -427,12 +427,12 @@ def test_interp_fused_warning_matches_index0_substitution(interp, monkeypatch, s
         torch.testing.assert_close(getattr(m, name), getattr(twin, name), rtol=2e-5, atol=2e-6)
 
 
-@pytest.mark.parametrize("n,bags_per_tile,lookback", [(23, 4, 32), (23, 4, 1), (40, 2, 2), (23, 64, 32),
-                                                      (1, 4, 32), (2, 4, 32)])
+@pytest.mark.parametrize("n,bags_per_tile,lookback", [(23, 4, 32), (23, 4, 1), (40, 2, 2), (41, 4, 2),
+                                                      (23, 64, 32), (1, 4, 32), (2, 4, 32)])
 def test_interp_repair_offsets_matches_cummax(interp, monkeypatch, n, bags_per_tile, lookback):
     """The eval forward's one-pass repair of ``n`` offsets over tiles of ``bags_per_tile`` bags (one
-    tile, several, look-back windows of ``lookback`` tiles; a single offset) equals clamp + cummax
-    with the ends pinned (numpy), counting the changed entries."""
+    tile, several, the last one full or not, look-back windows of ``lookback`` tiles; a single
+    offset) equals clamp + cummax with the ends pinned (numpy), counting the changed entries."""
     monkeypatch.setitem(triton_backend.TUNING, "repair_block", bags_per_tile)
     monkeypatch.setitem(triton_backend.TUNING, "lookback", lookback)
     rng = np.random.RandomState(40 + n)

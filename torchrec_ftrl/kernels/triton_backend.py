@@ -53,6 +53,7 @@ from .triton_forward import forward_config, tbe_forward_kernel
 # block: 1-D kernels' block (positions per tile of segment_mark_kernel); repair_block: bags per
 # program of the eval forward's WARNING offsets repair; lookback: preceding tiles read at once by
 # the look-back of the mark kernel and of the offsets repair (eval kernel and linearize_kernel).
+# block, repair_block, lookback and the linearize bags are powers of two (Triton block sizes).
 # Results do not depend on them beyond fp32 summation order.
 TUNING = {"fwd": {256: (1024, 4, ""), 512: (1024, 4, ""), 1024: (1024, 4, "")},
           "seg": {64: 64, 128: 128, 256: 128},
@@ -391,11 +392,12 @@ def repair_offsets(offsets: torch.Tensor, num_indices: int, warn: torch.Tensor) 
     """Device-side ``BoundsCheckMode.WARNING`` repair of FBGEMM-layout offsets, no host sync.
 
     Args:
-        offsets: int64 ``[num_bags + 1]`` on the device.
+        offsets: int64 (or int32) ``[num_bags + 1]`` on the device.
         num_indices: ``indices.numel()`` (N).
         warn: int64 ``[1]`` counter; the number of entries changed is added to it.
 
-    Returns a new int64 ``[num_bags + 1]``: ``cummax(clamp(offsets, 0, N))`` with the first entry 0
-    and the last N (the same repair as the PyTorch path of ``FTRLTableBatchedEmbeddingBags``).
+    Returns a new tensor like ``offsets``: ``cummax(clamp(offsets, 0, N))`` with the first entry 0
+    and the last N; with zero bags (one entry) ``[0]``. The same repair as the PyTorch path of
+    ``FTRLTableBatchedEmbeddingBags``; one pass over tiles of ``TUNING["repair_block"]`` bags.
     """
     return _call(_repair_offsets_op, _repair_offsets_impl, offsets, warn, int(num_indices))

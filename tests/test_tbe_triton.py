@@ -540,8 +540,8 @@ def test_interp_linearize_repairs_offsets(interp, monkeypatch, num_bags, bags_pe
 
 
 def test_interp_zero_bags_bad_first_offset_counted_once(interp):
-    """A batch of zero bags whose single offset is not 0: the training forward (nothing to
-    linearise) still repairs and counts it, once, and the step changes no row."""
+    """A batch of zero bags whose single offset is not 0: the training forward's linearize pass (one
+    tile, no bags) still repairs and counts it, once, and the step changes no row."""
     m = build([(5, 4), (6, 4)], [0, 1], PoolingMode.SUM, interp)
     before = m.weights_dev.clone()
     out = m(torch.tensor([1, 2, 3]), torch.tensor([3]))

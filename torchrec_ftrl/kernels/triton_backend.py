@@ -179,13 +179,12 @@ def _linearize_impl(indices: torch.Tensor, offsets: torch.Tensor, bag_feature: t
     tid = torch.empty(1 if even_d else N, dtype=torch.int32, device=dev)  # table per index
     has_psw, has_scale = _has_scale(per_sample_weights, pooling_mode)
     scale = torch.empty(N if has_scale else 1, dtype=torch.float32, device=dev)
-    repair = repair and num_bags > 0
     fixed = torch.empty(num_bags + 1 if repair else 0, dtype=offsets.dtype, device=dev)
     if not repair and (N == 0 or num_bags <= 0):
         return key, gofs, scale, tid, fixed
     psw = per_sample_weights if has_psw else scale
     bags, unroll, warps = TUNING["linearize"]
-    tiles = _cdiv(num_bags, bags)
+    tiles = _cdiv(max(1, num_bags), bags)      # zero bags: one tile still repairs offsets[0]
     # repair: tile tickets and statuses of the look-back over the offsets' running max (without
     # it, both pointers are unused placeholders)
     ws = torch.zeros(tiles + 1, dtype=torch.int64, device=dev) if repair else offsets
@@ -315,12 +314,11 @@ def _batch_shape(batch: TBEBatch) -> tuple[int, int, bool]:
 
 
 def _lookup(weights: torch.Tensor, batch: TBEBatch, out_dtype: torch.dtype,
-            keys: Optional[torch.Tensor], counter: Optional[tuple] = None,
-            shape: Optional[tuple] = None) -> torch.Tensor:
+            keys: Optional[torch.Tensor], counter: tuple, shape: tuple) -> torch.Tensor:
     """The pooled lookup; ``counter`` / ``shape``: :func:`_warn_counter` / :func:`_batch_shape` of
-    the batch when the caller has them already."""
-    check, warn = counter or _warn_counter(batch)
-    _, vec, even_d = shape or _batch_shape(batch)
+    the batch."""
+    check, warn = counter
+    _, vec, even_d = shape
     return _call(_forward_op, _forward_impl, weights, batch.indices, batch.offsets,
                  batch.bag_feature, batch.bag_out_offset, batch.feature_table, batch.table_w_offset,
                  batch.table_dim, batch.table_rows, _row_base(batch), warn, check, keys,
@@ -340,7 +338,7 @@ def forward(weights: torch.Tensor, batch: TBEBatch, out_dtype: torch.dtype) -> t
     With the fused WARNING check, out-of-range indices are read as row 0 and counted (raw offsets
     are repaired first)."""
     _repair_batch_offsets(batch)
-    return _lookup(weights, batch, out_dtype, None)
+    return _lookup(weights, batch, out_dtype, None, _warn_counter(batch), _batch_shape(batch))
 
 
 def forward_train(weights: torch.Tensor, batch: TBEBatch, out_dtype: torch.dtype) -> torch.Tensor:
@@ -354,8 +352,6 @@ def forward_train(weights: torch.Tensor, batch: TBEBatch, out_dtype: torch.dtype
     """
     counter, shape = _warn_counter(batch), _batch_shape(batch)
     (check, warn), (total_rows, _, even_d) = counter, shape
-    if batch.num_bags <= 0:
-        _repair_batch_offsets(batch)      # no bags to linearise; a bad offsets[0] is still counted
     repair = bool(batch.offsets_raw)
     lin = _call(_linearize_op, _linearize_impl, batch.indices, batch.offsets, batch.bag_feature,
                 batch.bag_out_offset, batch.feature_table, _row_base(batch), batch.table_rows, warn,

@@ -447,6 +447,25 @@ def test_interp_repair_offsets_matches_cummax(interp, monkeypatch, n, bags_per_t
     assert int(warn) == int((exp != off).sum())
 
 
+@pytest.mark.parametrize("fbgemm_sort", [True, False])
+@pytest.mark.parametrize("key_dtype", [torch.int32, torch.int64])
+def test_sort_positions_is_a_stable_sort(monkeypatch, fbgemm_sort, key_dtype):
+    """The backward's sort gives numpy's stable argsort of the row keys, through FBGEMM's radix sort
+    (over the bits of total_rows - 1) and through the torch.sort fallback."""
+    if fbgemm_sort and not hasattr(torch.ops.fbgemm, "get_unique_indices_with_inverse"):
+        pytest.skip("this fbgemm_gpu has no get_unique_indices_with_inverse")
+    monkeypatch.setattr(triton_backend, "_fbgemm_sort_devices", {} if fbgemm_sort else {"cpu": False})
+    rng = np.random.RandomState(7)
+    total_rows = 3000
+    keys = np.concatenate([rng.randint(0, total_rows, 500), np.full(40, total_rows - 1), np.zeros(30)])
+    rng.shuffle(keys)
+    perm = triton_backend._sort_positions(torch.tensor(keys, dtype=key_dtype), total_rows)
+    assert perm.tolist() == np.argsort(keys, kind="stable").tolist()
+    # which path ran: FBGEMM's gives int32 positions, torch.sort int64
+    assert perm.dtype == (torch.int32 if fbgemm_sort and not triton_backend._fbgemm_sort_devices
+                          else torch.int64)
+
+
 def _mark_reference(keys: np.ndarray, seg: int) -> list[int]:
     """Segment starts of sorted ``keys``: run starts, and every multiple ``p`` of ``seg`` inside a run
     with ``keys[p - seg] == keys[p]`` (the cut rule of triton_backward, written out in numpy)."""
@@ -454,36 +473,48 @@ def _mark_reference(keys: np.ndarray, seg: int) -> list[int]:
             if p == 0 or keys[p] != keys[p - 1] or (p % seg == 0 and p >= seg and keys[p - seg] == keys[p])]
 
 
-def _run_mark(keys, gofs, ws, tiles, *, block, seg, lookback, grid):
+def _run_mark(keys, gofs, ws, tiles, *, block, seg, lookback, grid, perm_dtype=torch.int64):
+    """Runs segment_mark_kernel on sorted ``keys`` scattered by a fixed permutation (entry p of the
+    sorted order sits at position N-1-p, reversed by blocks of 5); returns (sorted keys, sorted
+    gradient offsets, segment starts) and the permutation."""
     from torchrec_ftrl.kernels.triton_backward import segment_mark_kernel
     N = len(keys)
-    sk = torch.tensor(keys, dtype=torch.int32)
-    perm = torch.arange(N, dtype=torch.int64).flip(0)          # entry p came from position N-1-p
+    perm = np.concatenate([np.arange(i, min(i + 5, N))[::-1] for i in range(0, N, 5)])[::-1].copy()
+    key_in = np.empty(N, dtype=np.int64)
+    key_in[perm] = keys                                        # key_in[perm[p]] == keys[p]
+    sk = torch.full((N,), -1, dtype=torch.int32)
     sgofs = torch.full((N,), -1, dtype=torch.int32)
     segs = torch.full((N + 1,), -1, dtype=torch.int32)
     g = torch.tensor(gofs, dtype=torch.int32)
     # no factors / tables (HAS_SCALE, HAS_TID off): their pointers are placeholders
-    segment_mark_kernel[grid](sk, perm, g, g, g, sgofs, sgofs, sgofs, segs, ws, N, tiles, SEG=seg,
+    segment_mark_kernel[grid](torch.tensor(key_in, dtype=torch.int32), torch.tensor(perm, dtype=perm_dtype),
+                              g, g, g, sk, sgofs, sgofs, sgofs, segs, ws, N, tiles, SEG=seg,
                               HAS_SCALE=False, HAS_TID=False, BLOCK=block, LOOKBACK=lookback)
-    return sgofs, segs
+    return sk, sgofs, segs, perm
 
 
-@pytest.mark.parametrize("seed,seg,lookback", [(0, 4, 2), (1, 3, 8), (2, 5, 1)])
-def test_interp_segment_mark_compacts_starts(interp, seed, seg, lookback):
-    """Over many tiles, the one-pass mark kernel writes exactly the numpy segment starts (then N),
-    their count, and each sorted entry's gradient offset gathered through the permutation."""
+@pytest.mark.parametrize("seed,seg,lookback,block,perm_dtype", [
+    (0, 4, 2, 16, torch.int64), (1, 3, 8, 16, torch.int32), (2, 5, 1, 16, torch.int32),
+    (3, 16, 2, 8, torch.int32)])                     # SEG > BLOCK: every p - SEG in an earlier tile
+def test_interp_segment_mark_compacts_starts(interp, seed, seg, lookback, block, perm_dtype):
+    """Over many tiles, the one-pass mark kernel writes the keys in sorted order, exactly the numpy
+    segment starts (then N), their count, and each sorted entry's gradient offset gathered through
+    the permutation."""
     rng = np.random.RandomState(seed)
     keys = np.sort(np.repeat(rng.randint(0, 60, 40), rng.randint(1, 12, 40)))
-    N, block = len(keys), 16
+    if seg > block:                                  # long runs, so that cuts happen
+        keys = np.sort(np.repeat(rng.randint(0, 6, 8), rng.randint(10, 60, 8)))
+    N = len(keys)
     tiles = -(-N // block)
     gofs = rng.randint(0, 10 ** 6, N)
     ws = torch.zeros(tiles + 2, dtype=torch.int64)
-    sgofs, segs = _run_mark(keys, gofs, ws, tiles, block=block, seg=seg, lookback=lookback,
-                            grid=(tiles,))
+    sk, sgofs, segs, perm = _run_mark(keys, gofs, ws, tiles, block=block, seg=seg,
+                                      lookback=lookback, grid=(tiles,), perm_dtype=perm_dtype)
     starts = _mark_reference(keys, seg)
+    assert sk.tolist() == keys.tolist()
     assert int(ws[tiles + 1]) == len(starts)
     assert segs[:len(starts) + 1].tolist() == starts + [N]
-    assert sgofs.tolist() == gofs[::-1].tolist()
+    assert sgofs.tolist() == gofs[perm].tolist()
     # every tile ends with its inclusive count published (flag 2)
     incl = [sum(1 for s in starts if s < min(N, (t + 1) * block)) for t in range(tiles)]
     assert ws[1:tiles + 1].tolist() == [(c << 2) | 2 for c in incl]
@@ -501,8 +532,8 @@ def test_interp_segment_mark_looks_back_over_unfinished_tiles(interp, lookback):
     own = [2, 3, 1, 4, 1, 5]                                  # tiles 0..5
     ws[1] = (own[0] << 2) | 2
     ws[2:7] = torch.tensor([(c << 2) | 1 for c in own[1:]])
-    _, segs = _run_mark(keys, np.zeros(len(keys), dtype=np.int64), ws, tiles, block=block, seg=seg,
-                        lookback=lookback, grid=(1,))
+    _, _, segs, _ = _run_mark(keys, np.zeros(len(keys), dtype=np.int64), ws, tiles, block=block,
+                              seg=seg, lookback=lookback, grid=(1,))
     prefix = sum(own)
     mine = [p for p in _mark_reference(keys, seg) if p >= 6 * block]
     assert segs[prefix:prefix + len(mine) + 1].tolist() == mine + [len(keys)]

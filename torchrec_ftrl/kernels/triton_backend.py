@@ -197,6 +197,29 @@ def _linearize_impl(indices: torch.Tensor, offsets: torch.Tensor, bag_feature: t
     return key, gofs, scale, tid, fixed
 
 
+_fbgemm_sort_devices: dict[str, bool] = {}   # device type -> FBGEMM's sort op works there
+
+
+def _sort_positions(key: torch.Tensor, total_rows: int) -> torch.Tensor:
+    """The positions (int32 or int64 ``[N]``) that sort the row keys ``key`` stably.
+
+    FBGEMM's ``get_unique_indices_with_inverse`` when it runs on this device: a stable CUB radix sort
+    over only the bits of ``total_rows - 1`` (22 bits for 3.2M rows: 3 passes) with int32 positions,
+    against ``torch.sort``'s 4 passes over all 32 bits with int64 positions (0.244 against 0.296 ms
+    for 5.2M Zipf keys on an H200). Otherwise, and under ``torch.compile`` (FBGEMM registers no fake
+    implementation of the op), ``torch.sort(stable=True)``: the same positions.
+    """
+    N = key.numel()
+    dev = key.device.type
+    if (0 < total_rows and N < 2 ** 31 - 1 and _fbgemm_sort_devices.get(dev, True)
+            and not torch.compiler.is_compiling()):
+        try:
+            return torch.ops.fbgemm.get_unique_indices_with_inverse(key, total_rows - 1, False, True)[3]
+        except (AttributeError, NotImplementedError, RuntimeError):
+            _fbgemm_sort_devices[dev] = False     # not built for this device: torch.sort from now on
+    return torch.sort(key, stable=True)[1]
+
+
 def _backward_impl(weights: torch.Tensor, accum: torch.Tensor, linear: torch.Tensor,
                    nonfinite_rows: torch.Tensor, grad: torch.Tensor, indices: torch.Tensor,
                    offsets: torch.Tensor, bag_feature: torch.Tensor, bag_out_offset: torch.Tensor,
@@ -227,10 +250,11 @@ def _backward_impl(weights: torch.Tensor, accum: torch.Tensor, linear: torch.Ten
             total_rows, grad.numel(), even_d)
     key, gofs, scale, tid = lin_key, lin_gofs, lin_scale, lin_tid
 
-    sorted_key, perm = torch.sort(key, stable=True)
+    perm = _sort_positions(key, total_rows)
 
     # Segments: run starts, plus cuts every SEG positions inside long runs; compacted on the device
     # in the same pass (ws: tile tickets, tile statuses, then the segment count).
+    sorted_key = torch.empty_like(key)
     sgofs = torch.empty_like(gofs)
     sscale = torch.empty_like(scale)
     stid = torch.empty_like(tid)
@@ -238,7 +262,7 @@ def _backward_impl(weights: torch.Tensor, accum: torch.Tensor, linear: torch.Ten
     tiles = _cdiv(N, BLOCK)
     ws = torch.zeros(tiles + 2, dtype=torch.int64, device=dev)
     _k(segment_mark_kernel)[(tiles,)](
-        sorted_key, perm, gofs, scale, tid, sgofs, sscale, stid, seg, ws, N, tiles,
+        key, perm, gofs, scale, tid, sorted_key, sgofs, sscale, stid, seg, ws, N, tiles,
         SEG=SEG, HAS_SCALE=has_scale, HAS_TID=not even_d, BLOCK=BLOCK,
         LOOKBACK=int(TUNING["lookback"]), num_warps=4)
     count = ws[tiles + 1:]

@@ -10,11 +10,12 @@ Pipeline (all on the device, buffers sized from ``N = indices.numel()``, no host
    the checked row keys and the backward reuses them). There it also repairs the raw offsets first
    (clamp + running max over all bags, one pass with decoupled look-back across programs) and writes
    them out for the lookup.
-2. ``torch.sort(keys, stable=True)`` groups equal rows (stable, so the order inside a run, hence the
-   summation order, is fixed).
-3. :func:`segment_mark_kernel` cuts the sorted positions into *segments*: a segment starts at every
-   run start (``key[i] != key[i-1]``) and, inside runs longer than ``SEG``, at every position ``i``
-   that is a multiple of ``SEG`` with ``key[i - SEG] == key[i]``. So short runs are one segment, and
+2. A stable sort of the keys (``triton_backend._sort_positions``: FBGEMM's radix sort over the row
+   bits, or ``torch.sort``) gives the positions in row order; stable, so the order inside a run,
+   hence the summation order, is fixed.
+3. :func:`segment_mark_kernel` gathers the keys into sorted order and cuts the sorted positions into
+   *segments*: a segment starts at every run start (``key[i] != key[i-1]``) and, inside runs longer
+   than ``SEG``, at every position ``i`` that is a multiple of ``SEG`` with ``key[i - SEG] == key[i]``. So short runs are one segment, and
    a long run is cut into pieces of at most ``2 * SEG - 1`` entries (its first piece) and ``SEG``
    (the others). The kernel also gathers each sorted entry's gradient offset, factor and table into
    sorted order, so later loads need no ``perm`` round trip, and compacts the segment starts into a
@@ -200,27 +201,35 @@ def linearize_kernel(
 
 
 @triton.jit
-def segment_mark_kernel(sk_ptr, perm_ptr, gofs_ptr, scale_ptr, tid_ptr, sgofs_ptr, sscale_ptr,
-                        stid_ptr, seg_ptr, ws_ptr, N, num_tiles, SEG: tl.constexpr,
+def segment_mark_kernel(key_ptr, perm_ptr, gofs_ptr, scale_ptr, tid_ptr, sk_ptr, sgofs_ptr,
+                        sscale_ptr, stid_ptr, seg_ptr, ws_ptr, N, num_tiles, SEG: tl.constexpr,
                         HAS_SCALE: tl.constexpr, HAS_TID: tl.constexpr, BLOCK: tl.constexpr,
                         LOOKBACK: tl.constexpr):
-    """Flag segment starts, gather the entries' offsets / factors / tables into sorted order and
-    compact the starts into ``seg`` in one pass (a single-pass scan with decoupled look-back).
+    """Gather the entries into sorted order, flag segment starts and compact them into ``seg`` in
+    one pass (a single-pass scan with decoupled look-back).
 
-    ``ws`` (int64 ``[num_tiles + 2]``, zeroed): ``ws[0]`` hands out tiles in the order programs
-    start, so a tile only ever waits for tiles that are already running; ``ws[1 + t]`` is tile
-    ``t``'s status, 0 (not ready), ``count << 2 | 1`` (its own starts) or ``prefix << 2 | 2`` (starts
-    up to and including it); ``ws[num_tiles + 1]`` receives the number of segments.
+    ``perm`` ``[N]`` (int32 or int64): the positions that sort ``key`` stably. Writes the sorted keys
+    ``sk[p] = key[perm[p]]`` and each sorted entry's gradient offset, factor and table. ``ws`` (int64
+    ``[num_tiles + 2]``, zeroed): ``ws[0]`` hands out tiles in the order programs start, so a tile
+    only ever waits for tiles that are already running; ``ws[1 + t]`` is tile ``t``'s status, 0 (not
+    ready), ``count << 2 | 1`` (its own starts) or ``prefix << 2 | 2`` (starts up to and including
+    it); ``ws[num_tiles + 1]`` receives the number of segments.
     """
     t = tl.atomic_add(ws_ptr, 1).to(tl.int64)          # tile, in start order
-    p = t * BLOCK + tl.arange(0, BLOCK)
+    lane = tl.arange(0, BLOCK)
+    p = t * BLOCK + lane
     valid = p < N
-    k = tl.load(sk_ptr + p, mask=valid, other=0)
-    kp = tl.load(sk_ptr + p - 1, mask=valid & (p > 0), other=0)
-    ks = tl.load(sk_ptr + p - SEG, mask=valid & (p >= SEG), other=0)
-    cut = ((p % SEG) == 0) & (p >= SEG) & (k == ks)
-    flag = valid & ((p == 0) | (k != kp) | cut)
     orig = tl.load(perm_ptr + p, mask=valid, other=0)
+    k = tl.load(key_ptr + orig, mask=valid, other=0)
+    tl.store(sk_ptr + p, k, mask=valid)
+    # Key of entry p - 1: the neighbour lane's, the preceding tile's last entry for lane 0.
+    edge = valid & (lane == 0) & (p > 0)
+    k_edge = tl.load(key_ptr + tl.load(perm_ptr + p - 1, mask=edge, other=0), mask=edge, other=0)
+    kp = tl.where(lane == 0, k_edge, tl.gather(k, tl.maximum(lane - 1, 0), 0))
+    # Key of entry p - SEG, needed at the multiples of SEG only (a few per tile): from memory.
+    cand = valid & ((p % SEG) == 0) & (p >= SEG)
+    ks = tl.load(key_ptr + tl.load(perm_ptr + p - SEG, mask=cand, other=0), mask=cand, other=0)
+    flag = valid & ((p == 0) | (k != kp) | (cand & (k == ks)))
     tl.store(sgofs_ptr + p, tl.load(gofs_ptr + orig, mask=valid, other=0), mask=valid)
     if HAS_SCALE:
         tl.store(sscale_ptr + p, tl.load(scale_ptr + orig, mask=valid, other=0.0), mask=valid)

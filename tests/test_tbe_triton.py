@@ -447,23 +447,60 @@ def test_interp_repair_offsets_matches_cummax(interp, monkeypatch, n, bags_per_t
     assert int(warn) == int((exp != off).sum())
 
 
-@pytest.mark.parametrize("fbgemm_sort", [True, False])
-@pytest.mark.parametrize("key_dtype", [torch.int32, torch.int64])
-def test_sort_positions_is_a_stable_sort(monkeypatch, fbgemm_sort, key_dtype):
-    """The backward's sort gives numpy's stable argsort of the row keys, through FBGEMM's radix sort
-    (over the bits of total_rows - 1) and through the torch.sort fallback."""
-    if fbgemm_sort and not hasattr(torch.ops.fbgemm, "get_unique_indices_with_inverse"):
-        pytest.skip("this fbgemm_gpu has no get_unique_indices_with_inverse")
-    monkeypatch.setattr(triton_backend, "_fbgemm_sort_devices", {} if fbgemm_sort else {"cpu": False})
-    rng = np.random.RandomState(7)
-    total_rows = 3000
-    keys = np.concatenate([rng.randint(0, total_rows, 500), np.full(40, total_rows - 1), np.zeros(30)])
+def _stable_argsort_cases(total_rows: int, rng) -> np.ndarray:
+    """Keys in ``[0, total_rows)`` with long runs at both ends of the range, shuffled."""
+    keys = np.concatenate([rng.randint(0, total_rows, 500), np.full(40, total_rows - 1), np.zeros(30),
+                           np.full(20, total_rows // 2)])
     rng.shuffle(keys)
-    perm = triton_backend._sort_positions(torch.tensor(keys, dtype=key_dtype), total_rows)
+    return keys
+
+
+@pytest.mark.parametrize("key_dtype", [torch.int32, torch.int64])
+def test_sort_positions_fbgemm_is_a_stable_sort(monkeypatch, key_dtype):
+    """FBGEMM's sort (as built for CPU here) gives numpy's stable argsort of the row keys."""
+    if not hasattr(torch.ops.fbgemm, "get_unique_indices_with_inverse"):
+        pytest.skip("this fbgemm_gpu has no get_unique_indices_with_inverse")
+    monkeypatch.setattr(triton_backend, "_fbgemm_sort_devices", {})
+    keys = _stable_argsort_cases(3000, np.random.RandomState(7))
+    perm = triton_backend._sort_positions(torch.tensor(keys, dtype=key_dtype), 3000)
+    if triton_backend._fbgemm_sort_devices.get("cpu") is False:
+        pytest.skip("fbgemm_gpu's sort op has no CPU kernel here")
+    assert perm.dtype == torch.int32                 # FBGEMM's positions (torch.sort gives int64)
     assert perm.tolist() == np.argsort(keys, kind="stable").tolist()
-    # which path ran: FBGEMM's gives int32 positions, torch.sort int64
-    assert perm.dtype == (torch.int32 if fbgemm_sort and not triton_backend._fbgemm_sort_devices
-                          else torch.int64)
+
+
+def test_sort_positions_fallback_is_a_stable_sort(monkeypatch):
+    """Where FBGEMM's op is unavailable, torch.sort gives the same stable order."""
+    monkeypatch.setattr(triton_backend, "_fbgemm_sort_devices", {"cpu": False})
+    keys = _stable_argsort_cases(3000, np.random.RandomState(8))
+    perm = triton_backend._sort_positions(torch.tensor(keys, dtype=torch.int32), 3000)
+    assert perm.dtype == torch.int64
+    assert perm.tolist() == np.argsort(keys, kind="stable").tolist()
+
+
+def test_sort_positions_under_fake_tensors_keeps_fbgemm(monkeypatch):
+    """Tracing with fake tensors (what torch.compile does to the backward op) takes torch.sort and
+    leaves FBGEMM's sort on for later eager calls (it has no fake implementation)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    monkeypatch.setattr(triton_backend, "_fbgemm_sort_devices", {})
+    with FakeTensorMode():
+        perm = triton_backend._sort_positions(torch.empty(100, dtype=torch.int32), 3000)
+    assert perm.dtype == torch.int64 and tuple(perm.shape) == (100,)
+    assert triton_backend._fbgemm_sort_devices == {}
+
+
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("total_rows", [2 ** 12 - 1, 2 ** 12, 2 ** 12 + 1, 3_200_000])
+def test_cuda_sort_positions_covers_the_row_bits(monkeypatch, total_rows):
+    """On the GPU, FBGEMM's radix sort over the bits of ``total_rows - 1`` orders keys up to
+    ``total_rows - 1`` (the largest row) exactly like numpy's stable argsort."""
+    monkeypatch.setattr(triton_backend, "_fbgemm_sort_devices", {})
+    keys = _stable_argsort_cases(total_rows, np.random.RandomState(total_rows % 1000))
+    perm = triton_backend._sort_positions(torch.tensor(keys, dtype=torch.int32, device="cuda"),
+                                          total_rows)
+    assert perm.dtype == torch.int32, "FBGEMM's CUDA sort did not run"
+    assert perm.cpu().tolist() == np.argsort(keys, kind="stable").tolist()
 
 
 def _mark_reference(keys: np.ndarray, seg: int) -> list[int]:
@@ -473,7 +510,8 @@ def _mark_reference(keys: np.ndarray, seg: int) -> list[int]:
             if p == 0 or keys[p] != keys[p - 1] or (p % seg == 0 and p >= seg and keys[p - seg] == keys[p])]
 
 
-def _run_mark(keys, gofs, ws, tiles, *, block, seg, lookback, grid, perm_dtype=torch.int64):
+def _run_mark(keys, gofs, ws, tiles, *, block, seg, lookback, grid, perm_dtype=torch.int64,
+              key_dtype=torch.int32):
     """Runs segment_mark_kernel on sorted ``keys`` scattered by a fixed permutation (entry p of the
     sorted order sits at position N-1-p, reversed by blocks of 5); returns (sorted keys, sorted
     gradient offsets, segment starts) and the permutation."""
@@ -482,34 +520,42 @@ def _run_mark(keys, gofs, ws, tiles, *, block, seg, lookback, grid, perm_dtype=t
     perm = np.concatenate([np.arange(i, min(i + 5, N))[::-1] for i in range(0, N, 5)])[::-1].copy()
     key_in = np.empty(N, dtype=np.int64)
     key_in[perm] = keys                                        # key_in[perm[p]] == keys[p]
-    sk = torch.full((N,), -1, dtype=torch.int32)
+    sk = torch.full((N,), -1, dtype=key_dtype)
     sgofs = torch.full((N,), -1, dtype=torch.int32)
     segs = torch.full((N + 1,), -1, dtype=torch.int32)
     g = torch.tensor(gofs, dtype=torch.int32)
     # no factors / tables (HAS_SCALE, HAS_TID off): their pointers are placeholders
-    segment_mark_kernel[grid](torch.tensor(key_in, dtype=torch.int32), torch.tensor(perm, dtype=perm_dtype),
+    segment_mark_kernel[grid](torch.tensor(key_in, dtype=key_dtype), torch.tensor(perm, dtype=perm_dtype),
                               g, g, g, sk, sgofs, sgofs, sgofs, segs, ws, N, tiles, SEG=seg,
                               HAS_SCALE=False, HAS_TID=False, BLOCK=block, LOOKBACK=lookback)
     return sk, sgofs, segs, perm
 
 
-@pytest.mark.parametrize("seed,seg,lookback,block,perm_dtype", [
-    (0, 4, 2, 16, torch.int64), (1, 3, 8, 16, torch.int32), (2, 5, 1, 16, torch.int32),
-    (3, 16, 2, 8, torch.int32)])                     # SEG > BLOCK: every p - SEG in an earlier tile
-def test_interp_segment_mark_compacts_starts(interp, seed, seg, lookback, block, perm_dtype):
-    """Over many tiles, the one-pass mark kernel writes the keys in sorted order, exactly the numpy
-    segment starts (then N), their count, and each sorted entry's gradient offset gathered through
-    the permutation."""
+@pytest.mark.parametrize("seed,seg,lookback,block,perm_dtype,key_dtype,n", [
+    (0, 4, 2, 16, torch.int64, torch.int32, None), (1, 3, 8, 16, torch.int32, torch.int32, None),
+    (2, 5, 1, 16, torch.int32, torch.int64, None),
+    (3, 16, 2, 8, torch.int32, torch.int32, None),   # SEG > BLOCK: every p - SEG in an earlier tile
+    (4, 4, 2, 16, torch.int32, torch.int32, 1), (5, 2, 2, 16, torch.int32, torch.int64, 11)])
+def test_interp_segment_mark_compacts_starts(interp, seed, seg, lookback, block, perm_dtype, key_dtype,
+                                             n):
+    """Over many tiles (or one, ``n`` entries), the one-pass mark kernel writes the keys in sorted
+    order, exactly the numpy segment starts (then N), their count, and each sorted entry's gradient
+    offset gathered through the permutation."""
     rng = np.random.RandomState(seed)
     keys = np.sort(np.repeat(rng.randint(0, 60, 40), rng.randint(1, 12, 40)))
     if seg > block:                                  # long runs, so that cuts happen
         keys = np.sort(np.repeat(rng.randint(0, 6, 8), rng.randint(10, 60, 8)))
+    if n is not None:
+        keys = np.sort(rng.randint(0, 3, n))
+    if key_dtype == torch.int64:                     # row keys past 2**32
+        keys = keys + 2 ** 33
     N = len(keys)
     tiles = -(-N // block)
     gofs = rng.randint(0, 10 ** 6, N)
     ws = torch.zeros(tiles + 2, dtype=torch.int64)
     sk, sgofs, segs, perm = _run_mark(keys, gofs, ws, tiles, block=block, seg=seg,
-                                      lookback=lookback, grid=(tiles,), perm_dtype=perm_dtype)
+                                      lookback=lookback, grid=(tiles,), perm_dtype=perm_dtype,
+                                      key_dtype=key_dtype)
     starts = _mark_reference(keys, seg)
     assert sk.tolist() == keys.tolist()
     assert int(ws[tiles + 1]) == len(starts)

@@ -197,26 +197,28 @@ def _linearize_impl(indices: torch.Tensor, offsets: torch.Tensor, bag_feature: t
     return key, gofs, scale, tid, fixed
 
 
-_fbgemm_sort_devices: dict[str, bool] = {}   # device type -> FBGEMM's sort op works there
+_fbgemm_sort_devices: dict[str, bool] = {}   # device type -> FBGEMM's sort op is built for it
 
 
 def _sort_positions(key: torch.Tensor, total_rows: int) -> torch.Tensor:
     """The positions (int32 or int64 ``[N]``) that sort the row keys ``key`` stably.
 
-    FBGEMM's ``get_unique_indices_with_inverse`` when it runs on this device: a stable CUB radix sort
-    over only the bits of ``total_rows - 1`` (22 bits for 3.2M rows: 3 passes) with int32 positions,
-    against ``torch.sort``'s 4 passes over all 32 bits with int64 positions (0.244 against 0.296 ms
-    for 5.2M Zipf keys on an H200). Otherwise, and under ``torch.compile`` (FBGEMM registers no fake
-    implementation of the op), ``torch.sort(stable=True)``: the same positions.
+    FBGEMM's ``get_unique_indices_with_inverse`` where it runs: a stable CUB radix sort over only the
+    bits of ``total_rows - 1`` (22 bits for 3.2M rows: 3 passes) with int32 positions, against
+    ``torch.sort``'s 4 passes over all 32 bits with int64 positions (0.244 against 0.296 ms for 5.2M
+    Zipf keys on an H200). ``torch.sort(stable=True)``, the same positions, where that op is not built
+    for the device, for more than 2**31 - 2 keys, and while ``torch.compile`` traces (FBGEMM registers
+    no fake implementation of the op; traced tensors are fake or functional, not plain tensors).
+    Keys outside ``[0, total_rows)`` (only with the bounds check off, undefined behaviour there) sort
+    by their low bits, among the rows they alias.
     """
-    N = key.numel()
     dev = key.device.type
-    if (0 < total_rows and N < 2 ** 31 - 1 and _fbgemm_sort_devices.get(dev, True)
-            and not torch.compiler.is_compiling()):
+    if (0 < total_rows and key.numel() < 2 ** 31 - 1 and type(key) is torch.Tensor
+            and _fbgemm_sort_devices.get(dev, True) and not torch.compiler.is_compiling()):
         try:
             return torch.ops.fbgemm.get_unique_indices_with_inverse(key, total_rows - 1, False, True)[3]
-        except (AttributeError, NotImplementedError, RuntimeError):
-            _fbgemm_sort_devices[dev] = False     # not built for this device: torch.sort from now on
+        except (AttributeError, NotImplementedError):   # no such op / no kernel for this device
+            _fbgemm_sort_devices[dev] = False
     return torch.sort(key, stable=True)[1]
 
 

@@ -15,20 +15,21 @@ Pipeline (all on the device, buffers sized from ``N = indices.numel()``, no host
    hence the summation order, is fixed.
 3. :func:`segment_mark_kernel` gathers the keys into sorted order and cuts the sorted positions into
    *segments*: a segment starts at every run start (``key[i] != key[i-1]``) and, inside runs longer
-   than ``SEG``, at every position ``i`` that is a multiple of ``SEG`` with ``key[i - SEG] == key[i]``. So short runs are one segment, and
-   a long run is cut into pieces of at most ``2 * SEG - 1`` entries (its first piece) and ``SEG``
-   (the others). The kernel also gathers each sorted entry's gradient offset, factor and table into
-   sorted order, so later loads need no ``perm`` round trip, and compacts the segment starts into a
-   dense array in the same pass (a single-pass prefix sum of the start flags with decoupled
-   look-back, Merrill & Garland, "Single-pass Parallel Prefix Scan with Decoupled Look-back",
-   NVIDIA 2016); their number stays on the device.
+   than ``SEG``, at every position ``i`` that is a multiple of ``SEG`` with ``key[i - SEG] == key[i]``.
+   So short runs are one segment, and a long run is cut into pieces of at most ``2 * SEG - 1``
+   entries (its first piece) and ``SEG`` (the others). The kernel also gathers each sorted entry's
+   gradient offset, factor and table into sorted order, so later loads need no ``perm`` round trip,
+   and compacts the segment starts into a dense array in the same pass (a single-pass prefix sum of
+   the start flags with decoupled look-back, Merrill & Garland, "Single-pass Parallel Prefix Scan
+   with Decoupled Look-back", NVIDIA 2016); their number stays on the device.
 4. :func:`segment_update_kernel`: a program takes ``G`` consecutive segments and sums each one's
    gradient rows in sorted order (``R`` rows per segment in flight). The gradient offsets of the
    first ``R`` entries load with the segment's keys, so the first gradient rows are in flight
-   together with the row's weight and states. A segment that is a whole run gets its FTRL update right there; a
-   piece of a long run writes its partial sum to a scratch slot: ``2 * (s // SEG)`` when it starts
-   at a multiple ``s`` of ``SEG``, ``2 * (s // SEG) + 1`` for a run's first piece starting elsewhere
-   (at most one run's first piece starts in one ``SEG`` window, so slots never collide).
+   together with the row's weight and states. A segment that is a whole run gets its FTRL update
+   right there; a piece of a long run writes its partial sum to a scratch slot: ``2 * (s // SEG)``
+   when it starts at a multiple ``s`` of ``SEG``, ``2 * (s // SEG) + 1`` for a run's first piece
+   starting elsewhere (at most one run's first piece starts in one ``SEG`` window, so slots never
+   collide).
 5. :func:`segment_combine_kernel`: for every run cut into pieces, the program that owns the run's
    first cut adds the pieces in position order and applies the update.
 
@@ -257,7 +258,8 @@ def _pow(x, e, LIBDEVICE_POW: tl.constexpr):
 
 @triton.jit
 def load_states(w_ptr, z_ptr, n_ptr, roff, m, cols):
-    """Load ``(w fp32, z, n, offsets, mask)`` of the rows ``roff`` (element offsets ``[R]``), elements ``m``."""
+    """Load ``(w fp32, z, n, offsets, mask)`` of the rows ``roff`` (element offsets ``[R]``),
+    elements ``m``."""
     offs = roff[:, None] + cols[None, :]
     w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
     z = tl.load(z_ptr + offs, mask=m, other=0.0)

@@ -662,6 +662,21 @@ def test_ops_registered():
     assert mutated == {"weights", "accum", "linear", "nonfinite_rows"}
 
 
+def test_register_cap_only_for_direct_compiled_launches(monkeypatch):
+    """``maxnreg`` goes to compiled kernels launched directly; not through ``wrap_triton``
+    (torch.compile takes no such launch option) and not to interpreted kernels."""
+    from triton.runtime.jit import JITFunction
+    kernel = triton_backend.segment_update_kernel
+    if not isinstance(kernel, JITFunction):
+        pytest.skip("kernels are interpreted in this process")
+    monkeypatch.setattr(triton_backend._eager, "on", False, raising=False)
+    assert triton_backend._register_cap(kernel, 40) == {}
+    monkeypatch.setattr(triton_backend._eager, "on", True)
+    assert triton_backend._register_cap(kernel, 40) == {"maxnreg": 40}
+    assert triton_backend._register_cap(kernel, None) == {}
+    assert triton_backend._register_cap(lambda: None, 40) == {}
+
+
 # ---------------------------------------------------------------------------- real GPU
 @cuda
 @needs_cuda
@@ -688,6 +703,20 @@ def test_cuda_hot_rows_and_vbe(monkeypatch, seg):
                   B=256, hot=True, max_len=30, seed=14)
     run_and_check("cuda", specs=[(30, 32), (40, 8)], fmap=[0, 1], pooling=PoolingMode.MEAN,
                   psw=True, vbe=[[10, 20], [5, 0]], seed=15)
+
+
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("specs", [[(300, 256), (60, 256)], [(300, 256), (40, 200), (9, 512)]])
+def test_cuda_wide_rows_with_capped_registers(specs):
+    """Rows of 256 and more elements (all D equal, and mixed D up to BLOCK_D 512): the update kernel
+    launches with the register cap of ``TUNING["seg_launch"]`` for BLOCK_D 256; hot rows cut into
+    pieces and combined."""
+    assert len(triton_backend.TUNING["seg_launch"][256]) == 3      # the capped launch is the one tested
+    run_and_check("cuda", specs=specs, fmap=list(range(len(specs))) + [0], pooling=PoolingMode.SUM,
+                  B=96, hot=True, max_len=24, seed=17)
+    run_and_check("cuda", specs=specs, fmap=list(range(len(specs))), pooling=PoolingMode.MEAN,
+                  psw=True, B=40, max_len=10, seed=18)
 
 
 @cuda

@@ -42,12 +42,18 @@ from .triton_forward import forward_config, tbe_forward_kernel
 # the fp16 kernel 7x slower on an H200). From a sweep of the training forward (row keys) on an H200.
 # seg: longest piece of a run summed by one backward program (longer runs are cut and their pieces
 # combined), an int or per BLOCK_D; seg_launch: per BLOCK_D, (elements per step, gradient rows per
-# segment in flight) of segment_update_kernel. Both from step-time sweeps on an H200 (D=256 Zipf:
-# 2.64 ms with 4096 elements against 2.88 ms with 2048 and 3.37 ms with 8192; update kernel at
-# D=128 Zipf 1.06 ms with 4096 against 1.09 ms with 2048; seg 128 against 64: 2.77 vs 2.81 ms at
-# D=256 Zipf, fp16 D=128 1.79 vs 1.85 ms, but D=64 1.29 vs 1.25 ms). For the tables, the nearest
-# listed size serves the others. combine_cp/combine_nb: cut candidates per combine program / pieces
-# added per step;
+# segment in flight[, register cap per thread]) of segment_update_kernel. The cap (Triton's
+# ``maxnreg``, compiled CUDA launches outside torch.compile only) trades registers for programs
+# resident per SM: the kernel is latency-bound, its speed follows the resident programs (H200,
+# D=256 uniform: 47 registers, 5 programs of 8 warps per SM, update kernel 4.45 ms; capped at 40, 6
+# programs, 4.27 ms; at 36 (4 spilled) 4.43 ms, at 32 (10 spilled) 5.02 ms; D=64 uniform 1.12 ->
+# 1.08 ms with 40; at D=128 a cap of 40 spills 4 registers: step 1.0% slower at uniform keys, 1.5%
+# faster at Zipf keys, so none; rows of 32 elements and fewer, not measured, keep no cap). Both from
+# step-time sweeps on an H200 (D=256 Zipf: 2.64 ms with 4096 elements against 2.88 ms with 2048 and
+# 3.37 ms with 8192; update kernel at D=128 Zipf 1.06 ms with 4096 against 1.09 ms with 2048; seg
+# 128 against 64: 2.77 vs 2.81 ms at D=256 Zipf, fp16 D=128 1.79 vs 1.85 ms, but D=64 1.29 vs 1.25
+# ms). For the tables, the nearest listed size serves the others. combine_cp/combine_nb: cut
+# candidates per combine program / pieces added per step;
 # linearize: (bags per program, indices per bag in flight, warps) of linearize_kernel (H200 sweep at
 # D=64 Zipf: (64, 8, 4) 0.042 ms against 0.075 ms with 4 indices in flight);
 # block: 1-D kernels' block (positions per tile of segment_mark_kernel); repair_block: bags per
@@ -57,7 +63,7 @@ from .triton_forward import forward_config, tbe_forward_kernel
 # Results do not depend on them beyond fp32 summation order.
 TUNING = {"fwd": {256: (1024, 4, ""), 512: (1024, 4, ""), 1024: (1024, 4, "")},
           "seg": {64: 64, 128: 128, 256: 128},
-          "seg_launch": {64: (4096, 4), 128: (4096, 4), 256: (4096, 4)},
+          "seg_launch": {32: (4096, 4), 64: (4096, 4, 40), 128: (4096, 4), 256: (4096, 4, 40)},
           "combine_cp": 16, "combine_nb": 64, "linearize": (64, 8, 4), "block": 1024,
           "repair_block": 1024, "lookback": 32}
 
@@ -101,6 +107,17 @@ def _call(op, impl, *args):
         return impl(*args)
     finally:
         _eager.on = False
+
+
+def _register_cap(kernel, maxnreg: Optional[int]) -> dict:
+    """Launch options that cap ``kernel``'s registers per thread at ``maxnreg``: only for a compiled
+    kernel launched directly (eager mode) on NVIDIA GPUs. Not under the interpreter, not on ROCm, and
+    not through ``wrap_triton`` (torch.compile), whose launches take no ``maxnreg``: those run
+    uncapped."""
+    direct = wrap_triton is None or getattr(_eager, "on", False)
+    if maxnreg and isinstance(kernel, JITFunction) and direct and torch.version.hip is None:
+        return {"maxnreg": int(maxnreg)}
+    return {}
 
 
 def _block_d(max_d: int) -> int:
@@ -272,7 +289,8 @@ def _backward_impl(weights: torch.Tensor, accum: torch.Tensor, linear: torch.Ten
     nmult = _cdiv(N, SEG) - 1            # multiples m * SEG, m >= 1, inside [0, N)
     part = torch.empty(max(1, 2 * (nmult + 1)) * BLOCK_D, dtype=torch.float32, device=dev)
     bound = N if total_rows < 0 else min(N, total_rows + N // SEG)
-    G, R, warps = segment_config(BLOCK_D, *_nearest(TUNING["seg_launch"], BLOCK_D))
+    launch = _nearest(TUNING["seg_launch"], BLOCK_D)
+    G, R, warps = segment_config(BLOCK_D, *launch[:2])
     pow_half = neg_p == 0.5
     has_shrink = shrink2 != 0.0
     libdev = isinstance(segment_update_kernel, JITFunction)
@@ -281,7 +299,8 @@ def _backward_impl(weights: torch.Tensor, accum: torch.Tensor, linear: torch.Ten
         table_w_offset, table_dim, row_base, part, nonfinite_rows,
         N, lr, l1, l2_eff, beta, shrink2, neg_p,
         SEG=SEG, HAS_SCALE=has_scale, POW_HALF=pow_half, HAS_SHRINK=has_shrink,
-        LIBDEVICE_POW=libdev, G=G, R=R, BLOCK_D=BLOCK_D, VEC=vec, EVEN_D=even_d, num_warps=warps)
+        LIBDEVICE_POW=libdev, G=G, R=R, BLOCK_D=BLOCK_D, VEC=vec, EVEN_D=even_d, num_warps=warps,
+        **_register_cap(segment_update_kernel, launch[2] if len(launch) > 2 else None))
     if nmult > 0:
         cp = int(TUNING["combine_cp"])
         _k(segment_combine_kernel)[(_cdiv(nmult, cp),)](

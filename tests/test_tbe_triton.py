@@ -663,18 +663,41 @@ def test_ops_registered():
 
 
 def test_register_cap_only_for_direct_compiled_launches(monkeypatch):
-    """``maxnreg`` goes to compiled kernels launched directly; not through ``wrap_triton``
-    (torch.compile takes no such launch option) and not to interpreted kernels."""
+    """``maxnreg`` goes to compiled kernels launched directly on an NVIDIA GPU; not through
+    ``wrap_triton`` (torch.compile takes no such launch option), not to interpreted kernels, not to
+    other devices or ROCm."""
     from triton.runtime.jit import JITFunction
     kernel = triton_backend.segment_update_kernel
     if not isinstance(kernel, JITFunction):
         pytest.skip("kernels are interpreted in this process")
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(triton_backend._eager, "on", False, raising=False)
-    assert triton_backend._register_cap(kernel, 40) == {}
+    assert triton_backend._register_cap(kernel, 40, gpu) == {}
     monkeypatch.setattr(triton_backend._eager, "on", True)
-    assert triton_backend._register_cap(kernel, 40) == {"maxnreg": 40}
-    assert triton_backend._register_cap(kernel, None) == {}
-    assert triton_backend._register_cap(lambda: None, 40) == {}
+    assert triton_backend._register_cap(kernel, 40, gpu) == {"maxnreg": 40}
+    assert triton_backend._register_cap(kernel, None, gpu) == {}
+    assert triton_backend._register_cap(lambda: None, 40, gpu) == {}
+    assert triton_backend._register_cap(kernel, 40, torch.device("cpu")) == {}
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    assert triton_backend._register_cap(kernel, 40, gpu) == {}
+
+
+def test_interp_register_cap_reaches_the_update_launch(interp, monkeypatch):
+    """The third entry of a ``seg_launch`` tuple is the cap handed to the update kernel's launch
+    (the interpreter then ignores it); a two-entry tuple hands none."""
+    seen = []
+    real = triton_backend._register_cap
+
+    def spy(kernel, maxnreg, dev):
+        seen.append(maxnreg)
+        return real(kernel, maxnreg, dev)
+    monkeypatch.setattr(triton_backend, "_register_cap", spy)
+    for launch, want in (((32, 4, 40), 40), ((32, 4), None)):
+        monkeypatch.setitem(triton_backend.TUNING, "seg_launch", {8: launch})
+        seen.clear()
+        run_and_check(interp, specs=SPECS[:2], fmap=[0, 1], pooling=PoolingMode.SUM, seed=21)
+        assert seen == [want]
 
 
 # ---------------------------------------------------------------------------- real GPU
@@ -708,15 +731,27 @@ def test_cuda_hot_rows_and_vbe(monkeypatch, seg):
 @cuda
 @needs_cuda
 @pytest.mark.parametrize("specs", [[(300, 256), (60, 256)], [(300, 256), (40, 200), (9, 512)]])
-def test_cuda_wide_rows_with_capped_registers(specs):
-    """Rows of 256 and more elements (all D equal, and mixed D up to BLOCK_D 512): the update kernel
-    launches with the register cap of ``TUNING["seg_launch"]`` for BLOCK_D 256; hot rows cut into
-    pieces and combined."""
-    assert len(triton_backend.TUNING["seg_launch"][256]) == 3      # the capped launch is the one tested
-    run_and_check("cuda", specs=specs, fmap=list(range(len(specs))) + [0], pooling=PoolingMode.SUM,
-                  B=96, hot=True, max_len=24, seed=17)
-    run_and_check("cuda", specs=specs, fmap=list(range(len(specs))), pooling=PoolingMode.MEAN,
-                  psw=True, B=40, max_len=10, seed=18)
+def test_cuda_wide_rows_with_capped_registers(monkeypatch, specs):
+    """Rows of 256 and more elements (all D equal, and mixed D up to BLOCK_D 512) with the update
+    kernel capped at 40 registers per thread: against the float64 reference (hot rows cut into
+    pieces and combined; MEAN with per-sample weights), the launch really compiled with the cap, and
+    the updated tables bitwise equal to those of the uncapped kernel."""
+    kernel = triton_backend.segment_update_kernel
+    states = {}
+    for cap in (40, None):
+        launch = (4096, 4, cap) if cap else (4096, 4)
+        monkeypatch.setitem(triton_backend.TUNING, "seg_launch", {256: launch, 512: launch})
+        m, _ = run_and_check("cuda", specs=specs, fmap=list(range(len(specs))) + [0],
+                             pooling=PoolingMode.SUM, B=96, hot=True, max_len=24, seed=17)
+        states[cap] = [getattr(m, n).clone() for n in ("weights_dev", "momentum1_dev", "momentum2_dev")]
+        if cap:
+            caps = {ck.metadata.maxnreg for cache in kernel.device_caches.values()
+                    for ck in cache[0].values()}
+            assert cap in caps
+            run_and_check("cuda", specs=specs, fmap=list(range(len(specs))), pooling=PoolingMode.MEAN,
+                          psw=True, B=40, max_len=10, seed=18)
+    for a, b in zip(states[40], states[None]):
+        assert torch.equal(a, b)
 
 
 @cuda

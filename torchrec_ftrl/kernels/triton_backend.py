@@ -47,8 +47,9 @@ from .triton_forward import forward_config, tbe_forward_kernel
 # resident per SM: the kernel is latency-bound, its speed follows the resident programs (H200,
 # D=256 uniform: 47 registers, 5 programs of 8 warps per SM, update kernel 4.45 ms; capped at 40, 6
 # programs, 4.27 ms; at 36 (4 spilled) 4.43 ms, at 32 (10 spilled) 5.02 ms; D=64 uniform 1.12 ->
-# 1.08 ms with 40; at D=128 a cap of 40 spills 4 registers: step 1.0% slower at uniform keys, 1.5%
-# faster at Zipf keys, so none; rows of 32 elements and fewer, not measured, keep no cap). Both from
+# 1.08 ms with 40; at D=128 a cap of 40 spills 4 registers: step 1.0% slower at uniform keys, 1.4%
+# faster at Zipf keys, so none; rows of up to 32 and of 512 or more elements, not measured, keep no
+# cap). Both from
 # step-time sweeps on an H200 (D=256 Zipf: 2.64 ms with 4096 elements against 2.88 ms with 2048 and
 # 3.37 ms with 8192; update kernel at D=128 Zipf 1.06 ms with 4096 against 1.09 ms with 2048; seg
 # 128 against 64: 2.77 vs 2.81 ms at D=256 Zipf, fp16 D=128 1.79 vs 1.85 ms, but D=64 1.29 vs 1.25
@@ -63,7 +64,8 @@ from .triton_forward import forward_config, tbe_forward_kernel
 # Results do not depend on them beyond fp32 summation order.
 TUNING = {"fwd": {256: (1024, 4, ""), 512: (1024, 4, ""), 1024: (1024, 4, "")},
           "seg": {64: 64, 128: 128, 256: 128},
-          "seg_launch": {32: (4096, 4), 64: (4096, 4, 40), 128: (4096, 4), 256: (4096, 4, 40)},
+          "seg_launch": {32: (4096, 4), 64: (4096, 4, 40), 128: (4096, 4), 256: (4096, 4, 40),
+                         512: (4096, 4)},
           "combine_cp": 16, "combine_nb": 64, "linearize": (64, 8, 4), "block": 1024,
           "repair_block": 1024, "lookback": 32}
 
@@ -109,13 +111,14 @@ def _call(op, impl, *args):
         _eager.on = False
 
 
-def _register_cap(kernel, maxnreg: Optional[int]) -> dict:
+def _register_cap(kernel, maxnreg: Optional[int], dev: torch.device) -> dict:
     """Launch options that cap ``kernel``'s registers per thread at ``maxnreg``: only for a compiled
-    kernel launched directly (eager mode) on NVIDIA GPUs. Not under the interpreter, not on ROCm, and
-    not through ``wrap_triton`` (torch.compile), whose launches take no ``maxnreg``: those run
-    uncapped."""
+    kernel launched directly (eager mode) on an NVIDIA GPU ``dev``. Not under the interpreter, not on
+    other devices or ROCm, and not through ``wrap_triton`` (torch.compile), whose launches take no
+    ``maxnreg``: those run uncapped."""
     direct = wrap_triton is None or getattr(_eager, "on", False)
-    if maxnreg and isinstance(kernel, JITFunction) and direct and torch.version.hip is None:
+    nvidia = dev.type == "cuda" and torch.version.hip is None
+    if maxnreg and isinstance(kernel, JITFunction) and direct and nvidia:
         return {"maxnreg": int(maxnreg)}
     return {}
 
@@ -300,7 +303,7 @@ def _backward_impl(weights: torch.Tensor, accum: torch.Tensor, linear: torch.Ten
         N, lr, l1, l2_eff, beta, shrink2, neg_p,
         SEG=SEG, HAS_SCALE=has_scale, POW_HALF=pow_half, HAS_SHRINK=has_shrink,
         LIBDEVICE_POW=libdev, G=G, R=R, BLOCK_D=BLOCK_D, VEC=vec, EVEN_D=even_d, num_warps=warps,
-        **_register_cap(segment_update_kernel, launch[2] if len(launch) > 2 else None))
+        **_register_cap(segment_update_kernel, launch[2] if len(launch) > 2 else None, dev))
     if nmult > 0:
         cp = int(TUNING["combine_cp"])
         _k(segment_combine_kernel)[(_cdiv(nmult, cp),)](

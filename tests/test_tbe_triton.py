@@ -736,18 +736,21 @@ def test_cuda_wide_rows_with_capped_registers(monkeypatch, specs):
     kernel capped at 40 registers per thread: against the float64 reference (hot rows cut into
     pieces and combined; MEAN with per-sample weights), the launch really compiled with the cap, and
     the updated tables bitwise equal to those of the uncapped kernel."""
-    kernel = triton_backend.segment_update_kernel
+    def compiled():
+        return {id(ck): ck for cache in triton_backend.segment_update_kernel.device_caches.values()
+                for ck in cache[0].values()}
+
     states = {}
     for cap in (40, None):
         launch = (4096, 4, cap) if cap else (4096, 4)
         monkeypatch.setitem(triton_backend.TUNING, "seg_launch", {256: launch, 512: launch})
+        before = compiled()
         m, _ = run_and_check("cuda", specs=specs, fmap=list(range(len(specs))) + [0],
                              pooling=PoolingMode.SUM, B=96, hot=True, max_len=24, seed=17)
         states[cap] = [getattr(m, n).clone() for n in ("weights_dev", "momentum1_dev", "momentum2_dev")]
+        new = [ck for k, ck in compiled().items() if k not in before]
+        assert new and all(ck.metadata.maxnreg == cap for ck in new)     # compiled for this launch
         if cap:
-            caps = {ck.metadata.maxnreg for cache in kernel.device_caches.values()
-                    for ck in cache[0].values()}
-            assert cap in caps
             run_and_check("cuda", specs=specs, fmap=list(range(len(specs))), pooling=PoolingMode.MEAN,
                           psw=True, B=40, max_len=10, seed=18)
     for a, b in zip(states[40], states[None]):

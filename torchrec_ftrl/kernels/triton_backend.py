@@ -49,12 +49,11 @@ from .triton_forward import forward_config, tbe_forward_kernel
 # programs, 4.27 ms; at 36 (4 spilled) 4.43 ms, at 32 (10 spilled) 5.02 ms; D=64 uniform 1.12 ->
 # 1.08 ms with 40; at D=128 a cap of 40 spills 4 registers: step 1.0% slower at uniform keys, 1.4%
 # faster at Zipf keys, so none; rows of up to 32 and of 512 or more elements, not measured, keep no
-# cap). Both from
-# step-time sweeps on an H200 (D=256 Zipf: 2.64 ms with 4096 elements against 2.88 ms with 2048 and
-# 3.37 ms with 8192; update kernel at D=128 Zipf 1.06 ms with 4096 against 1.09 ms with 2048; seg
-# 128 against 64: 2.77 vs 2.81 ms at D=256 Zipf, fp16 D=128 1.79 vs 1.85 ms, but D=64 1.29 vs 1.25
-# ms). For the tables, the nearest listed size serves the others. combine_cp/combine_nb: cut
-# candidates per combine program / pieces added per step;
+# cap). Both from step-time sweeps on an H200 (D=256 Zipf: 2.64 ms with 4096 elements against 2.88
+# ms with 2048 and 3.37 ms with 8192; update kernel at D=128 Zipf 1.06 ms with 4096 against 1.09 ms
+# with 2048; seg 128 against 64: 2.77 vs 2.81 ms at D=256 Zipf, fp16 D=128 1.79 vs 1.85 ms, but D=64
+# 1.29 vs 1.25 ms). For the tables, the nearest listed size serves the others.
+# combine_cp/combine_nb: cut candidates per combine program / pieces added per step;
 # linearize: (bags per program, indices per bag in flight, warps) of linearize_kernel (H200 sweep at
 # D=64 Zipf: (64, 8, 4) 0.042 ms against 0.075 ms with 4 indices in flight);
 # block: 1-D kernels' block (positions per tile of segment_mark_kernel); repair_block: bags per

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 
@@ -27,8 +28,9 @@ def _entry(rank: int, world_size: int, port: int, fn, args) -> None:
     if device_type() == "cuda":
         import torch
         torch.cuda.set_device(rank)
+    # A stuck rendezvous or collective fails after 10 minutes instead of torch's default 30.
     dist.init_process_group("nccl" if device_type() == "cuda" else "gloo", rank=rank,
-                            world_size=world_size)
+                            world_size=world_size, timeout=datetime.timedelta(minutes=10))
     try:
         fn(rank, world_size, *args)
     finally:

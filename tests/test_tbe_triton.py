@@ -673,9 +673,9 @@ def test_register_cap_only_for_direct_compiled_launches(monkeypatch):
     gpu = torch.device("cuda", 0)
     monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(triton_backend._eager, "on", False, raising=False)
-    assert triton_backend._register_cap(kernel, 40, gpu) == {}
+    assert triton_backend._register_cap(triton_backend._k(kernel), 40, gpu) == {}   # wrap_triton
     monkeypatch.setattr(triton_backend._eager, "on", True)
-    assert triton_backend._register_cap(kernel, 40, gpu) == {"maxnreg": 40}
+    assert triton_backend._register_cap(triton_backend._k(kernel), 40, gpu) == {"maxnreg": 40}
     assert triton_backend._register_cap(kernel, None, gpu) == {}
     assert triton_backend._register_cap(lambda: None, 40, gpu) == {}
     assert triton_backend._register_cap(kernel, 40, torch.device("cpu")) == {}
@@ -689,9 +689,9 @@ def test_interp_register_cap_reaches_the_update_launch(interp, monkeypatch):
     seen = []
     real = triton_backend._register_cap
 
-    def spy(kernel, maxnreg, dev):
+    def spy(launcher, maxnreg, dev):
         seen.append(maxnreg)
-        return real(kernel, maxnreg, dev)
+        return real(launcher, maxnreg, dev)
     monkeypatch.setattr(triton_backend, "_register_cap", spy)
     for launch, want in (((32, 4, 40), 40), ((32, 4), None)):
         monkeypatch.setitem(triton_backend.TUNING, "seg_launch", {8: launch})

@@ -110,14 +110,13 @@ def _call(op, impl, *args):
         _eager.on = False
 
 
-def _register_cap(kernel, maxnreg: Optional[int], dev: torch.device) -> dict:
-    """Launch options that cap ``kernel``'s registers per thread at ``maxnreg``: only for a compiled
-    kernel launched directly (eager mode) on an NVIDIA GPU ``dev``. Not under the interpreter, not on
-    other devices or ROCm, and not through ``wrap_triton`` (torch.compile), whose launches take no
-    ``maxnreg``: those run uncapped."""
-    direct = wrap_triton is None or getattr(_eager, "on", False)
+def _register_cap(launcher, maxnreg: Optional[int], dev: torch.device) -> dict:
+    """Launch options that cap the registers per thread at ``maxnreg`` for ``launcher`` (what
+    :func:`_k` gave for the kernel): only a compiled kernel launched directly (eager mode) on an
+    NVIDIA GPU ``dev`` takes them. Not an interpreted kernel, not other devices or ROCm, and not a
+    ``wrap_triton`` wrapper (torch.compile), whose launches take no ``maxnreg``: those run uncapped."""
     nvidia = dev.type == "cuda" and torch.version.hip is None
-    if maxnreg and isinstance(kernel, JITFunction) and direct and nvidia:
+    if maxnreg and isinstance(launcher, JITFunction) and nvidia:
         return {"maxnreg": int(maxnreg)}
     return {}
 
@@ -296,13 +295,14 @@ def _backward_impl(weights: torch.Tensor, accum: torch.Tensor, linear: torch.Ten
     pow_half = neg_p == 0.5
     has_shrink = shrink2 != 0.0
     libdev = isinstance(segment_update_kernel, JITFunction)
-    _k(segment_update_kernel)[(_cdiv(bound, G),)](
+    update = _k(segment_update_kernel)
+    update[(_cdiv(bound, G),)](
         seg, count, sorted_key, sgofs, sscale, stid, grad, weights, linear, accum,
         table_w_offset, table_dim, row_base, part, nonfinite_rows,
         N, lr, l1, l2_eff, beta, shrink2, neg_p,
         SEG=SEG, HAS_SCALE=has_scale, POW_HALF=pow_half, HAS_SHRINK=has_shrink,
         LIBDEVICE_POW=libdev, G=G, R=R, BLOCK_D=BLOCK_D, VEC=vec, EVEN_D=even_d, num_warps=warps,
-        **_register_cap(segment_update_kernel, launch[2] if len(launch) > 2 else None, dev))
+        **_register_cap(update, launch[2] if len(launch) > 2 else None, dev))
     if nmult > 0:
         cp = int(TUNING["combine_cp"])
         _k(segment_combine_kernel)[(_cdiv(nmult, cp),)](

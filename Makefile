@@ -1,29 +1,47 @@
-# One entry point for users, developers and CI. Everything installs into ./.venv from pinned files.
+# One entry point for users, developers and CI. Everything installs into ./.venv from pinned files;
+# .venv-torchrec19 is the same set with torchrec 1.9.2, for the integration suites.
 PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
 PIP := $(VPY) -m pip --disable-pip-version-check -q
+VENV19 := .venv-torchrec19
+PIP19 := $(VENV19)/bin/python -m pip --disable-pip-version-check -q
+# The suites that exercise TorchRec's internals (registration, patches, planner, DMP, sharded reliability).
+INTEGRATION_TESTS := tests/test_integration.py tests/test_planner.py tests/test_distributed.py \
+	tests/test_checkpoint.py tests/test_reliability_sharded.py
 
-.PHONY: venv demo test bench clean
+.PHONY: venv venv19 demo test bench clean
 
-$(VENV)/.installed: requirements.txt requirements-torchrec.txt pyproject.toml
+$(VENV)/.installed: requirements.txt requirements-torchrec.txt requirements-tensorflow.txt pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(PIP) install -r requirements.txt
+	$(PIP) install -r requirements-tensorflow.txt -c requirements.txt
 	$(PIP) install --no-deps -r requirements-torchrec.txt
 	$(PIP) install --no-deps --no-build-isolation -e .
 	touch $@
 
 venv: $(VENV)/.installed
 
+$(VENV19)/.installed: requirements.txt requirements-torchrec19.txt pyproject.toml
+	$(PY) -m venv $(VENV19)
+	$(PIP19) install -r requirements.txt
+	$(PIP19) install --no-deps -r requirements-torchrec19.txt
+	$(PIP19) install --no-deps --no-build-isolation -e .
+	touch $@
+
+venv19: $(VENV19)/.installed
+
 # The main job on its embedded synthetic default: 2 CPU processes (gloo) launched by torchx.
 demo: venv
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/torchx run -s local_cwd torchrec_ftrl/components.py:train_ctr --nproc 2
 
-test: venv
+# The whole suite on the pinned set, then the integration suites on torchrec 1.9.2.
+test: venv venv19
 	$(VPY) -m pytest -q tests
+	$(VENV19)/bin/python -m pytest -q $(INTEGRATION_TESTS)
 
 bench: venv
 	$(VPY) benchmarks/bench_tbe_cpu.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VENV19) build *.egg-info

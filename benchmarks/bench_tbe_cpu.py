@@ -29,7 +29,7 @@ from torch import nn
 
 import torchrec_ftrl
 from torchrec_ftrl import FTRLTableBatchedEmbeddingBags
-from torchrec_ftrl.tbe_compat import EmbOptimType, PoolingMode
+from torchrec_ftrl.fbgemm_enums import EmbOptimType, PoolingMode
 
 FTRL_KW = dict(learning_rate=0.05, ftrl_l1_reg=1e-4, ftrl_l2_reg=1e-4, ftrl_beta=1.0)
 

@@ -32,7 +32,7 @@ from torch import nn
 import torchrec_ftrl
 from torchrec_ftrl import FTRLTableBatchedEmbeddingBags
 from torchrec_ftrl.kernels import triton_backend
-from torchrec_ftrl.tbe_compat import BoundsCheckMode, EmbOptimType, PoolingMode, SparseType
+from torchrec_ftrl.fbgemm_enums import BoundsCheckMode, EmbOptimType, PoolingMode, SparseType
 
 FTRL_KW = dict(learning_rate=0.05, ftrl_l1_reg=1e-4, ftrl_l2_reg=1e-4, ftrl_beta=1.0)
 LABELS = {
@@ -188,7 +188,7 @@ def tune_forward(T, E, B, L, batches_by_dist, log):
         lists = [[(m._make_batch(i, o, None, None), None) for i, o in b] for b in batches_by_dist.values()]
 
         def fwd(batch, _):
-            return triton_backend.forward_train(m.weights_dev, batch, torch.float32)
+            return triton_backend.forward_train(m.weights_dev, batch, torch.float32)[0]
 
         res = []
         for tile, unroll, ev in itertools.product((1024, 2048, 4096), (1, 2, 4), ("", "evict_last")):

@@ -1,6 +1,7 @@
-"""Worker bodies of the DMP tests (run in spawned gloo processes by tests/test_distributed.py).
+"""Worker bodies of the DMP tests (run in spawned gloo processes by tests/test_distributed.py and
+tests/test_checkpoint.py through ``conftest.run_distributed``).
 
-Expected values come from the float64 FTRL reference (torchrec_ftrl.kernels.reference) applied to
+Expected values come from the float64 FTRL reference (tests/reference.py) applied to
 gradients computed here in float64 from the global batch; the sharded model never feeds them.
 """
 
@@ -8,11 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 import torchrec_ftrl  # noqa: F401  (registers FTRL)
-from dist_harness import device_type
-from torchrec_ftrl.kernels.reference import ftrl_reference_rows
+from conftest import device_type
+from reference import ftrl_reference_rows
 
 KNOBS = dict(lr=0.1, l1=0.01, l2=0.02, beta=0.5, lr_power=-0.5, l2_shrinkage=0.0)
 FUSED_KNOBS = {"learning_rate": 0.1, "ftrl_l1_reg": 0.01, "ftrl_l2_reg": 0.02, "ftrl_beta": 0.5}
@@ -135,7 +135,7 @@ def _ebc_plan(ebc, sharder, ws):
 
 def ftrl_kernels(dmp):
     """Our kernel objects inside the sharded modules of ``dmp``."""
-    from torchrec_ftrl.distributed.kernels import FTRLBatchedFusedEmbedding, FTRLBatchedFusedEmbeddingBag
+    from torchrec_ftrl.integration.kernels import FTRLBatchedFusedEmbedding, FTRLBatchedFusedEmbeddingBag
     found = []
     for m in dmp.modules():
         for lookup in getattr(m, "_lookups", []) or []:
@@ -216,6 +216,118 @@ def every_sharding_type(rank: int, ws: int) -> None:
     check_tables(dmp, ref, "ec.embeddings", seq_names)
 
 
+# ----------------------------------------------------------------------------- data-parallel paths
+def train_pooled(dmp, ref, rank, ws, tables, feats, steps, step_fn=None):
+    """Steps ``steps`` of SUM-pooled lookups on ``tables`` (one feature each); the float64 reference
+    (unless None) is fed with the global batch's row gradients (divided by world size); ``step_fn``
+    runs after each backward."""
+    for step in steps:
+        gb = batch(step, feats, rank, ws)
+        up = upstream(step, ws, len(feats))
+        out = dmp(local_kjt(gb, feats, rank))
+        local_up = torch.from_numpy(up[rank * B_LOCAL:(rank + 1) * B_LOCAL]).float().to(device())
+        (out.values().view(B_LOCAL, len(feats), DIM) * local_up).sum().backward()
+        if step_fn is not None:
+            step_fn()
+        if ref is not None:
+            for j, (n, f) in enumerate(zip(tables, feats)):
+                ref.step(n, *pooled_row_grads(gb[f], up[:, j], ws))
+
+
+def data_parallel_paths(rank: int, ws: int) -> None:
+    """FTRL is never trained by another optimizer, whatever the configuration path:
+    (1) apply_optimizer_in_backward(FTRL) with torchrec_ftrl.sharders() and DMP's default planner:
+        small tables are not planned data-parallel; they run our fused kernel and match float64;
+    (2) the data-parallel recipe (a stock sharder, a data-parallel plan, the dense torchrec_ftrl.FTRL
+        with its defaults): matches float64 with row-sparse semantics (rows absent from every batch
+        keep weight, accum and linear bit for bit);
+    (3) a plan that puts an in-backward FTRL table on data-parallel: DMP construction raises a
+        ValueError naming the table, its sharding type and its compute kernel."""
+    import pytest
+    import torchrec
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, data_parallel
+    from torchrec.distributed.types import ShardingPlan
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    tables, feats = ["d_a", "d_b"], ["df_a", "df_b"]
+
+    def ebc():
+        return EmbeddingBagCollection(tables=[EmbeddingBagConfig(
+            name=n, embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f])
+            for n, f in zip(tables, feats)], device=torch.device("meta"))
+
+    ftrl_kwargs = {"lr": KNOBS["lr"], "ftrl_l1_reg": KNOBS["l1"], "ftrl_l2_reg": KNOBS["l2"],
+                   "ftrl_beta": KNOBS["beta"]}
+
+    # (1) in backward, default planner
+    m1 = ebc()
+    apply_optimizer_in_backward(torchrec.optim.FTRL, m1.parameters(), ftrl_kwargs)
+    dmp = DistributedModelParallel(m1, device=device(), sharders=torchrec_ftrl.sharders())
+    planned = {n: (ps.sharding_type, ps.compute_kernel) for n, ps in dmp.plan.plan[""].items()}
+    assert all(st != "data_parallel" and k == "fused" for st, k in planned.values()), planned
+    import torch.distributed as dist
+    local = sorted(t.name for k in ftrl_kernels(dmp) for t in k.config.embedding_tables)
+    everywhere = [None] * ws
+    dist.all_gather_object(everywhere, local)
+    assert sorted(set(sum(everywhere, []))) == tables, everywhere   # every table on our kernel
+    ref = Reference({n: (ROWS, DIM) for n in tables})
+    msd = dmp.state_dict()
+    for n in tables:
+        copy_global_into(msd[f"embedding_bags.{n}.weight"], ref.w[n])
+    train_pooled(dmp, ref, rank, ws, tables, feats, range(STEPS))
+    check_tables(dmp, ref, "embedding_bags", tables)
+
+    # (2) the data-parallel recipe: stock sharder, data-parallel plan, dense FTRL (defaults)
+    sharder = EmbeddingBagCollectionSharder()
+    m2 = ebc()
+    plan = ShardingPlan({"": construct_module_sharding_plan(
+        m2, per_param_sharding={n: data_parallel() for n in tables}, sharder=sharder, local_size=ws,
+        world_size=ws, device_type=device_type())})
+    dmp = DistributedModelParallel(m2, device=device(), sharders=[sharder], plan=plan)
+    params = {n: p for n, p in dmp.named_parameters() if n.split(".")[-2] in tables}
+    assert sorted(n.split(".")[-2] for n in params) == tables, list(params)
+    ref = Reference({n: (ROWS, DIM) for n in tables})
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(torch.from_numpy(ref.w[n.split(".")[-2]]).to(p.dtype).to(p.device))
+    opt = torchrec_ftrl.FTRL(list(params.values()), **ftrl_kwargs)
+
+    def step_fn():
+        opt.step()
+        opt.zero_grad()
+    train_pooled(dmp, ref, rank, ws, tables, feats, range(STEPS), step_fn)
+    touched = {n: set() for n in tables}
+    for step in range(STEPS):
+        gb = batch(step, feats, rank, ws)
+        for n, f in zip(tables, feats):
+            touched[n].update(r for bag in gb[f] for r in bag)
+    for name, p in params.items():
+        t = name.split(".")[-2]
+        state = opt.state[p]
+        for got, want, what in ((p, ref.w[t], "weight"), (state["accum"], ref.n[t], "accum"),
+                                (state["linear"], ref.z[t], "linear")):
+            np.testing.assert_allclose(got.detach().double().cpu().numpy(), want, err_msg=f"{what} of {t}",
+                                       **TOL)
+        absent = sorted(set(range(ROWS)) - touched[t])
+        assert absent, "the batches touch every row: the test needs absent rows"
+        start = torch.from_numpy(global_init(t, ROWS, DIM)).to(p.dtype)
+        assert torch.equal(p.detach().cpu()[absent], start[absent])
+        assert not state["accum"][absent].any() and not state["linear"][absent].any()
+
+    # (3) in backward, forced onto data-parallel: refused at DMP construction
+    m3 = ebc()
+    apply_optimizer_in_backward(torchrec.optim.FTRL, m3.parameters(), ftrl_kwargs)
+    sharders = torchrec_ftrl.sharders()
+    plan = ShardingPlan({"": construct_module_sharding_plan(
+        m3, per_param_sharding={n: data_parallel() for n in tables}, sharder=sharders[0],
+        local_size=ws, world_size=ws, device_type=device_type())})
+    with pytest.raises(ValueError, match=r"table 'd_[ab]'.*sharding type 'data_parallel'.*kernel 'dense'"):
+        DistributedModelParallel(m3, device=device(), sharders=sharders, plan=plan)
+
+
 # ----------------------------------------------------------------------------- checkpoints
 CK_TABLES = ["c_a", "c_b"]
 CK_FEATS = ["cf_a", "cf_b"]
@@ -242,15 +354,7 @@ def _ck_model(ws: int, sharding: str):
 
 
 def _ck_train(dmp, ref, rank, ws, steps):
-    for step in steps:
-        gb = batch(step, CK_FEATS, rank, ws)
-        up = upstream(step, ws, len(CK_FEATS))
-        out = dmp(local_kjt(gb, CK_FEATS, rank))
-        local_up = torch.from_numpy(up[rank * B_LOCAL:(rank + 1) * B_LOCAL]).float().to(device())
-        (out.values().view(B_LOCAL, len(CK_FEATS), DIM) * local_up).sum().backward()
-        if ref is not None:
-            for j, (n, f) in enumerate(zip(CK_TABLES, CK_FEATS)):
-                ref.step(n, *pooled_row_grads(gb[f], up[:, j], ws))
+    train_pooled(dmp, ref, rank, ws, CK_TABLES, CK_FEATS, steps)
 
 
 def _ck_reference(phases):

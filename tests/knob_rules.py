@@ -1,10 +1,12 @@
-"""FTRL.md's hyperparameter constraints, stated independently of torchrec_ftrl.hyperparams, and a pool
-of good and bad values for property tests (shared by the reliability suites)."""
+"""docs/ftrl.md's hyperparameter constraints, stated independently of torchrec_ftrl.hyperparams, a pool
+of good and bad values for property tests, and the check that a constructor takes exactly the valid
+ones (shared by the reliability suites)."""
 
 from __future__ import annotations
 
 import math
 
+import pytest
 from hypothesis import strategies as st
 
 FP32_MAX, FP32_MIN_NORMAL = 3.4028234663852886e38, 1.1754943508222875e-38
@@ -28,3 +30,20 @@ def valid_knob(knob: str, v) -> bool:
     if knob == "ftrl_learning_rate_power":
         return v <= 0
     return v >= 0
+
+
+def message_name(knob: str) -> str:
+    """How an error message names ``knob`` (the learning rate under both spellings)."""
+    return "learning_rate (lr)" if knob in ("lr", "learning_rate") else knob
+
+
+def assert_valid_or_named_error(build, knobs: dict):
+    """``build(**knobs)`` succeeds (and is returned) when every knob is valid; otherwise it raises a
+    ``ValueError`` naming one of the bad knobs (None is returned)."""
+    bad = [k for k, v in knobs.items() if not valid_knob(k, v)]
+    if not bad:
+        return build(**knobs)
+    with pytest.raises(ValueError) as e:
+        build(**knobs)
+    assert any(message_name(k) in str(e.value) for k in bad), str(e.value)
+    return None

@@ -1,4 +1,4 @@
-"""Worker bodies of tests/test_reliability_sharded.py (spawned gloo processes, tests/dist_harness.py).
+"""Worker bodies of tests/test_reliability_sharded.py (spawned gloo processes, ``conftest.run_distributed``).
 
 Reuses the small DMP model and the float64 reference of tests/dist_scenarios.py. Expected values come
 from ``ftrl_reference_rows`` fed with float64 row gradients computed here from the global batch.
@@ -14,12 +14,8 @@ import torch.distributed as dist
 
 import dist_scenarios as sc
 import torchrec_ftrl  # noqa: F401  (registers FTRL)
+from conftest import bits
 from torchrec_ftrl.checkpoint import _local_pieces
-
-
-def _bits(t):
-    return torch.empty(0, dtype=torch.uint8) if t.numel() == 0 else \
-        t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).clone()
 
 
 def local_snapshot(dmp, prefix="embedding_bags"):
@@ -29,10 +25,10 @@ def local_snapshot(dmp, prefix="embedding_bags"):
     for key, t in msd.items():
         if not key.startswith(prefix):
             continue
-        snap[key] = [_bits(local) for _, local in _local_pieces(t)]
+        snap[key] = [bits(local) for _, local in _local_pieces(t)]
         for slot, st in osd.get(key, {}).items():
             if isinstance(st, torch.Tensor) or hasattr(st, "local_shards"):
-                snap[f"{key}/{slot}"] = [_bits(local) for _, local in _local_pieces(st)]
+                snap[f"{key}/{slot}"] = [bits(local) for _, local in _local_pieces(st)]
     return snap
 
 
@@ -100,11 +96,11 @@ def nonfinite_sharded_bitwise(rank: int, ws: int, sharding: str, out_dir: str) -
     osd = dmp.fused_optimizer.state_dict()["state"]
     key = f"embedding_bags.{sc.CK_TABLES[0]}.weight"
     tensors = [msd[key]] + ([osd[key][f"{sc.CK_TABLES[0]}.{s}"] for s in ("accum", "linear")] if key in osd else [])
-    before = [[_bits(local) for _, local in _local_pieces(t)] for t in tensors]
+    before = [[bits(local) for _, local in _local_pieces(t)] for t in tensors]
     out = dmp(sc.local_kjt(gb, sc.CK_FEATS, rank))
     local_up = torch.from_numpy(up[rank * sc.B_LOCAL:(rank + 1) * sc.B_LOCAL]).float()
     (out.values().view(sc.B_LOCAL, len(sc.CK_FEATS), sc.DIM) * local_up).sum().backward()
-    after = [[_bits(local) for _, local in _local_pieces(t)] for t in tensors]
+    after = [[bits(local) for _, local in _local_pieces(t)] for t in tensors]
     for b, a in zip(before, after):
         assert all(torch.equal(x, y) for x, y in zip(b, a))
 

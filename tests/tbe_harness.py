@@ -1,15 +1,12 @@
 """Reusable randomized checks of ``FTRLTableBatchedEmbeddingBags`` against an independent reference.
 
-Used by ``tests/test_tbe.py`` (backends "cpp" and "torch") and by the Triton tests (backend "triton",
-device "cuda"). Expected values never come from the module's kernels:
-
-* forward: one ``torch.nn.functional.embedding_bag`` / ``embedding`` call per feature on a float64
-  copy of its table (FBGEMM TBE semantics: SUM/MEAN pooling, per-sample weights, empty bags give 0);
-* update: the float64 autograd gradient of ``sum(out * grad_out)`` w.r.t. each float64 table is the
-  summed sparse gradient; ``ftrl_reference_rows`` (``torchrec_ftrl/kernels/reference.py``, transcribed
-  from ``shared/docs/FTRL.md``) applies ONE update per touched row; untouched rows must stay
-  bit-for-bit unchanged;
-* per-sample-weight gradient: float64 autograd on the same reference (weights before the update).
+Used by ``tests/test_tbe.py`` (backends "cpp" and "torch"), ``tests/test_reliability_tbe.py`` and the
+Triton tests (backend "triton"). Expected values never come from the module's kernels: they come from
+the float64 oracle of ``tests/conftest.py`` (:func:`conftest.reference_update`): the forward by
+``torch.nn.functional.embedding_bag`` / ``embedding`` per feature on float64 copies of the tables, the
+summed row gradients and the per-sample-weight gradient by float64 autograd, and ONE
+``ftrl_reference_rows`` update (``tests/reference.py``, transcribed from ``docs/ftrl.md``) per touched
+row; untouched rows must stay bit-for-bit unchanged.
 
 Each step starts the reference from the module's current state (in float64), so every step is checked
 with tight tolerances and nothing drifts.
@@ -23,11 +20,11 @@ from typing import Optional
 
 import numpy as np
 import torch
-import torch.nn.functional as Fn
 
+from conftest import ReferenceStep, bits, reference_update
+from reference import reference_knobs
 from torchrec_ftrl import FTRLTableBatchedEmbeddingBags
-from torchrec_ftrl.kernels.reference import ftrl_reference_rows, reference_knobs
-from torchrec_ftrl.tbe_compat import PoolingMode, SparseType
+from torchrec_ftrl.fbgemm_enums import PoolingMode, SparseType
 
 #: Backends the CPU tests run; the Triton tests pass ``backend="triton"`` explicitly.
 CPU_BACKENDS = ["cpp", "torch"]
@@ -109,13 +106,14 @@ def random_case(seed: int, *, allow_low_precision: bool = True) -> TBECase:
         index_dtype=r.choice([torch.int32, torch.int64]), hp=r.choice(_HP_CHOICES), seed=seed)
 
 
-def build_module(case: TBECase, backend: str, device="cpu") -> FTRLTableBatchedEmbeddingBags:
-    """The module under test, weights drawn uniformly from [-0.5, 0.5] (seeded)."""
+def build_module(case: TBECase, backend: str, device="cpu", **kwargs) -> FTRLTableBatchedEmbeddingBags:
+    """The module under test, weights drawn uniformly from [-0.5, 0.5] (seeded); ``kwargs``: more
+    constructor arguments (e.g. ``deterministic``)."""
     torch.manual_seed(case.seed)
     m = FTRLTableBatchedEmbeddingBags(
         case.specs, feature_table_map=case.feature_table_map, pooling_mode=case.pooling,
         weights_precision=case.weights_precision, output_dtype=case.output_dtype, device=device,
-        backend=backend, **case.hp)
+        backend=backend, **case.hp, **kwargs)
     m.init_embedding_weights_uniform(-0.5, 0.5)
     return m
 
@@ -153,47 +151,6 @@ def random_batch(case: TBECase, rng: np.random.Generator, device="cpu"):
     return indices, offsets, psw
 
 
-def reference_forward(tables64: list[torch.Tensor], case: TBECase, indices, offsets, psw):
-    """Float64 expected output; ``tables64`` may require grad (for the reference gradients).
-
-    Returns ``[B, sum D_f]`` (SUM/MEAN), ``[N, D]`` (NONE) or the flat FBGEMM VBE output (ranks, then
-    features, then samples)."""
-    idx = indices.long().cpu()
-    off = offsets.long().cpu()
-    psw64 = psw.double().cpu() if psw is not None else None
-    sizes = _bag_sizes(case)
-    per_feature, bag0 = [], 0
-    for f, nb in enumerate(sizes):
-        W = tables64[case.feature_table_map[f]]
-        lo, hi = int(off[bag0]), int(off[bag0 + nb])
-        if case.pooling == PoolingMode.NONE:
-            per_feature.append(Fn.embedding(idx[lo:hi], W))
-        else:
-            foff = off[bag0:bag0 + nb] - lo
-            fp = psw64[lo:hi] if psw64 is not None else None
-            if case.pooling == PoolingMode.SUM or fp is None:
-                mode = "sum" if case.pooling == PoolingMode.SUM else "mean"
-                pooled = Fn.embedding_bag(idx[lo:hi], W, foff, mode=mode, per_sample_weights=fp,
-                                          include_last_offset=False)
-            else:  # MEAN with per-sample weights: weighted sum / bag length
-                pooled = Fn.embedding_bag(idx[lo:hi], W, foff, mode="sum", per_sample_weights=fp)
-                lens = (off[bag0 + 1:bag0 + nb + 1] - off[bag0:bag0 + nb]).double().clamp(min=1)
-                pooled = pooled / lens.unsqueeze(1)
-            per_feature.append(pooled)
-        bag0 += nb
-    if case.pooling == PoolingMode.NONE:
-        return torch.cat(per_feature, 0)
-    if case.vbe is None:
-        return torch.cat(per_feature, 1)
-    R = len(case.vbe[0])
-    chunks = []
-    for r in range(R):
-        for f in range(len(sizes)):
-            start = sum(case.vbe[f][:r])
-            chunks.append(per_feature[f][start:start + case.vbe[f][r]].reshape(-1))
-    return torch.cat(chunks)
-
-
 def _close(actual, expected, dtype, what, case, atol_scale=1.0):
     rtol = _RTOL[dtype]
     atol = rtol * atol_scale + 1e-7
@@ -207,6 +164,42 @@ def _close(actual, expected, dtype, what, case, atol_scale=1.0):
                              f"(rtol={rtol}, atol={atol})\n{case.describe()}")
 
 
+def table_snapshot(m):
+    """Copies of the per-table weights and ``(accum, linear)`` states of ``m``."""
+    return ([w.detach().clone() for w in m.split_embedding_weights()],
+            [(a.clone(), z.clone()) for a, z in m.split_optimizer_states()])
+
+
+def reference_step(m, case: TBECase, W0, S0, indices, offsets, grad_out, psw=None) -> ReferenceStep:
+    """The float64 reference of one step of ``m`` from the snapshot ``W0``, ``S0``."""
+    return reference_update(W0, [a for a, _ in S0], [z for _, z in S0], case.feature_table_map,
+                            case.pooling, indices, offsets, grad_out, reference_knobs(m.hyperparams),
+                            psw=psw, vbe=case.vbe)
+
+
+def check_tables(m, case: TBECase, W0, S0, ref: ReferenceStep, what: str) -> None:
+    """After a step of ``m`` from ``W0``, ``S0``: the rows the reference updated match it, and every
+    other row (untouched, or skipped for a non-finite summed gradient) keeps its bits."""
+    wdt = _DTYPES[case.weights_precision]
+    W1, S1 = m.split_embedding_weights(), m.split_optimizer_states()
+    for t, (rows_t, _) in enumerate(case.specs):
+        upd = ref.updated[t]
+        rows = torch.as_tensor(upd, dtype=torch.long)
+        keep = torch.ones(rows_t, dtype=torch.bool)
+        keep[rows] = False
+        for name, now, before in (("weight", W1[t], W0[t]), ("accum", S1[t][0], S0[t][0]),
+                                  ("linear", S1[t][1], S0[t][1])):
+            assert torch.equal(bits(now.cpu()[keep]), bits(before.cpu()[keep])), \
+                f"{what} table {t}: {name} of an untouched or skipped row changed\n{case.describe()}"
+        if len(upd):
+            _close(S1[t][0].cpu()[rows], ref.n[t][upd], torch.float32, f"{what} table {t} accum", case,
+                   atol_scale=_state_scale(ref.n[t][upd]))
+            _close(S1[t][1].cpu()[rows], ref.z[t][upd], torch.float32, f"{what} table {t} linear", case,
+                   atol_scale=_state_scale(ref.z[t][upd]))
+            _close(W1[t].cpu()[rows], ref.w[t][upd], wdt, f"{what} table {t} weight", case,
+                   atol_scale=_state_scale(ref.w[t][upd]))
+
+
 def check_case(case: TBECase, backend: str, device="cpu", steps: int = 3) -> None:
     """Run ``steps`` forward/backward steps and check every output and state against the reference.
 
@@ -215,74 +208,54 @@ def check_case(case: TBECase, backend: str, device="cpu", steps: int = 3) -> Non
     rng = np.random.default_rng(case.seed)
     wdt = _DTYPES[case.weights_precision]
     odt = _DTYPES[case.output_dtype]
-    T = len(case.specs)
     for step in range(steps):
         indices, offsets, psw = random_batch(case, rng, device)
-        W0 = [w.detach().clone() for w in m.split_embedding_weights()]
-        S0 = [(a.clone(), z.clone()) for a, z in m.split_optimizer_states()]
-        tables64 = [w.double().cpu().requires_grad_(True) for w in W0]
-        psw_ref = psw.double().cpu().requires_grad_(True) if psw is not None else None
-        expected = reference_forward(tables64, case, indices, offsets, psw_ref)
-
+        W0, S0 = table_snapshot(m)
         psw_in = psw.clone().requires_grad_(True) if psw is not None else None
         out = m(indices, offsets, per_sample_weights=psw_in,
                 batch_size_per_feature_per_rank=case.vbe)
-        assert out.dtype == odt, f"output dtype {out.dtype} != {odt}\n{case.describe()}"
-        assert tuple(out.shape) == tuple(expected.shape), \
-            f"output shape {tuple(out.shape)} != {tuple(expected.shape)}\n{case.describe()}"
-        # Tolerance: the output is rounded to odt; fp32 sums of low-precision weights are exact-ish.
-        _close(out, expected.detach(), odt if odt != torch.float32 else torch.float32,
-               f"step {step} forward", case, atol_scale=1.0)
-
         grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(case.seed + step),
                            dtype=torch.float64)
         grad_in = grad.to(odt)
-        (expected * grad_in.double()).sum().backward()
+        ref = reference_step(m, case, W0, S0, indices, offsets, grad_in, psw)
+        assert out.dtype == odt, f"output dtype {out.dtype} != {odt}\n{case.describe()}"
+        assert tuple(out.shape) == tuple(ref.out.shape), \
+            f"output shape {tuple(out.shape)} != {tuple(ref.out.shape)}\n{case.describe()}"
+        # Tolerance: the output is rounded to odt; fp32 sums of low-precision weights are exact-ish.
+        _close(out, ref.out, odt, f"step {step} forward", case, atol_scale=1.0)
+
         out.backward(grad_in.to(device))
 
         if psw is not None:
-            _close(psw_in.grad, psw_ref.grad, torch.float32 if wdt == torch.float32 else wdt,
+            _close(psw_in.grad, ref.psw_grad, torch.float32 if wdt == torch.float32 else wdt,
                    f"step {step} per_sample_weights grad", case, atol_scale=10.0)
-
-        idx = indices.long().cpu()
-        off = offsets.long().cpu()
-        sizes = _bag_sizes(case)
-        bag_feature = np.repeat(np.arange(len(sizes)), sizes)
-        idx_bag = np.repeat(np.arange(len(bag_feature)), np.diff(off.numpy()))
-        idx_table = np.asarray(case.feature_table_map)[bag_feature[idx_bag]] if len(idx) else np.zeros(0, int)
-        W1 = m.split_embedding_weights()
-        S1 = m.split_optimizer_states()
-        for t in range(T):
-            touched = np.unique(idx.numpy()[idx_table == t])
-            g = tables64[t].grad
-            rows = torch.as_tensor(touched, dtype=torch.long)
-            w_ref, z_ref, n_ref = ftrl_reference_rows(
-                W0[t].double().cpu().numpy(), S0[t][1].double().cpu().numpy(),
-                S0[t][0].double().cpu().numpy(), touched,
-                g[rows].numpy() if g is not None else np.zeros((len(touched), case.specs[t][1])),
-                **reference_knobs(m.hyperparams))
-            untouched = torch.ones(case.specs[t][0], dtype=torch.bool)
-            untouched[rows] = False
-            what = f"step {step} table {t}"
-            for name, now, before in (("weight", W1[t], W0[t]), ("accum", S1[t][0], S0[t][0]),
-                                      ("linear", S1[t][1], S0[t][1])):
-                assert torch.equal(_bits(now.cpu()[untouched]), _bits(before.cpu()[untouched])), \
-                    f"{what}: untouched {name} rows changed\n{case.describe()}"
-            if len(touched):
-                _close(S1[t][0].cpu()[rows], n_ref[touched], torch.float32, f"{what} accum", case,
-                       atol_scale=_state_scale(n_ref[touched]))
-                _close(S1[t][1].cpu()[rows], z_ref[touched], torch.float32, f"{what} linear", case,
-                       atol_scale=_state_scale(z_ref[touched]))
-                _close(W1[t].cpu()[rows], w_ref[touched], wdt, f"{what} weight", case,
-                       atol_scale=_state_scale(w_ref[touched]))
+        assert not any(len(f) for f in ref.flagged), f"non-finite reference gradient\n{case.describe()}"
+        check_tables(m, case, W0, S0, ref, f"step {step}")
         assert int(m.nonfinite_grad_rows) == 0
+
+
+def check_warning_repairs(m) -> None:
+    """``BoundsCheckMode.WARNING`` on ``m``, two tables (10 rows, D0) and (6 rows, D1), one feature
+    each, SUM: a bad index reads row 0, offsets are repaired like FBGEMM (clamped into [0, N], made
+    non-decreasing, last = N); every repair is counted once."""
+    W = [w.detach().double().cpu().clone() for w in m.split_embedding_weights()]
+    D1 = W[1].shape[1]
+    dev = m.weights_dev.device
+    i64 = lambda x: torch.tensor(x, dtype=torch.int64, device=dev)  # noqa: E731
+    # feature 0 (10 rows): bags [1, 99] and [-4]; feature 1 (6 rows): bags [] and [6] (6 is out of range)
+    out = m(i64([1, 99, -4, 6]), i64([0, 2, 3, 3, 4]))
+    assert int(m.bounds_check_warning) == 3
+    expected = torch.stack([torch.cat([W[0][1] + W[0][0], torch.zeros(D1, dtype=torch.float64)]),
+                            torch.cat([W[0][0], W[1][0]])])
+    torch.testing.assert_close(out.double().cpu(), expected, rtol=1e-6, atol=1e-7)
+    # -> offsets [0, 2, 2, 3, 3]: feature 0 bags [1, 2] and []; feature 1 bags [3] and []
+    out = m(i64([1, 2, 3]), i64([0, 2, 1, 3, 9]))
+    assert int(m.bounds_check_warning) == 3 + 2
+    expected = torch.stack([torch.cat([W[0][1] + W[0][2], W[1][3]]),
+                            torch.zeros(W[0].shape[1] + D1, dtype=torch.float64)])
+    torch.testing.assert_close(out.double().cpu(), expected, rtol=1e-6, atol=1e-7)
 
 
 def _state_scale(x) -> float:
     """Absolute tolerance scale: fp32 cancellation in z = z + g - sigma*w is relative to the operands."""
     return 10.0 * max(1.0, float(np.abs(x).max()) if np.size(x) else 1.0)
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """The raw bytes of ``t`` (bitwise comparison: NaN == NaN, -0.0 != 0.0)."""
-    return t.contiguous().reshape(-1).view(torch.uint8)

@@ -2,11 +2,12 @@
 column-spec mode on the real Avazu sample, splits, rank sharding, and the synthetic generator.
 
 Expected values come from the data README (row and label counts), from an independent csv-module
-parse of the same files, or are hand-computed literals (noted inline).
+parse of the same files, or are hand-computed literals (noted inline). The sample files are read from
+``$TORCHREC_FTRL_DATA`` (default ``../shared/data``, fixture ``sample_data`` of tests/conftest.py); the
+tests that need one are skipped without it.
 """
 
 import csv
-import os
 
 import numpy as np
 import pytest
@@ -15,20 +16,25 @@ import torch
 from torchrec_ftrl.data import (AVAZU_SPEC, CRITEO_SPEC, ColumnSpec, CTRFileReader, FileSource,
                                 MalformedRowError, Split, SyntheticCTR, SyntheticSource, make_batch)
 
-DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data")
-CRITEO = os.path.join(DATA, "criteo", "criteo_dac_combined.tsv")
-AVAZU = os.path.join(DATA, "avazu", "avazu_train_head9999.csv")
-needs_criteo = pytest.mark.skipif(not os.path.isfile(CRITEO), reason="Criteo sample not present")
-needs_avazu = pytest.mark.skipif(not os.path.isfile(AVAZU), reason="Avazu sample not present")
 
 
 @pytest.fixture(scope="module")
-def criteo_rows():
-    r = CTRFileReader(CRITEO, CRITEO_SPEC, 1000)
+def criteo(sample_data):
+    """The Criteo sample (``$TORCHREC_FTRL_DATA/criteo``); the test is skipped without it."""
+    return sample_data("criteo", "criteo_dac_combined.tsv")
+
+
+@pytest.fixture(scope="module")
+def avazu(sample_data):
+    return sample_data("avazu", "avazu_train_head9999.csv")
+
+
+@pytest.fixture(scope="module")
+def criteo_rows(criteo):
+    r = CTRFileReader(criteo, CRITEO_SPEC, 1000)
     return r, list(r)
 
 
-@needs_criteo
 def test_criteo_counts_match_readme(criteo_rows):
     reader, rows = criteo_rows
     assert len(rows) == 6726
@@ -38,13 +44,12 @@ def test_criteo_counts_match_readme(criteo_rows):
     assert all(len(r.dense) == 13 and len(r.ids) == 26 for r in rows)
 
 
-@needs_criteo
-def test_criteo_hashing_range_and_missing(criteo_rows):
+def test_criteo_hashing_range_and_missing(criteo, criteo_rows):
     _, rows = criteo_rows
     ids = np.array([r.ids for r in rows])
     assert ids.max() < 1000 and ids.min() >= -1
     # independent parse: empty categorical fields per column
-    with open(CRITEO, newline="") as f:
+    with open(criteo, newline="") as f:
         fields = [line.rstrip("\n").split("\t") for line in f]
     empty = np.array([[row[14 + j] == "" for j in range(26)] for row in fields])
     assert np.array_equal(ids == -1, empty)
@@ -53,12 +58,11 @@ def test_criteo_hashing_range_and_missing(criteo_rows):
     # hand-computed: 0x68fd1e64 = 1761418852, 1761418852 mod 1000 = 852 (row 1, C1)
     assert rows[0].ids[0] == 852
     # per-column table sizes: 0x68fd1e64 mod 7 = 1761418852 - 7*251631264 = 4
-    r7 = CTRFileReader(CRITEO, CRITEO_SPEC, [7] + [1000] * 25)
+    r7 = CTRFileReader(criteo, CRITEO_SPEC, [7] + [1000] * 25)
     first = next(iter(r7))
     assert first.ids[0] == 4 and first.ids[1:] == rows[0].ids[1:]
 
 
-@needs_criteo
 def test_criteo_log_transform_hand_values(criteo_rows):
     _, rows = criteo_rows
     # line 1 dense: 1 1 5 0 1382 4 15 2 181 1 2 '' 2  -> log(1 + x), natural log, '' -> 0
@@ -134,13 +138,12 @@ def test_bad_arguments_raise_value_error(tmp_path):
         Split.parse("10")
 
 
-@needs_avazu
-def test_column_spec_mode_on_avazu():
-    with open(AVAZU, newline="") as f:
+def test_column_spec_mode_on_avazu(avazu):
+    with open(avazu, newline="") as f:
         table = list(csv.reader(f))
     header, body = table[0], table[1:]
     n = 2 ** 31 - 1  # large table: hashing collisions among a few thousand values are negligible
-    r = CTRFileReader(AVAZU, AVAZU_SPEC, n)
+    r = CTRFileReader(avazu, AVAZU_SPEC, n)
     rows = list(r)
     assert len(rows) == 9999 == len(body)
     labels = [x.label for x in rows]
@@ -151,12 +154,11 @@ def test_column_spec_mode_on_avazu():
     # the same spec written as JSON (by column index, no names) gives identical rows
     cols = [header.index(c) for c in AVAZU_SPEC.categorical]
     js = ('{"label": 1, "categorical": %s, "delimiter": ",", "header": true}' % cols)
-    rows2 = list(CTRFileReader(AVAZU, ColumnSpec.from_json(js), n))
+    rows2 = list(CTRFileReader(avazu, ColumnSpec.from_json(js), n))
     assert [x.ids for x in rows2] == [x.ids for x in rows]
     assert [x.label for x in rows2] == labels
 
 
-@needs_criteo
 def test_split_and_rank_sharding(criteo_rows):
     reader, rows = criteo_rows
     assert sum(Split.parse("every:10").is_validation(i) for i in range(6726)) == 672

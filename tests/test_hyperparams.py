@@ -1,4 +1,4 @@
-"""FTRLHyperparams: defaults, validation (shared/docs/FTRL.md), keyword mapping."""
+"""FTRLHyperparams: defaults, validation (docs/ftrl.md), the options parser, keyword mapping, kernel scalars."""
 
 import math
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from torchrec_ftrl import FTRLHyperparams
-from torchrec_ftrl.hyperparams import FTRL_KWARGS
+from torchrec_ftrl.hyperparams import DEFAULT_LEARNING_RATE, FTRL_KWARGS, KernelScalars, parse_options
 
 
 def test_defaults():
@@ -56,11 +56,52 @@ def test_convention_rejected():
         FTRLHyperparams(0.1, l2_convention="keras")
 
 
-def test_from_kwargs_round_trip_and_unknown_keys():
-    kw = dict(ftrl_learning_rate_power=-0.25, ftrl_l1_reg=1.0, ftrl_l2_reg=2.0, ftrl_beta=3.0,
-              ftrl_l2_shrinkage=4.0, ftrl_initial_accumulator_value=5.0, ftrl_l2_convention="mcmahan")
-    hp = FTRLHyperparams.from_kwargs(0.5, {**kw, "optimizer": object(), "eps": 1e-8})
-    assert hp.to_kwargs() == kw and hp.learning_rate == 0.5
+KW = dict(ftrl_learning_rate_power=-0.25, ftrl_l1_reg=1.0, ftrl_l2_reg=2.0, ftrl_beta=3.0,
+          ftrl_l2_shrinkage=4.0, ftrl_initial_accumulator_value=5.0, ftrl_l2_convention="mcmahan")
+
+
+def test_parse_options_round_trip_and_unknown_keys():
+    hp = parse_options({"learning_rate": 0.5, **KW, "optimizer": object(), "eps": 1e-8})
+    assert hp.to_kwargs() == KW and hp.learning_rate == 0.5
+    assert hp.to_options() == {"learning_rate": 0.5, **KW}
+    assert parse_options(hp.to_options()) == hp
     assert hp.with_learning_rate(0.25).learning_rate == 0.25 and hp.learning_rate == 0.5
     with pytest.raises(ValueError, match="ftrl_l1"):
-        FTRLHyperparams.from_kwargs(0.5, {"ftrl_l1": 1.0})
+        parse_options({"learning_rate": 0.5, "ftrl_l1": 1.0})
+
+
+def test_parse_options_learning_rate_spellings_and_default():
+    assert DEFAULT_LEARNING_RATE == 0.01
+    assert parse_options(None) == parse_options({}) == FTRLHyperparams(0.01)
+    assert parse_options({"lr": 0.3}).learning_rate == 0.3
+    assert parse_options({"learning_rate": 0.3}).learning_rate == 0.3
+    assert parse_options({"lr": 0.3, "learning_rate": 0.3}).learning_rate == 0.3   # same value: fine
+    assert parse_options({"lr": None, "learning_rate": 0.2}).learning_rate == 0.2
+    with pytest.raises(ValueError, match=r"fused_params has lr=0\.1 and learning_rate=0\.2"):
+        parse_options({"lr": 0.1, "learning_rate": 0.2}, where="fused_params")
+    with pytest.raises(ValueError, match=r"learning_rate \(lr\).*-1\.0"):
+        parse_options({"lr": -1.0})
+
+
+def test_parse_options_base_and_strict():
+    base = parse_options({"lr": 0.5, **KW})
+    hp = parse_options({"ftrl_l1_reg": 0.25}, base=base)
+    assert hp.l1_reg == 0.25 and hp.learning_rate == 0.5 and hp.beta == 3.0 and hp.l2_convention == "mcmahan"
+    assert parse_options({"lr": 0.1}, base=base).to_kwargs() == KW
+    # strict (update_hyper_parameters): any key that is not a knob raises, naming it and the place
+    with pytest.raises(ValueError, match=r"unknown FTRL key.*'eps'.*update_hyper_parameters"):
+        parse_options({"lr": 0.1, "eps": 1e-8}, base=base, strict=True, where="update_hyper_parameters")
+    assert parse_options({"lr": 0.1, "eps": 1e-8}, base=base).learning_rate == 0.1   # not strict: ignored
+    with pytest.raises(ValueError, match="ftrl_l2_convention"):
+        parse_options({"ftrl_l2_convention": "keras"}, base=base)
+
+
+@pytest.mark.parametrize("conv,l2", [("tensorflow", 3.0), ("mcmahan", 1.5)])
+def test_kernel_scalars(conv, l2):
+    hp = FTRLHyperparams(0.2, learning_rate_power=-0.3, l1_reg=0.5, l2_reg=1.5, beta=0.75,
+                         l2_shrinkage=0.125, l2_convention=conv)
+    ks = hp.kernel_scalars()
+    assert isinstance(ks, KernelScalars)
+    # the C++ / Triton argument order: lr, -p, l1, L2 of q, beta, 2 * shrinkage
+    assert tuple(ks) == (0.2, 0.3, 0.5, l2, 0.75, 0.25)
+    assert ks._fields == ("lr", "neg_power", "l1", "l2", "beta", "shrink2")

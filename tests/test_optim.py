@@ -1,4 +1,4 @@
-"""The dense ``torchrec_ftrl.FTRL`` optimizer against the float64 reference (shared/docs/FTRL.md).
+"""The dense ``torchrec_ftrl.FTRL`` optimizer against the float64 reference (docs/ftrl.md).
 
 Tolerances: every per-step check feeds the reference the optimizer's own fp32 state from before the
 step (exactly representable in float64), so only one step of fp32 rounding is allowed for:
@@ -15,20 +15,11 @@ import torch
 from hypothesis import assume, given, settings, strategies as st
 from torch.overrides import TorchFunctionMode
 
+from reference import ftrl_reference_rows, ftrl_reference_step, option_knobs as ref_knobs
 from torchrec_ftrl import FTRL, FTRLHyperparams, ftrl
-from torchrec_ftrl.kernels.reference import ftrl_reference_rows, ftrl_reference_step
 
 EPS32 = float(np.finfo(np.float32).eps)
 LOW_EPS = {torch.float32: 0.0, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}
-
-KW2REF = {"lr": "lr", "ftrl_learning_rate_power": "lr_power", "ftrl_l1_reg": "l1", "ftrl_l2_reg": "l2",
-          "ftrl_beta": "beta", "ftrl_l2_shrinkage": "l2_shrinkage", "ftrl_l2_convention": "l2_convention"}
-
-
-def ref_knobs(kw):
-    """FTRL(...) keywords -> ftrl_reference_step keywords (n0 is passed as the accum input)."""
-    return {KW2REF[k]: v for k, v in kw.items() if k in KW2REF}
-
 
 def npf(t):
     return t.detach().to(torch.float64).cpu().numpy().copy()
@@ -109,7 +100,7 @@ def test_dense_matches_reference_random(kw, shape, steps, seed, zero_frac):
     assume(not (degenerate and zero_frac > 0))
     rng = np.random.default_rng(seed)
     p = torch.nn.Parameter(torch.tensor(rng.normal(size=shape), dtype=torch.float32))
-    opt = FTRL([p], **kw)
+    opt = FTRL([p], skip_zero_grad_rows=False, **kw)   # element-wise: zero-gradient elements update too
     knobs = ref_knobs(kw)
     for _ in range(steps):
         g = rng.normal(scale=rng.choice([1e-3, 1.0, 30.0]), size=shape)
@@ -290,7 +281,8 @@ def test_accum_uses_raw_gradient_with_shrinkage():
     w0 = torch.tensor([0.5, -1.0, 2.0, 0.25])
     g = torch.tensor([0.5, 0.25, -1.5, 0.0])
     p = torch.nn.Parameter(w0.clone())
-    opt = FTRL([p], lr=0.5, ftrl_l2_shrinkage=0.75, ftrl_initial_accumulator_value=0.25)
+    opt = FTRL([p], lr=0.5, ftrl_l2_shrinkage=0.75, ftrl_initial_accumulator_value=0.25,
+               skip_zero_grad_rows=False)
     p.grad = g.clone()
     opt.step()
     assert torch.equal(opt.state[p]["accum"], 0.25 + g * g)
@@ -305,7 +297,7 @@ def test_zero_gradient_on_touched_element_several_steps():
     rng = np.random.default_rng(11)
     kw = dict(lr=0.2, ftrl_l1_reg=0.02, ftrl_l2_shrinkage=0.1, ftrl_beta=0.1)
     p = torch.nn.Parameter(torch.tensor(rng.normal(size=(6, 3)), dtype=torch.float32))
-    opt = FTRL([p], **kw)
+    opt = FTRL([p], skip_zero_grad_rows=False, **kw)
     for k in range(5):
         g = rng.normal(size=(6, 3)).astype(np.float32)
         if k > 0:
@@ -417,11 +409,12 @@ def test_empty_sparse_gradient_touches_nothing():
     assert torch.equal(opt.state[emb.weight]["accum"], torch.zeros(4, 2))
 
 
-def test_skip_zero_grad_rows_on_1d_and_default_updates_all():
+def test_skip_zero_grad_rows_is_the_default_on_1d_and_false_updates_all():
     p = torch.nn.Parameter(torch.tensor([0.5, -0.5, 2.0]))
     q = torch.nn.Parameter(torch.tensor([0.5, -0.5, 2.0]))
-    o1 = FTRL([p], lr=0.1, skip_zero_grad_rows=True)
-    o2 = FTRL([q], lr=0.1)
+    o1 = FTRL([p], lr=0.1)
+    o2 = FTRL([q], lr=0.1, skip_zero_grad_rows=False)
+    assert o1.param_groups[0]["skip_zero_grad_rows"] is True
     for t in (p, q):
         t.grad = torch.tensor([0.0, 1.0, 0.0])
     o1.step()
@@ -440,7 +433,7 @@ def test_low_precision_params_fp32_state(dtype, sparse):
     torch.manual_seed(4)
     emb = torch.nn.Embedding(8, 4, sparse=sparse).to(dtype)
     kw = dict(lr=0.1, ftrl_l1_reg=0.01, ftrl_initial_accumulator_value=0.1)
-    opt = FTRL(emb.parameters(), **kw)
+    opt = FTRL(emb.parameters(), skip_zero_grad_rows=False, **kw)
     ids = [0, 5, 5, 2]
     rng = np.random.default_rng(0)
     for _ in range(2):
@@ -641,10 +634,15 @@ def test_functional_ftrl():
     hp = FTRLHyperparams(0.05, l1_reg=0.1)
     w = torch.tensor([0.7, 0.7, -1.0])
     n, z, step = torch.zeros(3), torch.zeros(3), torch.tensor(0.0)
-    ftrl([w], [torch.tensor([-0.3, -0.3, 0.0])], [n], [z], [step], hp=hp)
+    ftrl([w], [torch.tensor([-0.3, -0.3, 0.0])], [n], [z], [step], hp=hp, skip_zero_grad_rows=False)
     # first-step hand case: z = -4.5, q = 6 -> w = (-0.1 + 4.5)/6; g = 0 element: z = 0 -> w = 0
     np.testing.assert_allclose(w.tolist(), [4.4 / 6, 4.4 / 6, 0.0], rtol=1e-6)
     assert step.item() == 1.0
+    # the default (row-sparse): the zero-gradient element keeps weight, accum and linear
+    w, n, z = torch.tensor([0.7, 0.7, -1.0]), torch.zeros(3), torch.zeros(3)
+    ftrl([w], [torch.tensor([-0.3, -0.3, 0.0])], [n], [z], [step], hp=hp)
+    np.testing.assert_allclose(w.tolist(), [4.4 / 6, 4.4 / 6, -1.0], rtol=1e-6)
+    assert n.tolist()[2] == 0.0 and z.tolist()[2] == 0.0 and step.item() == 2.0
 
 
 def test_keyed_optimizer_wrapper_round_trip():
@@ -707,3 +705,60 @@ def test_apply_optimizer_in_backward_with_fused_kwargs():
     (opt,) = emb.weight._in_backward_optimizers
     after = state_arrays(opt, emb.weight, None)
     assert_step_matches(before, after, c.double().numpy()[[1, 0]], dict(lr=0.1, l1=0.01), rows=[1, 4])
+
+
+def test_embedding_table_rows_absent_from_the_batch_keep_their_bits():
+    """The default on a ``[rows, D]`` table with a dense gradient (a data-parallel table): rows that
+    no lookup touched keep weight, accum and linear bit for bit; touched rows match float64."""
+    torch.manual_seed(2)
+    emb = torch.nn.Embedding(10, 3)                     # dense gradient
+    kw = dict(lr=0.2, ftrl_l1_reg=0.01, ftrl_beta=0.5, ftrl_l2_shrinkage=0.05)
+    opt = FTRL(emb.parameters(), **kw)
+    ids = torch.tensor([1, 4, 4, 7])
+    c = torch.tensor(np.random.default_rng(3).normal(size=(4, 3)), dtype=torch.float32)
+    w0 = emb.weight.detach().clone()
+    (emb(ids) * c).sum().backward()
+    opt.step()
+    untouched = [r for r in range(10) if r not in (1, 4, 7)]
+    assert torch.equal(emb.weight.detach()[untouched], w0[untouched])
+    assert torch.equal(opt.state[emb.weight]["accum"][untouched], torch.zeros(len(untouched), 3))
+    assert torch.equal(opt.state[emb.weight]["linear"][untouched], torch.zeros(len(untouched), 3))
+    g = np.zeros((10, 3))
+    np.add.at(g, ids.numpy(), c.double().numpy())
+    w, z, n = ftrl_reference_step(w0.double().numpy()[[1, 4, 7]], np.zeros((3, 3)), np.zeros((3, 3)),
+                                  g[[1, 4, 7]], **ref_knobs(kw))
+    np.testing.assert_allclose(npf(emb.weight)[[1, 4, 7]], w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(npf(opt.state[emb.weight]["linear"])[[1, 4, 7]], z, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(npf(opt.state[emb.weight]["accum"])[[1, 4, 7]], n, rtol=1e-6)
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_fp64_parameters_keep_fp64_state_and_math(sparse):
+    """fp64 parameters: accum/linear are fp64 and the step matches the float64 reference to fp64
+    precision (an fp32 computation misses by ~1e-7 relative)."""
+    rng = np.random.default_rng(5)
+    emb = torch.nn.Embedding(6, 4, sparse=sparse).double()
+    kw = dict(lr=0.3, ftrl_l1_reg=1e-3, ftrl_l2_reg=0.02, ftrl_beta=0.7, ftrl_l2_shrinkage=0.01,
+              ftrl_initial_accumulator_value=0.1)
+    opt = FTRL(emb.parameters(), **kw)
+    ids = [0, 3, 3, 5]
+    w, z, n = emb.weight.detach().numpy().copy(), np.zeros((6, 4)), np.full((6, 4), 0.1)
+    for _ in range(3):
+        c = rng.normal(size=(4, 4))
+        opt.zero_grad()
+        (emb(torch.tensor(ids)) * torch.tensor(c)).sum().backward()
+        opt.step()
+        g = np.zeros((6, 4))
+        np.add.at(g, ids, c)
+        rows = [0, 3, 5]
+        w[rows], z[rows], n[rows] = ftrl_reference_step(w[rows], z[rows], n[rows], g[rows], **ref_knobs(kw))
+    state = opt.state[emb.weight]
+    assert state["accum"].dtype == torch.float64 and state["linear"].dtype == torch.float64
+    np.testing.assert_allclose(emb.weight.detach().numpy(), w, rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(state["linear"].numpy(), z, rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(state["accum"].numpy(), n, rtol=1e-12, atol=1e-15)
+    # a state dict round trip keeps fp64
+    opt2 = FTRL(emb.parameters(), **kw)
+    opt2.load_state_dict(opt.state_dict())
+    assert opt2.state[emb.weight]["accum"].dtype == torch.float64
+    assert torch.equal(opt2.state[emb.weight]["linear"], state["linear"])

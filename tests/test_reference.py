@@ -1,5 +1,5 @@
-"""The float64 reference (torchrec_ftrl/kernels/reference.py) against values derived by hand from
-shared/docs/FTRL.md. Every expected number below is worked out in the comments, not computed by the
+"""The float64 reference (tests/reference.py) against values derived by hand from
+docs/ftrl.md. Every expected number below is worked out in the comments, not computed by the
 reference itself, so a transcription error in the reference fails here."""
 
 import math
@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
+from reference import ftrl_reference_rows, ftrl_reference_step, option_knobs, reference_knobs
 from torchrec_ftrl import FTRLHyperparams
-from torchrec_ftrl.kernels.reference import ftrl_reference_rows, ftrl_reference_step, reference_knobs
 
 
 def step(w, z, n, g, **kw):
@@ -151,6 +151,17 @@ def test_reference_knobs_mapping():
                          l2_shrinkage=4.0, initial_accumulator_value=5.0, l2_convention="mcmahan")
     assert reference_knobs(hp) == dict(lr=0.5, lr_power=-0.3, l1=1.0, l2=2.0, beta=3.0,
                                        l2_shrinkage=4.0, l2_convention="mcmahan")
+
+
+def test_option_knobs_mapping():
+    # both learning-rate spellings; n0 is the accum input, not a step keyword; other keys are ignored
+    opts = dict(ftrl_learning_rate_power=-0.3, ftrl_l1_reg=1.0, ftrl_l2_reg=2.0, ftrl_beta=3.0,
+                ftrl_l2_shrinkage=4.0, ftrl_initial_accumulator_value=5.0, ftrl_l2_convention="mcmahan",
+                optimizer="ftrl")
+    expected = dict(lr=0.5, lr_power=-0.3, l1=1.0, l2=2.0, beta=3.0, l2_shrinkage=4.0,
+                    l2_convention="mcmahan")
+    assert option_knobs({"lr": 0.5, **opts}) == expected
+    assert option_knobs({"learning_rate": 0.5, **opts}) == expected
 
 
 def test_unknown_convention_rejected():

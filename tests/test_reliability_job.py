@@ -1,7 +1,8 @@
-"""Reliability of the main job (examples/train_ctr.py): a rank killed mid-training or mid-checkpoint
-write in a 2-process torchx job, exact resume, and ``--resume`` on corrupt or mismatched checkpoints.
+"""Reliability of the main job (``torchrec_ftrl.job``: the torchx component and examples/train_ctr.py):
+a rank killed mid-training or mid-checkpoint write in a 2-process torchx job, exact resume, and
+``--resume`` on corrupt or mismatched checkpoints.
 
-Faults come from the job's ``TORCHREC_FTRL_FAULT=RANK:STEP[:PHASE]`` hook (``examples/ctr_job/faults.py``:
+Faults come from the job's ``TORCHREC_FTRL_FAULT=RANK:STEP[:PHASE]`` hook (``torchrec_ftrl/job/faults.py``:
 ``os._exit(1)``, no cleanup). The expected final state is an uninterrupted run with the same seed and
 flags; "identical" is bitwise: every tensor of the final DCP checkpoint (model weights, FTRL
 accum/linear, dense Adagrad state, the job's touched-row masks), converted with ``dcp_to_torch_save``.
@@ -12,16 +13,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "examples", "train_ctr.py")
-BIN = os.path.dirname(sys.executable)
+from conftest import bits, run_job, run_torchx
+
 # Small: 26 tables of 200 x 4, 32 rows per rank per step, 8 steps, checkpoints at 3 and 6 (and 8).
 # Row-wise next to table-wise sharding so both ranks hold pieces of sharded tables.
 JOB = ["--num-embeddings", "200", "--embedding-dim", "4", "--batch-size", "32", "--steps", "8",
@@ -30,19 +28,9 @@ JOB = ["--num-embeddings", "200", "--embedding-dim", "4", "--batch-size", "32", 
 LAUNCH_TIMEOUT_S = 300   # a hang would exceed this; torchrun stops the surviving rank within seconds
 
 
-sys.path.insert(0, os.path.join(ROOT, "examples"))
-sys.path.insert(0, os.path.join(ROOT, "tests"))
-
-
 def _torchx(args, fault=None):
-    env = {**os.environ, "PATH": BIN + os.pathsep + os.environ.get("PATH", "")}
-    env.pop("TORCHREC_FTRL_FAULT", None)
-    if fault:
-        env["TORCHREC_FTRL_FAULT"] = fault
     t0 = time.monotonic()
-    p = subprocess.run([os.path.join(BIN, "torchx"), "run", "-s", "local_cwd",
-                        "torchrec_ftrl/components.py:train_ctr", "--nproc", "2", "--", *args],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    p = run_torchx(args, fault=fault, timeout=LAUNCH_TIMEOUT_S)
     return p, time.monotonic() - t0
 
 
@@ -71,8 +59,7 @@ def _assert_bitwise_equal(a, b):
     assert len(ftrl_keys) == 2 * 26, ftrl_keys[:5]          # every table's FTRL states are compared
     for k in a:
         assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
-        x, y = a[k].reshape(-1).contiguous(), b[k].reshape(-1).contiguous()
-        assert x.numel() == 0 or torch.equal(x.view(torch.uint8), y.view(torch.uint8)), k
+        assert torch.equal(bits(a[k]), bits(b[k])), k
 
 
 def _latest(ckpt):
@@ -125,16 +112,10 @@ ONE = ["--num-embeddings", "200", "--embedding-dim", "4", "--batch-size", "16", 
        "--eval-every", "100", "--device", "cpu", "--no-progress", "--sharding-types", "table_wise"]
 
 
-def _one(args, timeout=240):
-    env = {k: v for k, v in os.environ.items() if k != "TORCHREC_FTRL_FAULT"}
-    return subprocess.run([sys.executable, SCRIPT, *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env=env)
-
-
 @pytest.fixture(scope="module")
 def good_checkpoint(tmp_path_factory):
     d = tmp_path_factory.mktemp("one")
-    p = _one([*ONE, "--checkpoint-dir", str(d / "ckpt"), "--output-dir", str(d / "out")])
+    p = run_job([*ONE, "--checkpoint-dir", str(d / "ckpt"), "--output-dir", str(d / "out")])
     assert p.returncode == 0, p.stderr[-4000:]
     return str(d / "ckpt")
 
@@ -175,7 +156,7 @@ def test_resume_from_corrupt_or_mismatched_checkpoint_fails_clearly(good_checkpo
     ckpt = _corrupt(kind, good_checkpoint, str(tmp_path / "ckpt"))
     listing = sorted(os.listdir(ckpt))
     args = [*ONE, *extra, "--checkpoint-dir", ckpt, "--output-dir", str(tmp_path / "out"), "--resume"]
-    p = _one(args)
+    p = run_job(args)
     assert p.returncode == 2, (p.returncode, p.stderr[-3000:])
     last = p.stderr.strip().splitlines()[-1]
     assert last.startswith("train_ctr: error: ") and expected in last, p.stderr[-3000:]
@@ -186,7 +167,7 @@ def test_resume_from_corrupt_or_mismatched_checkpoint_fails_clearly(good_checkpo
 
 
 def test_fault_spec_is_validated():
-    from ctr_job import faults
+    from torchrec_ftrl.job import faults
     assert faults.parse(None) is None and faults.parse("") is None
     assert faults.parse("1:7") == (1, 7, "step")
     assert faults.parse("0:3:checkpoint") == (0, 3, "checkpoint")

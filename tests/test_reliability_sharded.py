@@ -5,14 +5,13 @@ DCP checkpoints loaded into models with other tables. Worker bodies: tests/relia
 import pytest
 
 import reliability_scenarios as rs
-from dist_harness import run_distributed
 
 pytestmark = pytest.mark.slow
 
 
-def test_nonfinite_gradient_rows_skipped_counted_and_bitwise_unchanged(tmp_path):
+def test_nonfinite_gradient_rows_skipped_counted_and_bitwise_unchanged(tmp_path, run_distributed):
     run_distributed(rs.all_nonfinite, 2, str(tmp_path))
 
 
-def test_corrupt_table_files_and_dcp_into_other_tables_change_nothing(tmp_path):
+def test_corrupt_table_files_and_dcp_into_other_tables_change_nothing(tmp_path, run_distributed):
     run_distributed(rs.all_checkpoints, 2, str(tmp_path))

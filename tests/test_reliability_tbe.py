@@ -1,13 +1,13 @@
 """Property (hypothesis) tests of ``FTRLTableBatchedEmbeddingBags`` under bad input, non-finite gradients
 and repeated runs, on the CPU backends "cpp" and "torch"; the Triton backend runs the ``interp`` tests
-under ``TRITON_INTERPRET=1`` in a child pytest (as in tests/test_tbe_triton.py), and the ``cuda`` tests
-on a GPU.
+under ``TRITON_INTERPRET=1`` in a child pytest (``conftest.run_interpreter_suite``, as in
+tests/test_tbe_triton.py), and the ``cuda`` tests on a GPU.
 
 * malformed indices / offsets / per-sample weights / dtypes / devices / VBE sizes, bad constructor
   arguments and hyperparameters: ``ValueError`` naming the argument; weights, accum, linear and
   counters bitwise unchanged (snapshot before, compare after); the module still trains afterwards;
 * NaN/Inf in the output gradient: every (table, row) whose summed gradient is non-finite — found here
-  by float64 autograd through ``torch.nn.functional.embedding_bag`` (tests/tbe_harness.py) — keeps its
+  by float64 autograd through ``torch.nn.functional.embedding_bag`` (tests/conftest.py) — keeps its
   weight/accum/linear bits and is counted in ``nonfinite_grad_rows``; all other touched rows match the
   float64 FTRL reference; untouched rows keep their bits;
 * ``deterministic=True``: two identical runs are bitwise equal; CPU and CUDA agree within tolerance.
@@ -16,9 +16,6 @@ on a GPU.
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -26,35 +23,17 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import tbe_harness as H
-from knob_rules import ANY_VALUE, valid_knob
+from conftest import (INTERP, assert_same_bits, bits, cuda, interp_only, interpreter_parent, needs_cuda,
+                      run_interpreter_suite, tbe_state)
+from knob_rules import ANY_VALUE, assert_valid_or_named_error, valid_knob
 from torchrec_ftrl import FTRLTableBatchedEmbeddingBags
-from torchrec_ftrl.kernels.reference import ftrl_reference_rows, reference_knobs
-from torchrec_ftrl.tbe_compat import BoundsCheckMode, PoolingMode, SparseType
+from torchrec_ftrl.fbgemm_enums import PoolingMode, SparseType
 
-HAS_CUDA = torch.cuda.is_available()
-INTERP = os.environ.get("TRITON_INTERPRET") == "1" and not HAS_CUDA
-BACKENDS = ["cpp", "torch"]
+BACKENDS = H.CPU_BACKENDS
 SETTINGS = settings(max_examples=40, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-cuda = pytest.mark.cuda
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 cpu_only = pytest.mark.skipif(INTERP, reason="the TRITON_INTERPRET child runs only the interp tests")
 MANY = settings(SETTINGS, max_examples=120)
-
-
-def _bits(t):
-    """Raw bytes of ``t`` (NaN == NaN, -0.0 != 0.0); empty tensors give an empty byte tensor."""
-    return torch.empty(0, dtype=torch.uint8) if t.numel() == 0 else H._bits(t)
-
-
-def _state(m):
-    return [t.detach().clone() for t in (m.weights_dev, m.momentum1_dev, m.momentum2_dev,
-                                         m.bounds_check_warning, m.nonfinite_grad_rows, m.iter)]
-
-
-def _assert_same_bits(before, after):
-    for b, a in zip(before, after):
-        assert b.dtype == a.dtype and torch.equal(_bits(b), _bits(a))
 
 
 # ------------------------------------------------------------------------------ malformed inputs
@@ -133,10 +112,10 @@ def test_malformed_input_raises_naming_it_and_changes_nothing(backend, seed, kin
     make, arg = MUTATIONS[kind]
     args.update(make(m, idx, off, B, r))
     m(idx, off).sum().backward()                    # states are non-trivial before the bad call
-    before = _state(m)
+    before = tbe_state(m)
     with pytest.raises(ValueError, match=arg) as e:
         m(**args).sum().backward()
-    _assert_same_bits(before, _state(m))
+    assert_same_bits(before, tbe_state(m))
     assert arg in str(e.value).split(" ")[0] or arg in str(e.value), str(e.value)
     out = m(idx, off)                               # the module is still usable
     out.sum().backward()
@@ -148,21 +127,12 @@ KNOBS = ("learning_rate", "ftrl_learning_rate_power", "ftrl_l1_reg", "ftrl_l2_re
          "ftrl_l2_shrinkage", "ftrl_initial_accumulator_value")
 
 
-def _msg_name(knob):
-    return "learning_rate (lr)" if knob == "learning_rate" else knob
-
-
 @cpu_only
 @SETTINGS
 @given(knobs=st.dictionaries(st.sampled_from(KNOBS), ANY_VALUE, min_size=1, max_size=3))
 def test_constructor_knobs_valid_or_clear_error(knobs):
-    bad = [k for k, v in knobs.items() if not valid_knob(k, v)]
-    if not bad:
-        FTRLTableBatchedEmbeddingBags([(4, 2)], backend="torch", **knobs)
-        return
-    with pytest.raises(ValueError) as e:
-        FTRLTableBatchedEmbeddingBags([(4, 2)], backend="torch", **knobs)
-    assert any(_msg_name(k) in str(e.value) for k in bad), str(e.value)
+    assert_valid_or_named_error(lambda **kw: FTRLTableBatchedEmbeddingBags([(4, 2)], backend="torch", **kw),
+                                knobs)
 
 
 @cpu_only
@@ -171,7 +141,7 @@ def test_constructor_knobs_valid_or_clear_error(knobs):
                              min_size=1, max_size=3))
 def test_update_hyper_parameters_valid_or_atomic_error(knobs):
     m = FTRLTableBatchedEmbeddingBags([(4, 2)], backend="torch", learning_rate=0.1)
-    hp0, before = m.hyperparams, _state(m)
+    hp0, before = m.hyperparams, tbe_state(m)
     # Both spellings with different values are an error; otherwise each value is checked.
     bad = [k for k, v in knobs.items() if k == "ftrl_bogus" or not valid_knob(
         "learning_rate" if k == "lr" else k, v)]
@@ -183,7 +153,7 @@ def test_update_hyper_parameters_valid_or_atomic_error(knobs):
     with pytest.raises(ValueError):
         m.update_hyper_parameters(knobs)
     assert m.hyperparams == hp0
-    _assert_same_bits(before, _state(m))
+    assert_same_bits(before, tbe_state(m))
 
 
 BAD_CTOR = {
@@ -224,10 +194,7 @@ def _nonfinite_step(case, backend, device, r, bad_values, frac):
     m = H.build_module(case, backend, device)
     rng = np.random.default_rng(case.seed)
     indices, offsets, psw = H.random_batch(case, rng, device)
-    W0 = [w.detach().clone() for w in m.split_embedding_weights()]
-    S0 = [(a.clone(), z.clone()) for a, z in m.split_optimizer_states()]
-    tables64 = [w.double().cpu().requires_grad_(True) for w in W0]
-    expected = H.reference_forward(tables64, case, indices, offsets, psw)
+    W0, S0 = H.table_snapshot(m)
     out = m(indices, offsets, per_sample_weights=psw, batch_size_per_feature_per_rank=case.vbe)
     odt = out.dtype
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(case.seed), dtype=torch.float64)
@@ -239,40 +206,11 @@ def _nonfinite_step(case, backend, device, r, bad_values, frac):
         for p in pos:
             flat[p] = r.choice(bad_values)
     grad_in = grad.to(odt)
-    (expected * grad_in.double()).sum().backward()
+    ref = H.reference_step(m, case, W0, S0, indices, offsets, grad_in, psw)
     out.backward(grad_in.to(device))
-
-    W1, S1 = m.split_embedding_weights(), m.split_optimizer_states()
-    n_flagged = 0
-    wdt = H._DTYPES[case.weights_precision]
-    for t, (rows_t, dim_t) in enumerate(case.specs):
-        g = tables64[t].grad if tables64[t].grad is not None else torch.zeros(rows_t, dim_t, dtype=torch.float64)
-        idx = indices.long().cpu().numpy()
-        sizes = H._bag_sizes(case)
-        bag_feature = np.repeat(np.arange(len(sizes)), sizes)
-        idx_bag = np.repeat(np.arange(len(bag_feature)), np.diff(offsets.long().cpu().numpy()))
-        idx_table = np.asarray(case.feature_table_map)[bag_feature[idx_bag]] if len(idx) else np.zeros(0, int)
-        touched = np.unique(idx[idx_table == t])
-        flagged = np.array([r_ for r_ in touched if not torch.isfinite(g[r_]).all()], dtype=np.int64)
-        finite = np.setdiff1d(touched, flagged)
-        n_flagged += len(flagged)
-        keep = torch.ones(rows_t, dtype=torch.bool)
-        keep[torch.as_tensor(finite, dtype=torch.long)] = False        # untouched + flagged rows
-        for name, now, old in (("weight", W1[t], W0[t]), ("accum", S1[t][0], S0[t][0]),
-                               ("linear", S1[t][1], S0[t][1])):
-            assert torch.equal(_bits(now.cpu()[keep]), _bits(old.cpu()[keep])), \
-                f"table {t}: {name} of a skipped or untouched row changed\n{case.describe()}"
-        if len(finite):
-            rows = torch.as_tensor(finite, dtype=torch.long)
-            w_ref, z_ref, n_ref = ftrl_reference_rows(
-                W0[t].double().cpu().numpy(), S0[t][1].double().cpu().numpy(),
-                S0[t][0].double().cpu().numpy(), finite, g[rows].numpy(), **reference_knobs(m.hyperparams))
-            H._close(S1[t][0].cpu()[rows], n_ref[finite], torch.float32, f"table {t} accum", case,
-                     atol_scale=H._state_scale(n_ref[finite]))
-            H._close(S1[t][1].cpu()[rows], z_ref[finite], torch.float32, f"table {t} linear", case,
-                     atol_scale=H._state_scale(z_ref[finite]))
-            H._close(W1[t].cpu()[rows], w_ref[finite], wdt, f"table {t} weight", case,
-                     atol_scale=H._state_scale(w_ref[finite]))
+    # every row with a non-finite summed gradient (ref.flagged) keeps its bits, the others update
+    H.check_tables(m, case, W0, S0, ref, "nonfinite step")
+    n_flagged = sum(len(f) for f in ref.flagged)
     assert int(m.nonfinite_grad_rows) == n_flagged, (int(m.nonfinite_grad_rows), n_flagged, case.describe())
     return n_flagged
 
@@ -293,12 +231,7 @@ def test_nonfinite_gradient_rows_skipped_and_counted(backend, seed, bad, frac):
 def _run_twice_bits(case, backend, device, steps=3):
     results = []
     for _ in range(2):
-        torch.manual_seed(case.seed)
-        m = FTRLTableBatchedEmbeddingBags(
-            case.specs, feature_table_map=case.feature_table_map, pooling_mode=case.pooling,
-            weights_precision=case.weights_precision, output_dtype=case.output_dtype, device=device,
-            backend=backend, deterministic=True, **case.hp)
-        m.init_embedding_weights_uniform(-0.5, 0.5)
+        m = H.build_module(case, backend, device, deterministic=True)
         rng = np.random.default_rng(case.seed)
         outs = []
         for s in range(steps):
@@ -308,10 +241,9 @@ def _run_twice_bits(case, backend, device, steps=3):
             g = torch.randn(out.shape, generator=torch.Generator().manual_seed(case.seed + s)).to(out.dtype)
             out.backward(g.to(device))
             outs += [out.detach().cpu()] + ([psw.grad.cpu()] if psw is not None else [])
-        results.append(outs + [t.detach().cpu().clone() for t in (m.weights_dev, m.momentum1_dev,
-                                                                    m.momentum2_dev)])
+        results.append(outs + [t.detach().cpu().clone() for t in (m.weights_dev, m.accum_dev, m.linear_dev)])
     for a, b in zip(*results):
-        assert a.shape == b.shape and torch.equal(_bits(a), _bits(b)), case.describe()
+        assert a.shape == b.shape and torch.equal(bits(a), bits(b)), case.describe()
 
 
 @cpu_only
@@ -323,19 +255,12 @@ def test_deterministic_runs_are_bitwise_equal(backend, seed):
 
 
 # ------------------------------------------------------------------ Triton under the interpreter
-@pytest.mark.skipif(INTERP or HAS_CUDA, reason="the child process itself / CUDA runs compiled kernels")
+@interpreter_parent
 def test_triton_interpreter_suite():
     """Runs this file's ``interp`` tests in a child pytest with TRITON_INTERPRET=1 (CPU tensors)."""
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", __file__,
-                           "-k", "interp and not interpreter_suite"],
-                          env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
+    run_interpreter_suite(__file__, timeout=900)
 
 
-interp_only = pytest.mark.skipif(not INTERP, reason="runs in the TRITON_INTERPRET=1 child process")
 INTERP_SEEDS = list(range(20))   # small random cases (pooling, VBE, psw, fp16/bf16 vary)
 
 
@@ -395,7 +320,7 @@ def test_cuda_matches_cpu_within_tolerance(seed):
             out = m(indices, offsets, per_sample_weights=psw, batch_size_per_feature_per_rank=case.vbe)
             g = torch.randn(out.shape, generator=torch.Generator().manual_seed(case.seed + s))
             out.backward(g.to(d))
-    for name in ("weights_dev", "momentum1_dev", "momentum2_dev"):
+    for name in ("weights_dev", "accum_dev", "linear_dev"):
         a, b = getattr(mods[0], name).double(), getattr(mods[1], name).double().cpu()
         scale = max(1.0, float(a.abs().max())) if a.numel() else 1.0
         torch.testing.assert_close(b, a, rtol=CPU_CUDA_RTOL, atol=CPU_CUDA_ATOL * scale, msg=name)

@@ -1,8 +1,9 @@
 """Tests of ``FTRLTableBatchedEmbeddingBags`` on CPU, backends "cpp" (compiled) and "torch".
 
 Expected values come from float64 references independent of the code under test (see
-``tests/tbe_harness.py``): ``torch.nn.functional.embedding_bag`` per table for the forward and
-``ftrl_reference_rows`` (transcribed from ``shared/docs/FTRL.md``) for the update.
+``tests/tbe_harness.py`` and ``tests/conftest.py``): ``torch.nn.functional.embedding_bag`` per table for
+the forward and ``ftrl_reference_rows`` (``tests/reference.py``, transcribed from ``docs/ftrl.md``) for
+the update.
 """
 
 from __future__ import annotations
@@ -14,22 +15,13 @@ import pytest
 import torch
 
 import tbe_harness as H
+from conftest import assert_same_bits, bits, tbe_state
+from reference import ftrl_reference_rows, reference_knobs
 from torchrec_ftrl import FTRLTableBatchedEmbeddingBags
-from torchrec_ftrl.kernels.reference import ftrl_reference_rows, reference_knobs
-from torchrec_ftrl.tbe_compat import BoundsCheckMode, PoolingMode, SparseType
+from torchrec_ftrl.fbgemm_enums import BoundsCheckMode, PoolingMode, SparseType
 
 BACKENDS = H.CPU_BACKENDS
 HP = dict(learning_rate=0.1, ftrl_l1_reg=0.01, ftrl_l2_reg=0.02, ftrl_beta=0.5)
-
-
-def _state(m):
-    return [t.detach().clone() for t in (m.weights_dev, m.momentum1_dev, m.momentum2_dev,
-                                         m.bounds_check_warning, m.nonfinite_grad_rows, m.iter)]
-
-
-def _assert_same_bits(before, after):
-    for b, a in zip(before, after):
-        assert torch.equal(H._bits(b), H._bits(a))
 
 
 def _i64(x):
@@ -42,11 +34,6 @@ def _i64(x):
 def test_random_cases_match_reference(backend, chunk):
     for seed in range(chunk * 25, (chunk + 1) * 25):
         H.check_case(H.random_case(seed), backend, steps=3)
-
-
-def test_default_cpu_backend_is_cpp():
-    m = FTRLTableBatchedEmbeddingBags([(10, 4)])
-    assert m.backend == "cpp"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -129,10 +116,10 @@ def test_cpp_is_deterministic_across_thread_counts():
             m = FTRLTableBatchedEmbeddingBags([(500, 13), (500, 13)], backend="cpp", **HP)
             for _ in range(2):
                 m(idx, off).backward(g)
-            results.append(_state(m))
+            results.append(tbe_state(m))
     finally:
         torch.set_num_threads(threads)
-    _assert_same_bits(results[0], results[1])
+    assert_same_bits(results[0], results[1])
 
 
 # ------------------------------------------------------------------ bad input
@@ -166,48 +153,34 @@ def test_bad_input_raises_and_changes_nothing(backend, name):
                 batch_size_per_feature_per_rank=None)
     overrides, match = BAD_INPUTS[name]
     args.update(overrides)
-    before = _state(m)
+    before = tbe_state(m)
     with pytest.raises(ValueError, match=match):
         m(**args)
-    _assert_same_bits(before, _state(m))
+    assert_same_bits(before, tbe_state(m))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_warning_mode_counts_and_repairs(backend):
-    m = _module(backend, bounds_check_mode=BoundsCheckMode.WARNING)
-    W = [w.detach().double().clone() for w in m.split_embedding_weights()]
-    # feature 0 (10 rows): bags [1, 99] and [-4]; feature 1 (6 rows): bags [] and [6] (6 is out of range)
-    out = m(_i64([1, 99, -4, 6]), _i64([0, 2, 3, 3, 4]))
-    assert int(m.bounds_check_warning) == 3
-    expected = torch.stack([torch.cat([W[0][1] + W[0][0], torch.zeros(3, dtype=torch.float64)]),
-                            torch.cat([W[0][0], W[1][0]])])
-    torch.testing.assert_close(out.double(), expected, rtol=1e-6, atol=1e-7)
-    # offsets repaired like FBGEMM: clamped into [0, N] and made non-decreasing, last = N.
-    out = m(_i64([1, 2, 3]), _i64([0, 2, 1, 3, 9]))
-    assert int(m.bounds_check_warning) == 3 + 2
-    # -> [0, 2, 2, 3, 3]: feature 0 bags [1, 2] and []; feature 1 bags [3] and []
-    expected = torch.stack([torch.cat([W[0][1] + W[0][2], W[1][3]]),
-                            torch.zeros(7, dtype=torch.float64)])
-    torch.testing.assert_close(out.double(), expected, rtol=1e-6, atol=1e-7)
+    H.check_warning_repairs(_module(backend, bounds_check_mode=BoundsCheckMode.WARNING))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 def test_nonfinite_gradient_rows_are_skipped_and_counted(backend, bad):
     m = FTRLTableBatchedEmbeddingBags([(10, 4)], backend=backend, **HP)
-    before = [t.detach().clone() for t in (m.weights_dev, m.momentum1_dev, m.momentum2_dev)]
+    before = [t.detach().clone() for t in (m.weights_dev, m.accum_dev, m.linear_dev)]
     W0 = m.split_embedding_weights()[0].detach().double().clone()
     out = m(_i64([1, 2, 2, 3]), _i64([0, 2, 4]))            # bag 0 = rows 1, 2; bag 1 = rows 2, 3
     g = torch.ones(2, 4)
     g[0, 1] = bad                                           # rows 1 and 2 get a non-finite sum
     out.backward(g)
     assert int(m.nonfinite_grad_rows) == 2
-    views = [t.view(10, 4) for t in (m.weights_dev, m.momentum1_dev, m.momentum2_dev)]
+    views = [t.view(10, 4) for t in (m.weights_dev, m.accum_dev, m.linear_dev)]
     for now, old in zip(views, before):
         old = old.view(10, 4)
         keep = torch.ones(10, dtype=torch.bool)
         keep[3] = False
-        assert torch.equal(H._bits(now[keep]), H._bits(old[keep]))
+        assert torch.equal(bits(now[keep]), bits(old[keep]))
     w, z, n = ftrl_reference_rows(W0.numpy(), np.zeros((10, 4)), np.zeros((10, 4)), [3],
                                   np.ones((1, 4)), **reference_knobs(m.hyperparams))
     torch.testing.assert_close(views[0][3].double(), torch.from_numpy(w[3]), rtol=1e-6, atol=1e-7)
@@ -231,12 +204,12 @@ def test_split_optimizer_states_and_get_optimizer_state():
     for a, z in states:
         assert a.dtype == torch.float32 and z.dtype == torch.float32
         assert bool((a == 0.25).all()) and bool((z == 0).all())
-    states[0][1][4, 2] = 3.0                                  # views of linear (momentum2)
-    assert float(m.momentum2_dev[4 * 4 + 2]) == 3.0
+    states[0][1][4, 2] = 3.0                                  # views of linear
+    assert float(m.linear_dev[4 * 4 + 2]) == 3.0
     named = m.get_optimizer_state()
     assert [sorted(d) for d in named] == [["accum", "linear"]] * 2
-    assert named[0]["linear"].data_ptr() == m.momentum2_dev.data_ptr()
-    assert named[1]["accum"].data_ptr() == m.momentum1_dev.data_ptr() + 40 * 4
+    assert named[0]["linear"].data_ptr() == m.linear_dev.data_ptr()
+    assert named[1]["accum"].data_ptr() == m.accum_dev.data_ptr() + 40 * 4
 
 
 @pytest.mark.parametrize("lr", [0.0, -0.1, math.nan, math.inf, "0.1"])

@@ -3,9 +3,10 @@
 On a CPU-only machine (CI) the Triton kernels run under ``TRITON_INTERPRET=1`` on CPU tensors. Triton
 fixes interpret-vs-compile when ``@triton.jit`` runs (its own ``tl.sum``/``tl.max`` included), so the
 variable must be set before anything imports triton: :func:`test_interpreter_suite` re-runs this file's
-``interp`` tests in a child pytest with the variable set, and nothing else in the parent process sees
-it. Expected values come from an independent float64 computation (pooling written out here, FTRL from
-``torchrec_ftrl.kernels.reference``), and from the vectorised PyTorch backend.
+``interp`` tests in a child pytest with the variable set (``conftest.run_interpreter_suite``), and
+nothing else in the parent process sees it. Expected values come from the independent float64 oracle
+of tests/conftest.py (``reference_update``: pooling by ``embedding_bag``, FTRL from
+``tests/reference.py``), and from the vectorised PyTorch backend.
 
 Tests marked ``cuda`` run the compiled kernels on a GPU: randomized parity, CPU vs CUDA parity, no
 host synchronisation in a training step, and bitwise repeatability.
@@ -13,25 +14,19 @@ host synchronisation in a training step, and bitwise repeatability.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
 
-HAS_CUDA = torch.cuda.is_available()
-INTERP = os.environ.get("TRITON_INTERPRET") == "1" and not HAS_CUDA
+from conftest import INTERP, cuda, interpreter_parent, needs_cuda, reference_update, run_interpreter_suite
+
 pytest.importorskip("triton")
 
+import tbe_harness as H  # noqa: E402
+from reference import reference_knobs  # noqa: E402
 from torchrec_ftrl import FTRLTableBatchedEmbeddingBags  # noqa: E402
-from torchrec_ftrl.kernels import triton_backend  # noqa: E402,F811
-from torchrec_ftrl.kernels.reference import ftrl_reference_rows  # noqa: E402
-from torchrec_ftrl.tbe_compat import BoundsCheckMode, PoolingMode, SparseType  # noqa: E402
-
-cuda = pytest.mark.cuda
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+from torchrec_ftrl.fbgemm_enums import BoundsCheckMode, PoolingMode, SparseType  # noqa: E402
+from torchrec_ftrl.kernels import triton_backend  # noqa: E402
 
 KNOBS = dict(learning_rate=0.05, ftrl_l1_reg=0.002, ftrl_l2_reg=0.01, ftrl_beta=0.3)
 
@@ -73,67 +68,6 @@ def make_case(seed, *, specs, fmap, B, pooling, max_len=5, psw=False, vbe=None, 
     return out
 
 
-def expected_step(specs, fmap, pooling, case, W0, Z0, N0, grad_out, knobs, vbe=None):
-    """float64 forward output and post-step (w, z, n) per table, written independently of the kernels."""
-    idx = case["indices"].long().numpy()
-    off = case["offsets"].long().numpy()
-    psw = case["psw"].double().numpy() if case["psw"] is not None else None
-    F = len(fmap)
-    dims = [specs[fmap[f]][1] for f in range(F)]
-    num_bags = len(off) - 1
-    # bag -> (feature, output element offset)
-    bag_feat, bag_out = [], []
-    if vbe is None:
-        B = num_bags // F
-        Dsum = sum(dims)
-        doff = np.concatenate([[0], np.cumsum(dims)])
-        for f in range(F):
-            for b in range(B):
-                bag_feat.append(f)
-                bag_out.append(b * Dsum + doff[f])
-        out_numel = B * Dsum if pooling != PoolingMode.NONE else len(idx) * dims[0]
-    else:
-        R = len(vbe[0])
-        start, pos = {}, 0
-        for r in range(R):
-            for f in range(F):
-                start[(r, f)] = pos
-                pos += vbe[f][r] * dims[f]
-        for f in range(F):
-            for r in range(R):
-                for b in range(vbe[f][r]):
-                    bag_feat.append(f)
-                    bag_out.append(start[(r, f)] + b * dims[f])
-        out_numel = pos
-    out = np.zeros(out_numel)
-    gout = grad_out.double().reshape(-1).numpy()
-    per_table = {t: ([], []) for t in range(len(specs))}
-    for k in range(num_bags):
-        f = bag_feat[k]
-        t, D = fmap[f], dims[f]
-        L = off[k + 1] - off[k]
-        for i in range(off[k], off[k + 1]):
-            s = psw[i] if psw is not None else 1.0
-            if pooling == PoolingMode.MEAN:
-                s = s / L
-            o = i * D if pooling == PoolingMode.NONE else bag_out[k]
-            out[o:o + D] += s * W0[t][idx[i]]
-            per_table[t][0].append(idx[i])
-            per_table[t][1].append(s * gout[o:o + D])
-    res = []
-    for t, (rid, rg) in per_table.items():
-        D = specs[t][1]
-        res.append(ftrl_reference_rows(W0[t], Z0[t], N0[t], np.array(rid, dtype=np.int64),
-                                       np.array(rg).reshape(len(rid), D), **knobs))
-    return out, res
-
-
-def ref_knobs(m):
-    hp = m.hyperparams
-    return dict(lr=hp.learning_rate, lr_power=hp.learning_rate_power, l1=hp.l1_reg, l2=hp.l2_reg,
-                beta=hp.beta, l2_shrinkage=hp.l2_shrinkage, l2_convention=hp.l2_convention)
-
-
 def build(specs, fmap, pooling, device, backend="triton", precision=SparseType.FP32, seed=0, **knobs):
     torch.manual_seed(seed)
     m = FTRLTableBatchedEmbeddingBags(
@@ -149,14 +83,12 @@ def run_and_check(device, *, specs, fmap, pooling, B=3, psw=False, vbe=None, hot
     m = build(specs, fmap, pooling, device, precision=precision, seed=seed, **knobs)
     if knobs.get("ftrl_initial_accumulator_value") is None:
         with torch.no_grad():  # start from a state that is not all-zero
-            m.momentum1_dev.uniform_(0.0, 0.5)
-            m.momentum2_dev.uniform_(-0.1, 0.1)
+            m.accum_dev.uniform_(0.0, 0.5)
+            m.linear_dev.uniform_(-0.1, 0.1)
     if case is None:
         case = make_case(seed, specs=specs, fmap=fmap, B=B, pooling=pooling, psw=psw, vbe=vbe,
                          hot=hot, int32=int32, max_len=max_len)
-    W0 = [w.double().cpu().numpy().copy() for w in m.split_embedding_weights()]
-    Z0 = [z.double().cpu().numpy().copy() for _, z in m.split_optimizer_states()]
-    N0 = [n.double().cpu().numpy().copy() for n, _ in m.split_optimizer_states()]
+    W0, S0 = H.table_snapshot(m)
     twin = None
     if against_torch:
         twin = build(specs, fmap, pooling, "cpu", backend="torch", precision=precision, seed=seed,
@@ -169,22 +101,23 @@ def run_and_check(device, *, specs, fmap, pooling, B=3, psw=False, vbe=None, hot
     if nan_bag is not None:
         g.view(-1)[nan_bag] = float("nan")
     out.backward(g.to(device))
-    exp_out, exp_state = expected_step(specs, fmap, pooling, case, W0, Z0, N0, g, ref_knobs(m), vbe)
+    ref = reference_update(W0, [n for n, _ in S0], [z for _, z in S0], fmap, pooling, case["indices"],
+                           case["offsets"], g, reference_knobs(m.hyperparams), psw=case["psw"], vbe=vbe)
     wtol = dict(rtol=5e-5, atol=1e-5) if precision == SparseType.FP32 else dict(rtol=1.6e-2, atol=1e-3)
-    np.testing.assert_allclose(out.detach().double().cpu().reshape(-1).numpy(), exp_out, **wtol)
+    np.testing.assert_allclose(out.detach().double().cpu().reshape(-1).numpy(),
+                               ref.out.reshape(-1).numpy(), **wtol)
     if nan_bag is None:
         for t, (w, (n, z)) in enumerate(zip(m.split_embedding_weights(), m.split_optimizer_states())):
-            ew, ez, en = exp_state[t]
             # fp32 sums of up to hundreds of gradients against float64: a few 1e-6 relative.
-            np.testing.assert_allclose(n.double().cpu().numpy(), en, rtol=3e-5, atol=1e-6)
-            np.testing.assert_allclose(z.double().cpu().numpy(), ez, rtol=5e-5, atol=1e-5)
-            np.testing.assert_allclose(w.double().cpu().numpy(), ew, **wtol)
+            np.testing.assert_allclose(n.double().cpu().numpy(), ref.n[t], rtol=3e-5, atol=1e-6)
+            np.testing.assert_allclose(z.double().cpu().numpy(), ref.z[t], rtol=5e-5, atol=1e-5)
+            np.testing.assert_allclose(w.double().cpu().numpy(), ref.w[t], **wtol)
         assert int(m.nonfinite_grad_rows) == 0
     if twin is not None:
         out2 = twin(case["indices"], case["offsets"], case["psw"], **kw)
         out2.backward(g)
         torch.testing.assert_close(out.detach().cpu(), out2.detach(), rtol=1e-5, atol=1e-6)
-        for name in ("weights_dev", "momentum1_dev", "momentum2_dev", "nonfinite_grad_rows"):
+        for name in ("weights_dev", "accum_dev", "linear_dev", "nonfinite_grad_rows"):
             a, b = getattr(m, name).cpu(), getattr(twin, name)
             # The torch backend sums duplicates with index_add_ (any order): hot rows with hundreds
             # of duplicates differ by a few 1e-4 relative; the float64 check above is the tight one.
@@ -195,15 +128,10 @@ def run_and_check(device, *, specs, fmap, pooling, B=3, psw=False, vbe=None, hot
 
 
 # ---------------------------------------------------------------------------- interpreter (CI)
-@pytest.mark.skipif(INTERP or HAS_CUDA, reason="the child process itself / CUDA runs the compiled kernels")
+@interpreter_parent
 def test_interpreter_suite():
     """Runs the ``interp`` tests below in a child pytest with TRITON_INTERPRET=1 (CPU tensors)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
-                           __file__, "-k", "interp and not interpreter_suite"],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
+    run_interpreter_suite(__file__, timeout=600)
 
 
 SPECS = [(9, 5), (13, 3), (6, 8), (4, 1)]
@@ -257,19 +185,19 @@ def test_interp_nonfinite_rows_skipped(interp):
     twin.load_state_dict(m.state_dict())
     indices = torch.tensor([0, 1, 1, 2, 3, 3, 4])
     offsets = torch.tensor([0, 3, 5, 7])          # bags {0,1,1}, {2,3}, {3,4}
-    before = [t.clone() for t in (m.weights_dev, m.momentum1_dev, m.momentum2_dev)]
+    before = [t.clone() for t in (m.weights_dev, m.accum_dev, m.linear_dev)]
     out = m(indices, offsets)
     g = torch.ones_like(out)
     g[1, 2] = float("inf")                        # bag 1: rows 2 and 3 get a non-finite sum
     out.backward(g)
     twin(indices, offsets).backward(g)
     assert int(m.nonfinite_grad_rows) == 2
-    for buf, b0 in zip((m.weights_dev, m.momentum1_dev, m.momentum2_dev), before):
+    for buf, b0 in zip((m.weights_dev, m.accum_dev, m.linear_dev), before):
         rows = buf.view(6, 4)
         assert torch.equal(rows[2:4], b0.view(6, 4)[2:4])     # skipped rows bit-for-bit unchanged
         assert torch.equal(rows[5], b0.view(6, 4)[5])         # untouched row unchanged
         assert not torch.equal(rows[[0, 1, 4]], b0.view(6, 4)[[0, 1, 4]])
-    for name in ("weights_dev", "momentum1_dev", "momentum2_dev"):
+    for name in ("weights_dev", "accum_dev", "linear_dev"):
         torch.testing.assert_close(getattr(m, name), getattr(twin, name), rtol=2e-5, atol=2e-6)
 
 
@@ -278,7 +206,7 @@ def test_interp_repeat_is_bitwise(interp):
     for _ in range(2):
         m, _ = run_and_check(interp, specs=[(3, 4), (20, 4)], fmap=[0, 1], pooling=PoolingMode.MEAN,
                              B=5, hot=True, psw=True, seed=8, against_torch=False)
-        states.append([getattr(m, n).clone() for n in ("weights_dev", "momentum1_dev", "momentum2_dev")])
+        states.append([getattr(m, n).clone() for n in ("weights_dev", "accum_dev", "linear_dev")])
     for a, b in zip(*states):
         assert torch.equal(a, b)
 
@@ -315,20 +243,7 @@ def _torch_warning_twin(m):
 def test_interp_fused_warning_bounds_check(interp):
     """Fused WARNING check: a bad index reads row 0 (forward) and its gradient goes to row 0; offsets
     are clamped and made non-decreasing; everything is counted once per forward."""
-    m = build([(10, 3), (6, 4)], [0, 1], PoolingMode.SUM, interp)
-    W = [w.detach().double().clone() for w in m.split_embedding_weights()]
-    # feature 0 (10 rows): bags [1, 99] and [-4]; feature 1 (6 rows): bags [] and [6]
-    out = m(torch.tensor([1, 99, -4, 6]), torch.tensor([0, 2, 3, 3, 4]))
-    assert int(m.bounds_check_warning) == 3
-    expected = torch.stack([torch.cat([W[0][1] + W[0][0], torch.zeros(4, dtype=torch.float64)]),
-                            torch.cat([W[0][0], W[1][0]])])
-    torch.testing.assert_close(out.double(), expected, rtol=1e-6, atol=1e-7)
-    # -> offsets [0, 2, 2, 3, 3]: feature 0 bags [1, 2] and []; feature 1 bags [3] and []
-    out = m(torch.tensor([1, 2, 3]), torch.tensor([0, 2, 1, 3, 9]))
-    assert int(m.bounds_check_warning) == 3 + 2
-    expected = torch.stack([torch.cat([W[0][1] + W[0][2], W[1][3]]),
-                            torch.zeros(7, dtype=torch.float64)])
-    torch.testing.assert_close(out.double(), expected, rtol=1e-6, atol=1e-7)
+    H.check_warning_repairs(build([(10, 3), (6, 4)], [0, 1], PoolingMode.SUM, interp))
 
 
 def test_interp_eval_forward_matches_training_forward(interp):
@@ -363,16 +278,18 @@ def test_interp_backward_without_training_forward(interp, pooling):
     outs = []
     for m, train in zip(mods, (True, False)):
         b = m._make_batch(idx, case["offsets"], None, None)
-        fwd = triton_backend.forward_train if train else triton_backend.forward
-        out = fwd(m.weights_dev, b, torch.float32)
-        assert (b.linearized is not None) == train
+        if train:
+            out, ctx = triton_backend.forward_train(m.weights_dev, b, torch.float32)
+            assert isinstance(ctx, triton_backend.TritonContext) and len(ctx.linearized) == 4
+        else:
+            out, ctx = triton_backend.forward(m.weights_dev, b, torch.float32), None
         g = torch.cos(out.double() * 3).float()
-        triton_backend.backward_update_(m.weights_dev, m.momentum1_dev, m.momentum2_dev, b, g,
+        triton_backend.backward_update_(m.weights_dev, m.accum_dev, m.linear_dev, b, ctx, g,
                                         m.hyperparams, m.nonfinite_grad_rows)
         outs.append(out)
         assert int(m.bounds_check_warning) == 2
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
-    for name in ("weights_dev", "momentum1_dev", "momentum2_dev"):
+    for name in ("weights_dev", "accum_dev", "linear_dev"):
         assert torch.equal(getattr(mods[0], name), getattr(mods[1], name))
     assert not torch.equal(mods[0].weights_dev, build(specs, fmap, pooling, interp, seed=5).weights_dev)
 
@@ -423,7 +340,7 @@ def test_interp_fused_warning_matches_index0_substitution(interp, monkeypatch, s
     assert int(m.bounds_check_warning) == int(twin.bounds_check_warning) > 0
     assert int(m.bounds_check_warning) >= int(((idx < 0) | (idx >= rows.max())).sum())
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)
-    for name in ("weights_dev", "momentum1_dev", "momentum2_dev"):
+    for name in ("weights_dev", "accum_dev", "linear_dev"):
         torch.testing.assert_close(getattr(m, name), getattr(twin, name), rtol=2e-5, atol=2e-6)
 
 
@@ -747,7 +664,7 @@ def test_cuda_wide_rows_with_capped_registers(monkeypatch, specs):
         before = compiled()
         m, _ = run_and_check("cuda", specs=specs, fmap=list(range(len(specs))) + [0],
                              pooling=PoolingMode.SUM, B=96, hot=True, max_len=24, seed=17)
-        states[cap] = [getattr(m, n).clone() for n in ("weights_dev", "momentum1_dev", "momentum2_dev")]
+        states[cap] = [getattr(m, n).clone() for n in ("weights_dev", "accum_dev", "linear_dev")]
         new = [ck for k, ck in compiled().items() if k not in before]
         assert new and all(ck.metadata.maxnreg == cap for ck in new)     # compiled for this launch
         if cap:
@@ -805,7 +722,7 @@ def test_cuda_repeat_is_bitwise(deterministic):
         for _ in range(3):
             out = m(idx, off)
             out.backward(torch.cos(out))
-        results.append([getattr(m, n).clone() for n in ("weights_dev", "momentum1_dev", "momentum2_dev")])
+        results.append([getattr(m, n).clone() for n in ("weights_dev", "accum_dev", "linear_dev")])
     for a, b in zip(*results):
         assert torch.equal(a, b)
 
@@ -827,7 +744,7 @@ def test_cuda_matches_cpu_backend():
             out.backward(torch.sin(out))
             outs.append(out.detach().cpu())
         torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
-    for name in ("weights_dev", "momentum1_dev", "momentum2_dev"):
+    for name in ("weights_dev", "accum_dev", "linear_dev"):
         torch.testing.assert_close(getattr(mods[0], name).cpu(), getattr(mods[1], name),
                                    rtol=1e-4, atol=1e-4)
 
@@ -836,8 +753,6 @@ def test_cuda_matches_cpu_backend():
 @pytest.mark.parametrize("seed", range(20))
 def test_interp_harness_random_cases(interp, seed):
     """The randomized harness of tests/tbe_harness.py (shared with the CPU backends), backend triton."""
-    sys.path.insert(0, os.path.dirname(__file__))
-    import tbe_harness as H
     H.check_case(H.random_case(seed), "triton", steps=2)
 
 
@@ -845,8 +760,6 @@ def test_interp_harness_random_cases(interp, seed):
 @needs_cuda
 @pytest.mark.parametrize("seed", range(40))
 def test_cuda_harness_random_cases(seed):
-    sys.path.insert(0, os.path.dirname(__file__))
-    import tbe_harness as H
     H.check_case(H.random_case(seed), "triton", device="cuda", steps=3)
 
 
@@ -869,15 +782,15 @@ def test_cuda_ops_under_torch_compile():
         def fwd_bwd(w, accum, linear, nonfinite):
             # The training path: linearise once (with the WARNING check and the offsets repair),
             # look up by row keys, then the backward reuses the linearised batch.
-            assert b.offsets_raw
+            assert b.unchecked_counter is not None                # a raw batch: the kernels check it
             lin = ops.triton_tbe_linearize(b.indices, b.offsets, b.bag_feature, b.bag_out_offset,
                                            b.feature_table, b.table_row_base, b.table_rows,
-                                           b.index_check, True, True, True, None, 0, b.max_D,
+                                           b.unchecked_counter, True, True, True, None, 0, b.max_D,
                                            b.total_rows, b.out_numel, even)
             fixed = lin[4]                                     # repaired offsets
             out = ops.triton_tbe_forward(w, b.indices, fixed, b.bag_feature, b.bag_out_offset,
                                          b.feature_table, b.table_w_offset, b.table_dim,
-                                         b.table_rows, b.table_row_base, b.index_check, True,
+                                         b.table_rows, b.table_row_base, b.unchecked_counter, True,
                                          lin[0], None, 0, b.out_numel, b.max_D, torch.float32,
                                          vec, even)
             ops.triton_tbe_backward_update_(
@@ -888,10 +801,10 @@ def test_cuda_ops_under_torch_compile():
                 2.0 * hp.l2_shrinkage)
             return out
         fn = torch.compile(fwd_bwd, fullgraph=True) if compiled else fwd_bwd
-        return fn(m.weights_dev, m.momentum1_dev, m.momentum2_dev, m.nonfinite_grad_rows)
+        return fn(m.weights_dev, m.accum_dev, m.linear_dev, m.nonfinite_grad_rows)
 
     out_e, out_c = step(mods[0], False), step(mods[1], True)
     torch.testing.assert_close(out_c, out_e, rtol=0, atol=0)
-    for name in ("weights_dev", "momentum1_dev", "momentum2_dev"):
+    for name in ("weights_dev", "accum_dev", "linear_dev"):
         assert torch.equal(getattr(mods[0], name), getattr(mods[1], name))
     assert not torch.equal(mods[0].weights_dev, mods[2].weights_dev)   # the step did update

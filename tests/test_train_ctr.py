@@ -1,6 +1,8 @@
-"""The CTR job end to end (examples/train_ctr.py): one-process runs on synthetic and real Criteo data,
-summary JSON + PNG, DCP checkpoint / exact resume, flag -> fused_params mapping, the torchx component,
-and a 2-process torchx launch (slow).
+"""The CTR job end to end (``torchrec_ftrl.job``, run through examples/train_ctr.py and ``python -m
+torchrec_ftrl.job``): one-process runs on synthetic and real Criteo data, summary JSON + PNG, DCP
+checkpoint / exact resume, flag -> fused_params mapping, the torchx component (which launches the
+installed module, not a checkout path) and a 2-process torchx launch (slow). (That the library never
+imports the job: tests/test_layers.py.)
 
 Independent checks: sparsity counts are recomputed from the DCP checkpoint files (converted with
 ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``); a resumed run must reproduce the
@@ -9,23 +11,17 @@ uninterrupted run's losses and validation metrics exactly (same data order, rest
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "examples", "train_ctr.py")
-CRITEO = os.path.join(ROOT, "..", "shared", "data", "criteo", "criteo_dac_combined.tsv")
+from conftest import run_job, run_torchx
+
 SMALL = ["--num-embeddings", "2000", "--no-progress", "--batch-size", "128"]
 
-sys.path.insert(0, os.path.join(ROOT, "examples"))
 
-
-def _run(args, cwd=ROOT, timeout=240):
-    p = subprocess.run([sys.executable, SCRIPT, *args], cwd=cwd, capture_output=True, text=True,
-                       timeout=timeout)
+def _run(args):
+    p = run_job(args)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     return p.stdout
 
@@ -110,25 +106,24 @@ def test_resume_continues_exactly(synthetic_run, tmp_path):
     assert resumed["sparsity"] == full["sparsity"]
 
 
-@pytest.mark.skipif(not os.path.isfile(CRITEO), reason="Criteo sample not present")
-def test_short_real_data_run(tmp_path):
-    _run([*SMALL, "--data", CRITEO, "--steps", "15", "--eval-every", "100",
+def test_short_real_data_run(tmp_path, sample_data):
+    criteo = sample_data("criteo", "criteo_dac_combined.tsv")
+    _run([*SMALL, "--data", criteo, "--steps", "15", "--eval-every", "100",
           "--sparse-optimizer", "rowwise_adagrad", "--output-dir", str(tmp_path)])
     s = _summary(tmp_path)
     assert s["data"]["kind"] == "file" and s["sparse_optimizer"] == "rowwise_adagrad"
     assert s["data"]["reader"]["valid"] == 6726 and s["data"]["reader"]["malformed"] == 0
     assert s["final_validation"]["rows"] == 672  # every 10th of 6,726 rows
     # validation CTR of rows 10, 20, ... counted independently
-    with open(CRITEO) as f:
+    with open(criteo) as f:
         labels = [int(line.split("\t", 1)[0]) for i, line in enumerate(f) if i % 10 == 9]
     assert s["final_validation"]["ctr"] == pytest.approx(sum(labels) / len(labels), abs=1e-12)
     assert s["fused_params"]["optimizer"] == "EXACT_ROWWISE_ADAGRAD"
 
 
 def test_missing_data_file_fails_clearly(tmp_path):
-    p = subprocess.run([sys.executable, SCRIPT, "--data", str(tmp_path / "none.tsv"),
-                        "--sparse-optimizer", "rowwise_adagrad", "--output-dir", str(tmp_path)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=240)
+    p = run_job(["--data", str(tmp_path / "none.tsv"), "--sparse-optimizer", "rowwise_adagrad",
+                 "--output-dir", str(tmp_path)])
     assert p.returncode != 0
     assert "CTR data file not found" in p.stderr and "none.tsv" in p.stderr
 
@@ -136,17 +131,26 @@ def test_missing_data_file_fails_clearly(tmp_path):
 def test_wrong_data_format_fails_in_one_line(tmp_path):
     bad = tmp_path / "comma.csv"  # a comma-separated file read with the default Criteo TSV layout
     bad.write_text("".join(f"{i % 2},1,2,3\n" for i in range(30)))
-    p = subprocess.run([sys.executable, SCRIPT, "--data", str(bad), "--steps", "1",
-                        "--output-dir", str(tmp_path)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=240)
+    p = run_job(["--data", str(bad), "--steps", "1", "--output-dir", str(tmp_path)])
     assert p.returncode == 2, p.stderr[-2000:]
     last = p.stderr.strip().splitlines()[-1]
     assert last.startswith("train_ctr: error: the validation split") and "--data-format" in last
     assert "30 malformed rows" in last and "Traceback" not in p.stderr
 
 
+def test_module_entry_point_runs_outside_the_checkout(tmp_path):
+    """``python -m torchrec_ftrl.job`` from a directory that is not the checkout: the job is the
+    installed package (no checkout path); same one-line error and exit status 2 as the script."""
+    p = run_job(["--data", str(tmp_path / "none.tsv"), "--sparse-optimizer", "rowwise_adagrad",
+                 "--output-dir", str(tmp_path)], module=True, cwd=str(tmp_path))
+    assert p.returncode == 2, p.stderr[-3000:]
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("train_ctr: error: ") and "CTR data file not found" in last
+    assert "none.tsv" in last and "Traceback" not in p.stderr
+
+
 def test_flags_map_to_fused_params():
-    from ctr_job import cli
+    from torchrec_ftrl.job import cli
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
     a = cli.parse_args(["--sparse-optimizer", "rowwise_adagrad", "--sparse-lr", "0.3"])
@@ -175,21 +179,20 @@ def test_torchx_component_builds_ddp_appdef():
     role = app.roles[0]
     cmd = role.args[-1]
     assert "torchrun" in cmd and "--nproc_per_node 3" in cmd and "--nnodes 1" in cmd
-    assert "examples/train_ctr.py --steps 7" in cmd
+    assert "-m torchrec_ftrl.job --steps 7" in cmd and "examples/" not in cmd
+    assert role.name == "train_ctr" and app.name == "train_ctr"
     assert role.resource.gpu == 0
+    # a custom script is launched as a script
+    custom = train_ctr("--steps", "7", nproc=1, gpu=0, script="my/job.py").roles[0].args[-1]
+    assert "--nproc_per_node 1" in custom and "my/job.py --steps 7" in custom and " -m " not in custom
     with pytest.raises(ValueError, match="nproc and nnodes must be >= 1"):
         train_ctr(nproc=0)
 
 
 @pytest.mark.slow
 def test_torchx_two_process_launch(tmp_path):
-    bindir = os.path.dirname(sys.executable)
-    env = {**os.environ, "PATH": bindir + os.pathsep + os.environ.get("PATH", "")}
-    p = subprocess.run(
-        [os.path.join(bindir, "torchx"), "run", "-s", "local_cwd", "torchrec_ftrl/components.py:train_ctr",
-         "--nproc", "2", "--", *SMALL, "--steps", "12", "--eval-every", "100", "--device", "cpu",
-         "--output-dir", str(tmp_path)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    p = run_torchx([*SMALL, "--steps", "12", "--eval-every", "100", "--device", "cpu",
+                    "--output-dir", str(tmp_path)])
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     s = _summary(tmp_path)
     assert s["world_size"] == 2 and s["backend"] == "gloo"

@@ -1,24 +1,18 @@
 """torchrec-ftrl: fused FTRL-Proximal for TorchRec sharded embedding tables, on stock wheels.
 
-``import torchrec_ftrl`` checks the torchrec version (1.6.x-1.8.x) and registers ``EmbOptimType.FTRL``,
-``torchrec.optim.FTRL``, the lookup routing to the fused FTRL TBE and the planner's 2 x D state count
-(see :mod:`torchrec_ftrl.registration`).
+``import torchrec_ftrl`` checks the torchrec version (1.6.x-1.9.x) and installs the integration:
+``EmbOptimType.FTRL``, ``torchrec.optim.FTRL``, the lookup routing to the fused FTRL TBE and the
+planner's storage estimate (every patch is listed in :mod:`torchrec_ftrl.integration.patches`;
+``torchrec_ftrl.integration.uninstall()`` reverses them).
 """
 
-import torchrec as _torchrec
+from .hyperparams import FTRLHyperparams
+from .integration import FTRLStorageEstimator, ftrl_planner, install, sharders, uninstall
+from .optim import FTRL, ftrl
+from .tbe import FTRLTableBatchedEmbeddingBags
 
-from .compat import check_torchrec_version as _check_torchrec_version
-
-_check_torchrec_version(getattr(_torchrec, "__version__", ""))
-
-from .hyperparams import FTRLHyperparams  # noqa: E402
-from .optim import FTRL, ftrl  # noqa: E402
-from .registration import register as _register  # noqa: E402
-from .tbe import FTRLTableBatchedEmbeddingBags  # noqa: E402
-
-_register()
-
-from .distributed import sharders  # noqa: E402
+install()
 
 __version__ = "0.1.0"
-__all__ = ["FTRL", "FTRLHyperparams", "FTRLTableBatchedEmbeddingBags", "ftrl", "sharders"]
+__all__ = ["FTRL", "FTRLHyperparams", "FTRLStorageEstimator", "FTRLTableBatchedEmbeddingBags", "ftrl",
+           "ftrl_planner", "install", "sharders", "uninstall"]

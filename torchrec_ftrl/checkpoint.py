@@ -147,6 +147,9 @@ def _write(path: str, arrays: dict[str, np.ndarray]) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=directory, suffix=os.path.splitext(path)[1])
     os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)   # mkstemp makes 0600; the final file gets open()'s usual mode
     try:
         if path.endswith(".safetensors"):
             from safetensors.numpy import save_file

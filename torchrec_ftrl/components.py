@@ -1,31 +1,27 @@
-"""TorchX component for the CTR training job (``examples/train_ctr.py``).
+"""TorchX component for the CTR training job (the module ``torchrec_ftrl.job``).
 
     torchx run -s local_cwd torchrec_ftrl/components.py:train_ctr --nproc 2
     torchx run -s local_cwd torchrec_ftrl/components.py:train_ctr --nproc 2 -- \\
-        --data ../shared/data/criteo/criteo_dac_combined.tsv --steps 300
+        --data DATA/criteo/criteo_dac_combined.tsv --steps 300
 
-It wraps ``torchx.components.dist.ddp`` (torchrun, one node by default); everything after ``--`` goes
-to the script unchanged. Each process picks ``cuda:LOCAL_RANK`` with NCCL when CUDA is present and
-CPU with gloo otherwise (see the script's ``--device``).
+From an installed wheel, in any directory, name this file by its installed path:
+
+    torchx run -s local_cwd "$(python -c 'import torchrec_ftrl.components as c; print(c.__file__)')":train_ctr --nproc 2
+
+It wraps ``torchx.components.dist.ddp`` (torchrun, one node by default) and launches
+``torchrun ... -m torchrec_ftrl.job``, so it needs only the installed package, not a checkout;
+everything after ``--`` goes to the job unchanged. Each process picks ``cuda:LOCAL_RANK`` with NCCL
+when CUDA is present and CPU with gloo otherwise (see the job's ``--device``).
 """
 
 
-import os
 from typing import Dict, Optional
 
 import torchx.specs as specs
 from torchx.components import dist as dist_components
 
-_SCRIPT = os.path.join("examples", "train_ctr.py")
-
-
-def _default_script() -> str:
-    """``examples/train_ctr.py`` relative to the working directory (what local_cwd runs in), else
-    next to this package (torchx may load this file from a copy, so ``__file__`` is a fallback)."""
-    if os.path.isfile(_SCRIPT):
-        return _SCRIPT
-    here = globals().get("__file__") or ""
-    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(here))), _SCRIPT)
+_MODULE = "torchrec_ftrl.job"
+_ROLE = "train_ctr"
 
 
 def train_ctr(
@@ -45,13 +41,13 @@ def train_ctr(
     """DLRM CTR training with fused FTRL embedding tables under DistributedModelParallel.
 
     Args:
-        script_args: flags for examples/train_ctr.py (pass them after ``--``)
+        script_args: flags for the job (python -m torchrec_ftrl.job; pass them after ``--``)
         nproc: processes per node (one GPU each when CUDA is present)
         nnodes: number of nodes
         gpu: GPUs requested per node; -1 = nproc when CUDA is visible to the launcher, else 0
         cpu: CPUs requested per node (resource request; local schedulers ignore it)
         memMB: memory requested per node in MB
-        script: path of the training script; default: examples/train_ctr.py of this checkout
+        script: path of a custom training script to run instead; default: the installed module torchrec_ftrl.job
         image: container image (image-based schedulers only)
         name: job name
         env: extra environment variables for the workers
@@ -60,15 +56,12 @@ def train_ctr(
     """
     if nproc < 1 or nnodes < 1:
         raise ValueError(f"nproc and nnodes must be >= 1, got nproc={nproc}, nnodes={nnodes}")
-    path = script or _default_script()
-    if not script and not os.path.isfile(path):
-        raise ValueError(f"training script {_SCRIPT!r} not found (run from the repository root, "
-                         f"or pass --script PATH)")
     if gpu < 0:
         gpu = nproc if _cuda_visible() else 0
-    return dist_components.ddp(
+    entry = {"script": script} if script else {"m": _MODULE}
+    app = dist_components.ddp(
         *script_args,
-        script=path,
+        **entry,
         image=image,
         name=name,
         cpu=cpu,
@@ -79,6 +72,12 @@ def train_ctr(
         max_retries=max_retries,
         rdzv_port=rdzv_port,
     )
+    if not script:
+        # ddp names the role after the module's last part ("job"); keep the job's name (log prefixes
+        # "train_ctr/0", as when it was launched as a script).
+        for role in app.roles:
+            role.name = _ROLE
+    return app
 
 
 def _cuda_visible() -> bool:

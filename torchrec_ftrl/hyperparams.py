@@ -1,10 +1,12 @@
-"""FTRL-Proximal hyperparameters: names, defaults and validation, shared by every code path.
+"""FTRL-Proximal hyperparameters: names, defaults, validation and the one options parser.
 
-One kwargs dict serves the dense optimizer (``torchrec_ftrl.FTRL``, what ``apply_optimizer_in_backward``
-takes) and the fused TBE (``fused_params``): ``lr`` or ``learning_rate`` plus the ``ftrl_*`` knobs below.
-Validation follows ``shared/docs/FTRL.md``: ``learning_rate > 0``; ``ftrl_learning_rate_power <= 0``;
-``ftrl_l1_reg, ftrl_l2_reg, ftrl_beta, ftrl_l2_shrinkage, ftrl_initial_accumulator_value >= 0``; all finite;
-and, because every kernel computes in fp32, each is 0 or a normal fp32 magnitude (1.2e-38 .. 3.4e38).
+One options mapping serves every entry point: the dense optimizer (``torchrec_ftrl.FTRL``, what
+``apply_optimizer_in_backward`` takes), the fused TBE's keyword arguments, TorchRec ``fused_params``
+and ``update_hyper_parameters``: ``lr`` or ``learning_rate`` plus the ``ftrl_*`` knobs below, all
+parsed by :func:`parse_options`. Validation follows ``docs/ftrl.md``: ``learning_rate > 0``;
+``ftrl_learning_rate_power <= 0``; ``ftrl_l1_reg, ftrl_l2_reg, ftrl_beta, ftrl_l2_shrinkage,
+ftrl_initial_accumulator_value >= 0``; all finite; and, because every kernel computes in fp32, each is
+0 or a normal fp32 magnitude (1.2e-38 .. 3.4e38).
 """
 
 from __future__ import annotations
@@ -12,9 +14,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple, Optional
 
 L2_CONVENTIONS = ("tensorflow", "mcmahan")
+DEFAULT_LEARNING_RATE = 0.01
+LEARNING_RATE_KEYS = ("lr", "learning_rate")
 
 # Keyword name -> dataclass field. These are the names accepted in fused_params and by FTRL(...).
 FTRL_KWARGS = {
@@ -103,16 +107,62 @@ class FTRLHyperparams:
         """The ``ftrl_*`` keyword form (no learning rate), e.g. for ``fused_params``."""
         return {kw: getattr(self, field) for kw, field in FTRL_KWARGS.items()}
 
+    def to_options(self) -> dict:
+        """The full options form: ``learning_rate`` and every ``ftrl_*`` knob."""
+        return {"learning_rate": self.learning_rate, **self.to_kwargs()}
+
     def with_learning_rate(self, lr: float) -> "FTRLHyperparams":
         return dataclasses.replace(self, learning_rate=lr)
 
-    @classmethod
-    def from_kwargs(cls, learning_rate: float, kwargs: Mapping[str, Any]) -> "FTRLHyperparams":
-        """Build from ``ftrl_*`` keywords; other keys are ignored (fused-only keys such as
-        ``optimizer`` or ``eps``), but an unknown ``ftrl_*`` key raises ``ValueError``."""
-        unknown = sorted(k for k in kwargs if k.startswith("ftrl_") and k not in FTRL_KWARGS)
-        if unknown:
-            raise ValueError(
-                f"unknown FTRL keyword(s) {unknown}; expected some of {sorted(FTRL_KWARGS)}")
-        return cls(learning_rate=learning_rate,
-                   **{FTRL_KWARGS[k]: v for k, v in kwargs.items() if k in FTRL_KWARGS})
+    def kernel_scalars(self) -> "KernelScalars":
+        """The fp32 scalars the compiled CPU and Triton kernels compute with (see :class:`KernelScalars`)."""
+        return KernelScalars(lr=self.learning_rate, neg_power=-self.learning_rate_power, l1=self.l1_reg,
+                             l2=self.l2_effective, beta=self.beta, shrink2=2.0 * self.l2_shrinkage)
+
+
+class KernelScalars(NamedTuple):
+    """Derived scalars of the rule, in the order the C++ (``FtrlHp``) and Triton kernels take them.
+
+    ``lr`` alpha; ``neg_power`` -p >= 0; ``l1`` lambda1; ``l2`` the L2 term of q (2*lambda2 under
+    "tensorflow", lambda2 under "mcmahan"); ``beta``; ``shrink2`` 2*s (the shrinkage factor of w in g_s).
+    """
+
+    lr: float
+    neg_power: float
+    l1: float
+    l2: float
+    beta: float
+    shrink2: float
+
+
+def parse_options(options: Optional[Mapping[str, Any]], *, base: Optional[FTRLHyperparams] = None,
+                  strict: bool = False, where: str = "options") -> FTRLHyperparams:
+    """Validated knobs from an options mapping (optimizer kwargs, TBE kwargs, ``fused_params``).
+
+    Args:
+        options: ``lr`` or ``learning_rate`` and ``ftrl_*`` keys; ``None`` is empty.
+        base: knobs that keys absent from ``options`` keep (default: the documented defaults).
+        strict: every key must be a learning-rate or ``ftrl_*`` key (``update_hyper_parameters``).
+            Otherwise other keys are ignored (a ``fused_params`` dict carries ``optimizer``, ``eps``,
+            ``output_dtype``, ...), but an unknown ``ftrl_*`` key still raises.
+        where: what ``options`` is, for messages (e.g. ``"fused_params"``).
+
+    Raises:
+        ValueError: ``lr`` and ``learning_rate`` given with different values, an unknown key (see
+            ``strict``), or an invalid value (naming the knob and the value).
+    """
+    opts = dict(options or {})
+    given = {k: opts[k] for k in LEARNING_RATE_KEYS if k in opts and opts[k] is not None}
+    if len(given) == 2 and given["lr"] != given["learning_rate"]:
+        raise ValueError(f"{where} has lr={given['lr']!r} and learning_rate={given['learning_rate']!r}; "
+                         "give one of them")
+    unknown = sorted(k for k in opts if k not in LEARNING_RATE_KEYS and k not in FTRL_KWARGS
+                     and (strict or (isinstance(k, str) and k.startswith("ftrl_"))))
+    if unknown:
+        raise ValueError(f"unknown FTRL key(s) {unknown} in {where}; expected lr, learning_rate or "
+                         f"some of {sorted(FTRL_KWARGS)}")
+    fields = dataclasses.asdict(base) if base is not None else {"learning_rate": DEFAULT_LEARNING_RATE}
+    if given:
+        fields["learning_rate"] = next(iter(given.values()))
+    fields.update({FTRL_KWARGS[k]: v for k, v in opts.items() if k in FTRL_KWARGS})
+    return FTRLHyperparams(**fields)

@@ -3,7 +3,8 @@
 The functional core is :func:`ftrl`; :class:`FTRL` is the ``torch.optim.Optimizer`` wrapper, shaped after
 ``torch/optim/adagrad.py``. It is the dense twin of the fused TBE optimizer and takes the same keyword
 names, so one dict serves ``apply_optimizer_in_backward`` and ``fused_params``.
-The update rule is ``shared/docs/FTRL.md`` (McMahan et al. 2013, Algorithm 1; TensorFlow ``ApplyFtrlV2``).
+The update rule is stated once in :mod:`torchrec_ftrl.rule` and for users in ``docs/ftrl.md``
+(McMahan et al. 2013, Algorithm 1; TensorFlow ``ApplyFtrlV2``).
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ from typing import Any, Iterable, Optional
 import torch
 from torch.optim.optimizer import Optimizer
 
-from .hyperparams import FTRLHyperparams, FTRL_KWARGS
-from .kernels.ftrl_rule import ftrl_rule, ftrl_update_rows_
+from .hyperparams import LEARNING_RATE_KEYS, FTRLHyperparams, parse_options
+from .optim_type import FTRL_VALUE
+from .rule import ftrl_rule, ftrl_update_rows_
 
-__all__ = ["FTRL", "ftrl"]
+__all__ = ["FTRL", "ftrl", "state_dtype"]
 
 _STATE_KEYS = ("accum", "linear")
 
@@ -35,16 +37,21 @@ def _check_grad(p: torch.Tensor, g: torch.Tensor) -> None:
         raise ValueError(f"gradient layout {g.layout} is not supported (dense or sparse COO only)")
 
 
-def _sparse_rows(g: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A sparse COO gradient as (distinct rows int64 ``[U]``, summed row gradients fp32 ``[U, D]``).
+def state_dtype(p: torch.Tensor) -> torch.dtype:
+    """The dtype of a parameter's ``accum``/``linear`` and of its FTRL math: fp64 for fp64 parameters,
+    else fp32 (fp16/bf16 states would overflow: accum grows without bound)."""
+    return torch.float64 if p.dtype == torch.float64 else torch.float32
 
-    Duplicate entries are summed (``coalesce``) in fp32 (fp64 kept). With ``sparse_dim > 1`` (e.g.
+
+def _sparse_rows(g: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sparse COO gradient as (distinct rows int64 ``[U]``, summed row gradients ``[U, D]`` in the
+    parameter's state dtype).
+
+    Duplicate entries are summed (``coalesce``) in the state dtype. With ``sparse_dim > 1`` (e.g.
     ``zeros_like(p).to_sparse()`` from ``KeyedOptimizer.init_state``) a row is touched when any of its
     elements is listed; its unlisted elements get gradient 0.
     """
-    if g.dtype != torch.float64:
-        g = g.float()
-    g = g.coalesce()
+    g = g.to(state_dtype(p)).coalesce()
     idx, vals = g.indices(), g.values()
     d = p[0].numel() if p.dim() > 0 and p.shape[0] > 0 else 1
     if g.sparse_dim() == 1:
@@ -64,22 +71,23 @@ def _rows_view(t: torch.Tensor) -> torch.Tensor:
 
 def ftrl(params: list[torch.Tensor], grads: list[torch.Tensor], accums: list[torch.Tensor],
          linears: list[torch.Tensor], state_steps: list[torch.Tensor], *, hp: FTRLHyperparams,
-         skip_zero_grad_rows: bool = False) -> None:
-    """Functional FTRL step, in place on ``params``, ``accums`` (n, fp32) and ``linears`` (z, fp32).
+         skip_zero_grad_rows: bool = True) -> None:
+    """Functional FTRL step, in place on ``params``, ``accums`` (n) and ``linears`` (z).
 
     Args:
         params: parameters, any real float dtype and shape (contiguous); updated in place.
         grads: one gradient per parameter, same shape: dense (strided) or sparse COO (``sparse_dim()
             >= 1``; row-sparse ``sparse_dim() == 1`` from ``nn.Embedding(sparse=True)``).
-        accums, linears: fp32 tensors of the parameter's shape, updated in place.
+        accums, linears: tensors of the parameter's shape in :func:`state_dtype` (fp64 for fp64
+            parameters, else fp32), updated in place; the math runs in that dtype.
         state_steps: scalar step counters, incremented by one each.
         hp: validated hyperparameters.
         skip_zero_grad_rows: for dense gradients, leave rows (slices along dim 0; single elements of a
             1-D parameter) whose gradient is all zero bit-for-bit untouched: row-sparse semantics, the
-            twin of the fused TBE. Default False: every element is updated.
+            twin of the fused TBE (default). False: every element is updated.
 
-    Dense gradients update every element. Sparse COO gradients update only the rows they name,
-    duplicate entries summed first in fp32 (``coalesce``), then ONE update per row; with
+    Sparse COO gradients update only the rows they name, duplicate entries summed first
+    (``coalesce``), then ONE update per row; with
     ``sparse_dim > 1`` a row is touched when any of its elements is listed.
 
     Raises:
@@ -93,20 +101,20 @@ def ftrl(params: list[torch.Tensor], grads: list[torch.Tensor], accums: list[tor
         step += 1
         if g.is_sparse:
             rows, values = _sparse_rows(g, p)
-            ftrl_update_rows_(_rows_view(p.data), _rows_view(z), _rows_view(n), rows, values, hp)
+            ftrl_update_rows_(_rows_view(p.data), _rows_view(n), _rows_view(z), rows, values, hp)
         elif skip_zero_grad_rows:
             g2 = _rows_view(g)
             rows = (g2 != 0).any(dim=1).nonzero().squeeze(1)
-            ftrl_update_rows_(_rows_view(p.data), _rows_view(z), _rows_view(n), rows, g2[rows], hp)
+            ftrl_update_rows_(_rows_view(p.data), _rows_view(n), _rows_view(z), rows, g2[rows], hp)
         else:
-            w_new, z_new, n_new = ftrl_rule(p.data, z, n, g, hp)
+            w_new, n_new, z_new = ftrl_rule(p.data, n, z, g, hp)
             p.data.copy_(w_new)
-            z.copy_(z_new)
             n.copy_(n_new)
+            z.copy_(z_new)
 
 
 class FTRL(Optimizer):
-    r"""FTRL-Proximal (McMahan et al. 2013, Algorithm 1; TensorFlow ``ApplyFtrlV2``; ``shared/docs/FTRL.md``).
+    r"""FTRL-Proximal (McMahan et al. 2013, Algorithm 1; TensorFlow ``ApplyFtrlV2``; ``docs/ftrl.md``).
 
     Per element, with w the parameter, z = ``linear``, n = ``accum``, g the gradient::
 
@@ -117,7 +125,7 @@ class FTRL(Optimizer):
         w     = (l1 sign(z) - z) / q  if |z| > l1  else 0  # exactly 0.0
         n     = n_new
 
-    Math is fp32 whatever the parameter dtype (fp32/fp16/bf16; fp64 parameters are updated in fp32 too).
+    Math and states are fp64 for fp64 parameters and fp32 for every other dtype (fp32/fp16/bf16).
 
     Args:
         params: parameters or parameter groups (a group may override any keyword below).
@@ -128,11 +136,12 @@ class FTRL(Optimizer):
         ftrl_l1_reg, ftrl_l2_reg, ftrl_beta, ftrl_l2_shrinkage (float): >= 0, default 0.
         ftrl_initial_accumulator_value (float): n0 >= 0, default 0 (TensorFlow/Keras use 0.1).
         ftrl_l2_convention (str): "tensorflow" (default, L2 = 2*l2) or "mcmahan" (L2 = l2).
-        skip_zero_grad_rows (bool): with dense gradients, leave rows (slices along dim 0) whose
-            gradient is all zero bit-for-bit untouched, as the fused TBE leaves untouched rows: the exact
-            twin of the fused kernel for ``[rows, D]`` tables. Default False (every element is updated,
-            as ``torch.optim`` optimizers do; note FTRL recomputes w from (z, n), so a zero-gradient step
-            such as ``KeyedOptimizer.init_state``'s still changes never-touched weights).
+        skip_zero_grad_rows (bool): with dense gradients, leave rows (slices along dim 0; elements of
+            a 1-D parameter) whose gradient is all zero bit-for-bit untouched, as the fused TBE leaves
+            rows absent from the batch: the twin of the fused kernel for ``[rows, D]`` embedding
+            tables (e.g. a data-parallel table's dense gradient). Default True: FTRL recomputes w from
+            (z, n), so an update with a zero gradient would reset a never-touched row (to 0 when
+            ``linear`` is 0). False updates every element, as ``torch.optim`` optimizers do.
         **fused_only: other keys of a ``fused_params`` dict (``optimizer``, ``eps``, ...) are ignored,
             as torchrec's ``RowWiseAdagrad`` does; an unknown ``ftrl_*`` key raises.
 
@@ -143,8 +152,9 @@ class FTRL(Optimizer):
     normally. Check gradients (``torch.isfinite``) before :meth:`step` if they can be non-finite. The fused TBE instead skips rows with a non-finite summed
     gradient and counts them (``FTRLTableBatchedEmbeddingBags.nonfinite_grad_rows``).
 
-    State per parameter: ``accum`` (n) and ``linear`` (z), shape of the parameter, fp32 whatever its
-    dtype (kept fp32 by :meth:`load_state_dict` too), and ``step`` (float32 scalar tensor). Sparse COO
+    State per parameter: ``accum`` (n) and ``linear`` (z), shape of the parameter, fp64 for fp64
+    parameters and fp32 otherwise (kept so by :meth:`load_state_dict`), and ``step`` (float32 scalar
+    tensor). Sparse COO
     gradients (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag(sparse=True)``) update only their rows,
     duplicates summed first.
 
@@ -154,32 +164,26 @@ class FTRL(Optimizer):
             or for an unsupported gradient. A failing call modifies nothing.
     """
 
+    emb_optim_value = FTRL_VALUE  # marks the class as FTRL for torchrec_ftrl.optim_type.is_ftrl
+
     def __init__(self, params: Iterable, lr: Optional[float] = None, *,
-                 skip_zero_grad_rows: bool = False, **kwargs: Any) -> None:
-        if "learning_rate" in kwargs:
-            alias = kwargs.pop("learning_rate")
-            if lr is not None and alias != lr:
-                raise ValueError(f"got lr={lr!r} and learning_rate={alias!r}; give one of them")
-            lr = alias
-        if lr is None:
-            lr = 0.01
-        hp = FTRLHyperparams.from_kwargs(lr, kwargs)
+                 skip_zero_grad_rows: bool = True, **kwargs: Any) -> None:
+        hp = parse_options({"lr": lr, **kwargs}, where="FTRL(...)")
         defaults = dict(lr=hp.learning_rate, skip_zero_grad_rows=bool(skip_zero_grad_rows),
                         **hp.to_kwargs())
         super().__init__(params, defaults)
 
     @staticmethod
     def _group_hp(group: dict) -> FTRLHyperparams:
-        extra = {k: v for k, v in group.items() if isinstance(k, str) and k.startswith("ftrl_")}
-        return FTRLHyperparams.from_kwargs(group["lr"], extra)
+        return parse_options(group, where="param group")
 
     def _init_state(self, p: torch.Tensor, group: dict) -> dict:
         state = self.state[p]
         if len(state) == 0:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             state["accum"] = torch.full(p.shape, group["ftrl_initial_accumulator_value"],
-                                        dtype=torch.float32, device=p.device)
-            state["linear"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                                        dtype=state_dtype(p), device=p.device)
+            state["linear"] = torch.zeros(p.shape, dtype=state_dtype(p), device=p.device)
         return state
 
     def add_param_group(self, param_group: dict) -> None:
@@ -190,17 +194,16 @@ class FTRL(Optimizer):
         """
         if "learning_rate" in param_group:
             param_group = dict(param_group)
+            parse_options({k: param_group.get(k) for k in LEARNING_RATE_KEYS}, where="param group")
             alias = param_group.pop("learning_rate")
-            if "lr" in param_group and param_group["lr"] != alias:
-                raise ValueError(f"param group has lr={param_group['lr']!r} and learning_rate={alias!r}")
             param_group["lr"] = alias
         merged = {**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}}
         self._group_hp(merged)
         super().add_param_group(param_group)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load a :meth:`state_dict`; ``accum``/``linear`` stay fp32 and bit-exact (torch's loader would
-        cast them to the parameter dtype).
+        """Load a :meth:`state_dict`; ``accum``/``linear`` keep their state dtype (:func:`state_dtype`)
+        and, loaded in it, their bits (torch's loader would cast them to the parameter dtype).
 
         Raises:
             ValueError: an invalid knob in a saved param group, a saved per-parameter state that is
@@ -233,7 +236,7 @@ class FTRL(Optimizer):
             for key in _STATE_KEYS:
                 v = saved_state.get(pid, {}).get(key)
                 if isinstance(v, torch.Tensor):
-                    self.state[p][key] = v.detach().to(device=p.device, dtype=torch.float32, copy=True)
+                    self.state[p][key] = v.detach().to(device=p.device, dtype=state_dtype(p), copy=True)
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -3,21 +3,22 @@
 Forward does the multi-table lookup + pooling; backward sums gradients per touched (table, row) and
 applies one FTRL-Proximal update per row in place, never materialising a weight gradient. The API is
 shaped after FBGEMM's ``SplitTableBatchedEmbeddingBagsCodegen`` so TorchRec's kernel wrappers and
-``EmbeddingFusedOptimizer`` can hold it. FTRL math: ``shared/docs/FTRL.md`` / :mod:`torchrec_ftrl.optim`.
+``EmbeddingFusedOptimizer`` can hold it. The update rule: :mod:`torchrec_ftrl.rule` (``docs/ftrl.md``).
+The kernels are reached only through the :class:`~torchrec_ftrl.kernels.backend.Backend` contract.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
 
-from .hyperparams import FTRL_KWARGS, FTRLHyperparams
-from .kernels.backends import resolve_backend
-from .kernels.layout import POOL_NONE, TBEBatch
-from .tbe_compat import BoundsCheckMode, ComputeDevice, EmbeddingLocation, PoolingMode, SparseType
+from .fbgemm_enums import BoundsCheckMode, ComputeDevice, EmbeddingLocation, PoolingMode, SparseType
+from .hyperparams import DEFAULT_LEARNING_RATE, FTRLHyperparams, parse_options
+from .kernels.backend import resolve_backend
+from .kernels.layout import TBEBatch
+from .optim_type import emb_optim_type
 
 __all__ = ["FTRLTableBatchedEmbeddingBags"]
 
@@ -42,16 +43,23 @@ class _FTRLLookupFunction(torch.autograd.Function):
     def forward(ctx, placeholder, module, batch, per_sample_weights, train):  # noqa: D401
         ctx.module, ctx.batch = module, batch
         ctx.psw_needs_grad = per_sample_weights is not None and per_sample_weights.requires_grad
-        # A backend may prepare its backward's inputs during a training forward (CUDA: linearise once).
-        lookup = getattr(module._backend, "forward_train", None) if train else None
-        return (lookup or module._backend.forward)(module.weights_dev, batch, module._output_torch_dtype)
+        backend, out_dtype = module._backend, module._output_torch_dtype
+        if not train:
+            ctx.backend_ctx = None
+            return backend.forward(module.weights_dev, batch, out_dtype)
+        out, ctx.backend_ctx = backend.forward_train(module.weights_dev, batch, out_dtype)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        module, batch = ctx.module, ctx.batch
-        grad_out = grad_out.contiguous()
-        grad_psw = module._per_sample_weight_grad(grad_out, batch) if ctx.psw_needs_grad else None
-        module._apply_ftrl(batch, grad_out)
+        module, batch, bctx = ctx.module, ctx.batch, ctx.backend_ctx
+        grad_out = grad_out.contiguous().reshape(-1)
+        backend = module._backend
+        grad_psw = (backend.per_sample_weight_grad(module.weights_dev, batch, bctx, grad_out)
+                    if ctx.psw_needs_grad else None)
+        backend.backward_update_(module.weights_dev, module.accum_dev, module.linear_dev, batch, bctx,
+                                 grad_out, module._hp, module.nonfinite_grad_rows)
+        module.iter += 1
         return None, None, None, grad_psw, None
 
 
@@ -98,7 +106,7 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         pooling_mode: PoolingMode = PoolingMode.SUM,
         weights_precision: SparseType = SparseType.FP32,
         output_dtype: SparseType = SparseType.FP32,
-        learning_rate: float = 0.01,
+        learning_rate: float = DEFAULT_LEARNING_RATE,
         ftrl_learning_rate_power: float = -0.5,
         ftrl_l1_reg: float = 0.0,
         ftrl_l2_reg: float = 0.0,
@@ -113,10 +121,12 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         deterministic: bool = False,
     ) -> None:
         super().__init__()
-        self._hp = FTRLHyperparams(
-            learning_rate=learning_rate, learning_rate_power=ftrl_learning_rate_power,
-            l1_reg=ftrl_l1_reg, l2_reg=ftrl_l2_reg, beta=ftrl_beta, l2_shrinkage=ftrl_l2_shrinkage,
-            initial_accumulator_value=ftrl_initial_accumulator_value, l2_convention=ftrl_l2_convention)
+        self._hp = parse_options(dict(
+            learning_rate=learning_rate, ftrl_learning_rate_power=ftrl_learning_rate_power,
+            ftrl_l1_reg=ftrl_l1_reg, ftrl_l2_reg=ftrl_l2_reg, ftrl_beta=ftrl_beta,
+            ftrl_l2_shrinkage=ftrl_l2_shrinkage,
+            ftrl_initial_accumulator_value=ftrl_initial_accumulator_value,
+            ftrl_l2_convention=ftrl_l2_convention), where="FTRLTableBatchedEmbeddingBags(...)")
         if not embedding_specs:
             raise ValueError("embedding_specs must name at least one table, got []")
         rows_dims = []
@@ -200,9 +210,9 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         total = sum(sizes)
         wdtype = _PRECISIONS[self.weights_precision]
         self.register_buffer("weights_dev", torch.empty(total, dtype=wdtype, device=device))
-        self.register_buffer("momentum1_dev", torch.full(
+        self.register_buffer("accum_dev", torch.full(
             (total,), self._hp.initial_accumulator_value, dtype=torch.float32, device=device))
-        self.register_buffer("momentum2_dev", torch.zeros(total, dtype=torch.float32, device=device))
+        self.register_buffer("linear_dev", torch.zeros(total, dtype=torch.float32, device=device))
         self.register_buffer("bounds_check_warning", torch.zeros(1, **i64))
         self.register_buffer("nonfinite_grad_rows", torch.zeros(1, **i64))
         self.register_buffer("iter", torch.zeros(1, **i64))
@@ -225,8 +235,8 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
 
     @property
     def optimizer(self):
-        from .registration import ftrl_emb_optim_type
-        return ftrl_emb_optim_type()
+        """``EmbOptimType.FTRL``."""
+        return emb_optim_type()
 
     @property
     def hyperparams(self) -> FTRLHyperparams:
@@ -294,13 +304,10 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
             B = num_bags // F
             bag_feature, bag_out_offset = self._plain_layout(B)
             out_numel = N * self.max_D if self.pooling_mode == PoolingMode.NONE else B * self.total_D
-        index_check = None
-        if (self.backend == "triton" and self.bounds_check_mode == BoundsCheckMode.WARNING
-                and not (per_sample_weights is not None and per_sample_weights.requires_grad)):
-            # Fused WARNING check (no torch-side repair): the backend repairs the offsets on the
-            # device (in the training forward's linearize pass) and reads a bad index as row 0;
-            # the forward counts both once (kernels/triton_backend.py).
-            index_check = self.bounds_check_warning
+        needs_psw_grad = per_sample_weights is not None and per_sample_weights.requires_grad
+        unchecked_counter = None
+        if self._backend.fuses_bounds_check(self.bounds_check_mode, needs_psw_grad):
+            unchecked_counter = self.bounds_check_warning   # the backend checks and counts
         else:
             indices64, offsets64 = self._bounds_check(indices64, offsets64, bag_feature)
         return TBEBatch(
@@ -311,8 +318,8 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
             per_sample_weights=(per_sample_weights.detach().float().contiguous()
                                 if per_sample_weights is not None else None),
             pooling_mode=int(self.pooling_mode), out_numel=out_numel, max_D=self.max_D,
-            total_rows=self._total_rows, table_dims=self._table_dims, index_check=index_check,
-            table_row_base=self._table_row_base, offsets_raw=index_check is not None)
+            total_rows=self._total_rows, table_dims=self._table_dims,
+            table_row_base=self._table_row_base, unchecked_counter=unchecked_counter)
 
     def _plain_layout(self, B: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(bag_feature, bag_out_offset)`` of ``F * B`` bags in the ``[B, total_D]`` output; the
@@ -361,9 +368,8 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         mode = self.bounds_check_mode
         if mode in (BoundsCheckMode.IGNORE, BoundsCheckMode.NONE):
             return indices, offsets
-        fast_check = getattr(self._backend, "count_invalid", None)
-        if mode == BoundsCheckMode.FATAL and fast_check is not None and offsets.numel() > 0 and \
-                fast_check(self._table_rows, self._feature_table, bag_feature, indices, offsets) == 0:
+        if mode == BoundsCheckMode.FATAL and offsets.numel() > 0 and self._backend.count_invalid(
+                self._table_rows, self._feature_table, bag_feature, indices, offsets) == 0:
             return indices, offsets  # valid; otherwise the checks below name the problem
         N = indices.numel()
         lengths = offsets[1:] - offsets[:-1]
@@ -398,21 +404,6 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         self.bounds_check_warning += bad.sum() + n_off_bad
         return torch.where(bad, torch.zeros_like(indices), indices), fixed_off
 
-    # ------------------------------------------------------------------ backward
-    def _per_sample_weight_grad(self, grad_out: torch.Tensor, batch: TBEBatch) -> torch.Tensor:
-        """d loss / d psw[i] = <grad of its bag (÷L for MEAN), weight row before the update>."""
-        from .kernels.torch_backend import gather_index_rows, index_gradients
-        unweighted = dataclasses.replace(batch, per_sample_weights=None)
-        g = index_gradients(grad_out, unweighted)                         # [N, max_D]
-        w, _, _ = gather_index_rows(self.weights_dev, batch, batch.index_row_offset())
-        return (g * w).sum(1)
-
-    def _apply_ftrl(self, batch: TBEBatch, grad_out: torch.Tensor) -> None:
-        self._backend.backward_update_(self.weights_dev, self.momentum1_dev, self.momentum2_dev,
-                                       batch, grad_out.reshape(-1), self._hp,
-                                       self.nonfinite_grad_rows)
-        self.iter += 1
-
     # ------------------------------------------------------------------ FBGEMM-shaped API
     def _table_view(self, buf: torch.Tensor, t: int) -> torch.Tensor:
         rows, dim = self.embedding_specs[t][:2]
@@ -425,7 +416,7 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
 
     def split_optimizer_states(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-table ``(accum, linear)``, each a fp32 ``[rows, D]`` view."""
-        return [(self._table_view(self.momentum1_dev, t), self._table_view(self.momentum2_dev, t))
+        return [(self._table_view(self.accum_dev, t), self._table_view(self.linear_dev, t))
                 for t in range(len(self.embedding_specs))]
 
     def get_optimizer_state(self, *args: Any, **kwargs: Any) -> list[dict[str, torch.Tensor]]:
@@ -446,27 +437,18 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         """Update ``lr``/``learning_rate`` and ``ftrl_*`` knobs atomically: all are validated first.
 
         Raises:
-            ValueError: an unknown key or an invalid value (nothing is changed).
+            ValueError: an unknown key, ``ftrl_initial_accumulator_value`` (it only applies when the
+                states are created), or an invalid value; nothing is changed then.
         """
-        params = dict(params_dict)
-        if "lr" in params and "learning_rate" in params and params["lr"] != params["learning_rate"]:
-            raise ValueError(f"update_hyper_parameters got lr={params['lr']!r} and learning_rate="
-                             f"{params['learning_rate']!r}; give one")
-        lr = params.pop("lr", params.pop("learning_rate", self._hp.learning_rate))
-        unknown = sorted(k for k in params if k not in FTRL_KWARGS)
-        if unknown:
-            raise ValueError(f"update_hyper_parameters got unknown key(s) {unknown}; expected lr, "
-                             f"learning_rate or {sorted(FTRL_KWARGS)}")
-        if "ftrl_initial_accumulator_value" in params:
+        if "ftrl_initial_accumulator_value" in params_dict:
             raise ValueError("ftrl_initial_accumulator_value only applies when states are created; "
                              "use reset_optimizer_state() after constructing with the new value")
-        merged = {**self._hp.to_kwargs(), **params}
-        self._hp = FTRLHyperparams.from_kwargs(lr, merged)
+        self._hp = parse_options(params_dict, base=self._hp, strict=True, where="update_hyper_parameters")
 
     def reset_optimizer_state(self) -> None:
         """accum := initial_accumulator_value, linear := 0."""
-        self.momentum1_dev.fill_(self._hp.initial_accumulator_value)
-        self.momentum2_dev.zero_()
+        self.accum_dev.fill_(self._hp.initial_accumulator_value)
+        self.linear_dev.zero_()
 
     def flush(self) -> None:
         """No cache to write back: tables live on ``device``."""

@@ -3,25 +3,31 @@
 :func:`load_extension` compiles the C++ source with ``torch.utils.cpp_extension.load`` (``-O3``,
 OpenMP through ATen's ``at::parallel_for``) into the default torch extensions directory
 (``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``), so later processes reuse the build.
-It needs a C++17 compiler and ninja; :func:`torchrec_ftrl.kernels.backends.resolve_backend` falls back
+It needs a C++17 compiler and ninja; :func:`torchrec_ftrl.kernels.backend.resolve_backend` falls back
 to the PyTorch backend with a warning when this raises.
 
-Same contract as :mod:`torchrec_ftrl.kernels.torch_backend`; the update rule is FTRL.md's
-(``shared/docs/FTRL.md``), computed in fp32 with the states in fp32.
+Implements :class:`~torchrec_ftrl.kernels.backend.Backend`. The C++ ``ftrl_element`` is the twin of
+:func:`torchrec_ftrl.rule.ftrl_rule`, computed in fp32 with the states in fp32, from
+:meth:`~torchrec_ftrl.hyperparams.FTRLHyperparams.kernel_scalars`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
+import sys
 import threading
 from types import ModuleType
 
 import torch
 
+from typing import Any
+
 from ..hyperparams import FTRLHyperparams
 from .layout import TBEBatch
+from .torch_backend import per_sample_weight_grad  # noqa: F401  (the Backend member, shared)
 
 _SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "ftrl_tbe_cpu.cpp")
 _lock = threading.Lock()
@@ -29,7 +35,7 @@ _ext: ModuleType | None = None
 
 
 # -fno-math-errno / -fno-trapping-math let the FTRL loop over D vectorise (sqrt, the |z| > l1 select);
-# they change no result. -ffp-contract=off keeps FTRL.md's roundings (no FMA contraction).
+# they change no result. -ffp-contract=off keeps the rule's roundings (no FMA contraction).
 _BASE_FLAGS = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
                "-ffp-contract=off"]
 # Vector ISA of the machine that builds (ATen's own CPU capability probe); part of the build's name,
@@ -37,6 +43,21 @@ _BASE_FLAGS = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno", "-fno-trappin
 _ISA_FLAGS = {"avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mf16c",
                          "-mprefer-vector-width=512"],
               "avx2": ["-mavx2", "-mfma", "-mf16c"]}
+
+
+@contextlib.contextmanager
+def _interpreter_bin_first_on_path():
+    """Build with the ninja installed beside this Python (the ``ninja`` dependency) whatever ``PATH``
+    says: two ninja versions read each other's build log as stale, so processes that found different
+    ninjas would rebuild the shared extension in turn."""
+    bindir = os.path.dirname(sys.executable)
+    old = os.environ.get("PATH", "")
+    if os.path.isfile(os.path.join(bindir, "ninja")):
+        os.environ["PATH"] = bindir + os.pathsep + old
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = old
 
 
 def load_extension(verbose: bool = False) -> ModuleType:
@@ -57,15 +78,21 @@ def load_extension(verbose: bool = False) -> ModuleType:
             with open(_SOURCE, "rb") as f:
                 digest = hashlib.sha1(f.read()).hexdigest()[:10]
             isa = re.sub(r"[^a-z0-9]", "", torch.backends.cpu.get_cpu_capability().lower())
-            _ext = load(name=f"torchrec_ftrl_tbe_cpu_{digest}_{isa}", sources=[_SOURCE],
-                        extra_cflags=_BASE_FLAGS + _ISA_FLAGS.get(isa, []),
-                        extra_ldflags=["-fopenmp"], verbose=verbose)
+            with _interpreter_bin_first_on_path():
+                _ext = load(name=f"torchrec_ftrl_tbe_cpu_{digest}_{isa}", sources=[_SOURCE],
+                            extra_cflags=_BASE_FLAGS + _ISA_FLAGS.get(isa, []),
+                            extra_ldflags=["-fopenmp"], verbose=verbose)
     return _ext
 
 
 def _psw(batch: TBEBatch):
     p = batch.per_sample_weights
     return None if p is None else p.float().contiguous()
+
+
+def fuses_bounds_check(mode: Any, needs_psw_grad: bool) -> bool:
+    """Never: the TBE checks the batch (with :func:`count_invalid` as the FATAL fast path)."""
+    return False
 
 
 def count_invalid(table_rows: torch.Tensor, feature_table: torch.Tensor, bag_feature: torch.Tensor,
@@ -95,8 +122,13 @@ def forward(weights: torch.Tensor, batch: TBEBatch, out_dtype: torch.dtype) -> t
     return out
 
 
+def forward_train(weights: torch.Tensor, batch: TBEBatch, out_dtype: torch.dtype) -> tuple[torch.Tensor, None]:
+    """:func:`forward`; nothing is kept for the backward (context None)."""
+    return forward(weights, batch, out_dtype), None
+
+
 def backward_update_(weights: torch.Tensor, accum: torch.Tensor, linear: torch.Tensor,
-                     batch: TBEBatch, grad_out: torch.Tensor, hp: FTRLHyperparams,
+                     batch: TBEBatch, ctx: Any, grad_out: torch.Tensor, hp: FTRLHyperparams,
                      nonfinite_rows: torch.Tensor) -> None:
     """In place: sum the gradient of every touched (table, row), then ONE FTRL update per row.
 
@@ -113,6 +145,4 @@ def backward_update_(weights: torch.Tensor, accum: torch.Tensor, linear: torch.T
                         batch.table_rows, batch.feature_table, batch.bag_feature.contiguous(),
                         batch.bag_out_offset.contiguous(), batch.indices.contiguous(),
                         batch.offsets.contiguous(), _psw(batch), int(batch.pooling_mode),
-                        int(batch.max_D), grad_out.contiguous(), hp.learning_rate,
-                        hp.learning_rate_power, hp.l1_reg, hp.l2_effective, hp.beta,
-                        hp.l2_shrinkage, nonfinite_rows)
+                        int(batch.max_D), grad_out.contiguous(), *hp.kernel_scalars(), nonfinite_rows)

@@ -17,12 +17,15 @@ import dataclasses
 
 import torch
 
-POOL_SUM, POOL_MEAN, POOL_NONE = 0, 1, 2
+from ..fbgemm_enums import PoolingMode
+
+# FBGEMM's PoolingMode values, as the kernels take them (the C++ kernel's kPool* constants equal these).
+POOL_SUM, POOL_MEAN, POOL_NONE = (int(PoolingMode.SUM), int(PoolingMode.MEAN), int(PoolingMode.NONE))
 
 
 @dataclasses.dataclass
 class TBEBatch:
-    """One validated batch. Every tensor is int64 on the weights' device unless stated.
+    """One batch as every backend reads it. Every tensor is int64 on the weights' device unless stated.
 
     Attributes:
         table_w_offset: ``[T]`` element offset of each table in the flat buffers.
@@ -31,28 +34,20 @@ class TBEBatch:
         feature_table: ``[F]`` table of each feature.
         bag_feature: ``[num_bags]`` feature of each bag.
         bag_out_offset: ``[num_bags]`` element offset of each bag's output vector.
-        indices: ``[N]`` row ids (already bounds-checked).
+        indices: ``[N]`` row ids.
         offsets: ``[num_bags + 1]``.
         per_sample_weights: ``[N]`` fp32 or None.
         pooling_mode: POOL_SUM, POOL_MEAN or POOL_NONE.
         out_numel: elements in the flat output.
         max_D: largest D (Python int).
-        total_rows: rows of all tables together (Python int) or None if unknown; lets the CUDA
-            backend sort 32-bit row keys.
-        table_dims: ``table_dim`` as a Python tuple, or None if unknown; lets the CUDA backend
-            specialise its kernels (vector width, no column mask) without reading the device.
-        index_check: int64 ``[1]`` counter, or None. When set (Triton backend with the fused
-            ``BoundsCheckMode.WARNING``), ``indices`` are NOT yet checked: the kernels read an index
-            outside ``[0, rows)`` as row 0 and the forward (its linearize pass in training) adds the
-            number of such indices here, once per forward.
-        offsets_raw: with ``index_check``, True while ``offsets`` are not yet repaired: the CUDA
-            backend repairs them (clamp + running max, changes counted in ``index_check``) in its
-            training forward's linearize pass, or with its repair kernel before an eval forward,
-            and replaces ``offsets`` by the repaired ones.
-        table_row_base: ``[T]`` first linearised row id of each table (``cumsum(rows) - rows``), or
-            None (the CUDA backend then computes it).
-        linearized: set by the CUDA backend's training forward (``forward_train``): the backward's
-            per-index inputs (row keys, gradient offsets, factors, tables), reused by its backward.
+        total_rows: rows of all tables together (Python int).
+        table_dims: ``table_dim`` as a Python tuple (lets a backend specialise without reading the
+            device).
+        table_row_base: ``[T]`` first linearised row id of each table (``cumsum(rows) - rows``).
+        unchecked_counter: None when ``indices`` and ``offsets`` are checked (and, under WARNING,
+            repaired). Otherwise the int64 ``[1]`` WARNING counter: the batch is raw, and the backend
+            (whose ``fuses_bounds_check`` asked for it) repairs the offsets, reads an index outside
+            ``[0, rows)`` as row 0 and adds the number of such repairs here, once per forward.
     """
 
     table_w_offset: torch.Tensor
@@ -67,12 +62,10 @@ class TBEBatch:
     pooling_mode: int
     out_numel: int
     max_D: int
-    total_rows: int | None = None
-    table_dims: tuple | None = None
-    index_check: torch.Tensor | None = None
-    table_row_base: torch.Tensor | None = None
-    offsets_raw: bool = False
-    linearized: tuple | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+    total_rows: int
+    table_dims: tuple
+    table_row_base: torch.Tensor
+    unchecked_counter: torch.Tensor | None = None
     _index_bag: torch.Tensor | None = dataclasses.field(default=None, init=False, repr=False,
                                                         compare=False)
 

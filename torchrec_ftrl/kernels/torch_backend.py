@@ -1,16 +1,30 @@
 """Vectorised PyTorch implementation of the FTRL TBE forward and fused backward + update.
 
 The fallback where the compiled CPU kernel cannot be built, and the readable statement of what the
-compiled and Triton kernels compute. Same :class:`~torchrec_ftrl.kernels.layout.TBEBatch` contract.
+compiled and Triton kernels compute. Implements :class:`~torchrec_ftrl.kernels.backend.Backend`; the
+per-sample-weight gradient here serves the other backends too.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any, Optional
+
 import torch
 
 from ..hyperparams import FTRLHyperparams
-from .ftrl_rule import ftrl_update_rows_
+from ..rule import ftrl_update_rows_
 from .layout import POOL_NONE, TBEBatch
+
+
+def fuses_bounds_check(mode: Any, needs_psw_grad: bool) -> bool:
+    """Never: the TBE checks the batch before this backend sees it."""
+    return False
+
+
+def count_invalid(table_rows, feature_table, bag_feature, indices, offsets) -> Optional[int]:
+    """No fast FATAL check here: the TBE's own check runs."""
+    return None
 
 
 def gather_index_rows(buf: torch.Tensor, batch: TBEBatch, base: torch.Tensor):
@@ -35,6 +49,11 @@ def forward(weights: torch.Tensor, batch: TBEBatch, out_dtype: torch.dtype) -> t
     return out.to(out_dtype)
 
 
+def forward_train(weights: torch.Tensor, batch: TBEBatch, out_dtype: torch.dtype) -> tuple[torch.Tensor, None]:
+    """:func:`forward`; nothing is kept for the backward (context None)."""
+    return forward(weights, batch, out_dtype), None
+
+
 def index_gradients(grad_out: torch.Tensor, batch: TBEBatch) -> torch.Tensor:
     """``[N, max_D]`` fp32 gradient of each index's row (zero-padded beyond its table's D)."""
     g, _, _ = gather_index_rows(grad_out, batch, batch.index_out_offset())
@@ -42,8 +61,17 @@ def index_gradients(grad_out: torch.Tensor, batch: TBEBatch) -> torch.Tensor:
     return g * scale.unsqueeze(1) if scale is not None else g
 
 
+def per_sample_weight_grad(weights: torch.Tensor, batch: TBEBatch, ctx: Any,
+                           grad_out: torch.Tensor) -> torch.Tensor:
+    """``[N]`` fp32: d loss / d psw[i] = <grad of its bag (/L for MEAN), weight row before the update>.
+    Needs a checked batch (``batch.unchecked_counter`` None)."""
+    g = index_gradients(grad_out, dataclasses.replace(batch, per_sample_weights=None))  # [N, max_D]
+    w, _, _ = gather_index_rows(weights, batch, batch.index_row_offset())
+    return (g * w).sum(1)
+
+
 def backward_update_(weights: torch.Tensor, accum: torch.Tensor, linear: torch.Tensor,
-                     batch: TBEBatch, grad_out: torch.Tensor, hp: FTRLHyperparams,
+                     batch: TBEBatch, ctx: Any, grad_out: torch.Tensor, hp: FTRLHyperparams,
                      nonfinite_rows: torch.Tensor) -> None:
     """Sum gradients per unique (table, row), then one FTRL update per touched row, in place.
 
@@ -63,6 +91,6 @@ def backward_update_(weights: torch.Tensor, accum: torch.Tensor, linear: torch.T
         start = int(batch.table_w_offset[t])
         R = int(batch.table_rows[t])
         view = lambda buf: buf[start:start + R * D].view(R, D)  # noqa: E731
-        ok = ftrl_update_rows_(view(weights), view(linear), view(accum), uniq, summed, hp,
+        ok = ftrl_update_rows_(view(weights), view(accum), view(linear), uniq, summed, hp,
                                skip_nonfinite=True)
         nonfinite_rows += (~ok).sum()

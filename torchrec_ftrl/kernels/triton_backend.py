@@ -15,8 +15,7 @@ inside them. Neither synchronises with the host: every buffer is sized from ``in
 the number of unique rows never leaves the device. Under ``TRITON_INTERPRET=1`` the same code runs on
 CPU tensors (slowly), which is how CI tests it.
 
-Module contract (:mod:`.backends`): ``forward(weights, batch, out_dtype)`` and
-``backward_update_(weights, accum, linear, batch, grad_out, hp, nonfinite_rows)``.
+Implements :class:`~torchrec_ftrl.kernels.backend.Backend` (the module functions below the ops).
 """
 
 from __future__ import annotations
@@ -24,43 +23,38 @@ from __future__ import annotations
 import functools
 import math
 import threading
-from typing import Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 from triton.runtime.jit import JITFunction
 
+from ..fbgemm_enums import BoundsCheckMode
 from ..hyperparams import FTRLHyperparams
 from .layout import POOL_MEAN, POOL_NONE, TBEBatch
+from .torch_backend import per_sample_weight_grad  # noqa: F401  (the Backend member, shared)
 from .triton_backward import (linearize_kernel, offsets_repair_kernel,
                               segment_combine_kernel, segment_config, segment_mark_kernel,
                               segment_update_kernel)
 from .triton_forward import forward_config, tbe_forward_kernel
 
-# Launch shape knobs. fwd: per row size in bytes (BLOCK_D times the weight element size), (elements
-# per step, indices per bag in flight, L2 eviction policy of the weight-row loads); the nearest
-# listed size serves the others, and 16-bit weights keep at most 2 indices per bag in flight (4 made
-# the fp16 kernel 7x slower on an H200). From a sweep of the training forward (row keys) on an H200.
-# seg: longest piece of a run summed by one backward program (longer runs are cut and their pieces
-# combined), an int or per BLOCK_D; seg_launch: per BLOCK_D, (elements per step, gradient rows per
-# segment in flight[, register cap per thread]) of segment_update_kernel. The cap (Triton's
-# ``maxnreg``, compiled CUDA launches outside torch.compile only) trades registers for programs
-# resident per SM: the kernel is latency-bound, its speed follows the resident programs (H200,
-# D=256 uniform: 47 registers, 5 programs of 8 warps per SM, update kernel 4.45 ms; capped at 40, 6
-# programs, 4.27 ms; at 36 (4 spilled) 4.43 ms, at 32 (10 spilled) 5.02 ms; D=64 uniform 1.12 ->
-# 1.08 ms with 40; at D=128 a cap of 40 spills 4 registers: step 1.0% slower at uniform keys, 1.4%
-# faster at Zipf keys, so none; rows of up to 32 and of 512 or more elements, not measured, keep no
-# cap). Both from step-time sweeps on an H200 (D=256 Zipf: 2.64 ms with 4096 elements against 2.88
-# ms with 2048 and 3.37 ms with 8192; update kernel at D=128 Zipf 1.06 ms with 4096 against 1.09 ms
-# with 2048; seg 128 against 64: 2.77 vs 2.81 ms at D=256 Zipf, fp16 D=128 1.79 vs 1.85 ms, but D=64
-# 1.29 vs 1.25 ms). For the tables, the nearest listed size serves the others.
-# combine_cp/combine_nb: cut candidates per combine program / pieces added per step;
-# linearize: (bags per program, indices per bag in flight, warps) of linearize_kernel (H200 sweep at
-# D=64 Zipf: (64, 8, 4) 0.042 ms against 0.075 ms with 4 indices in flight);
-# block: 1-D kernels' block (positions per tile of segment_mark_kernel); repair_block: bags per
-# program of the eval forward's WARNING offsets repair; lookback: preceding tiles read at once by
-# the look-back of the mark kernel and of the offsets repair (eval kernel and linearize_kernel).
-# block, repair_block, lookback and the linearize bags are powers of two (Triton block sizes).
-# Results do not depend on them beyond fp32 summation order.
+# Launch shape knobs (results do not depend on them beyond fp32 summation order; chosen by step-time
+# sweeps on an H200 with benchmarks/bench_tbe_cuda.py --tune / --tune-forward):
+# * fwd: per weight-row size in bytes (BLOCK_D times the element size), (elements per step, indices
+#   per bag in flight, L2 eviction policy of the row loads); 16-bit weights keep at most 2 indices
+#   per bag in flight.
+# * seg: longest piece of a run summed by one backward program (longer runs are cut and their pieces
+#   combined), an int or per BLOCK_D.
+# * seg_launch: per BLOCK_D, (elements per step, gradient rows per segment in flight[, register cap
+#   per thread]) of segment_update_kernel. The cap (Triton's ``maxnreg``; compiled CUDA launches
+#   outside torch.compile only, see _register_cap) raises the programs resident per SM of this
+#   latency-bound kernel; it is set only where it spills no registers.
+# * combine_cp / combine_nb: cut candidates per combine program / pieces added per step.
+# * linearize: (bags per program, indices per bag in flight, warps) of linearize_kernel.
+# * block: positions per tile of segment_mark_kernel; repair_block: bags per program of the eval
+#   forward's WARNING offsets repair; lookback: preceding tiles read at once by the decoupled
+#   look-back of the mark kernel and of the offsets repair.
+# For a size not listed, the nearest listed one serves. block, repair_block, lookback and the
+# linearize bags are powers of two (Triton block sizes).
 TUNING = {"fwd": {256: (1024, 4, ""), 512: (1024, 4, ""), 1024: (1024, 4, "")},
           "seg": {64: 64, 128: 128, 256: 128},
           "seg_launch": {32: (4096, 4), 64: (4096, 4, 40), 128: (4096, 4), 256: (4096, 4, 40),
@@ -297,7 +291,7 @@ def _backward_impl(weights: torch.Tensor, accum: torch.Tensor, linear: torch.Ten
     libdev = isinstance(segment_update_kernel, JITFunction)
     update = _k(segment_update_kernel)
     update[(_cdiv(bound, G),)](
-        seg, count, sorted_key, sgofs, sscale, stid, grad, weights, linear, accum,
+        seg, count, sorted_key, sgofs, sscale, stid, grad, weights, accum, linear,
         table_w_offset, table_dim, row_base, part, nonfinite_rows,
         N, lr, l1, l2_eff, beta, shrink2, neg_p,
         SEG=SEG, HAS_SCALE=has_scale, POW_HALF=pow_half, HAS_SHRINK=has_shrink,
@@ -306,7 +300,7 @@ def _backward_impl(weights: torch.Tensor, accum: torch.Tensor, linear: torch.Ten
     if nmult > 0:
         cp = int(TUNING["combine_cp"])
         _k(segment_combine_kernel)[(_cdiv(nmult, cp),)](
-            sorted_key, stid, part, weights, linear, accum,
+            sorted_key, stid, part, weights, accum, linear,
             table_w_offset, table_dim, row_base, nonfinite_rows,
             N, lr, l1, l2_eff, beta, shrink2, neg_p,
             SEG=SEG, CP=cp, NB=int(TUNING["combine_nb"]), POW_HALF=pow_half,
@@ -340,95 +334,110 @@ else:  # pragma: no cover
     _linearize_op = _linearize_impl
 
 
-def _row_base(batch: TBEBatch) -> torch.Tensor:
-    if batch.table_row_base is not None:
-        return batch.table_row_base
-    return torch.cumsum(batch.table_rows, 0) - batch.table_rows
+class TritonContext(NamedTuple):
+    """What a training forward keeps for its backward: the offsets it read (repaired by the fused
+    WARNING check where the batch was raw) and the linearised batch ``(key, gofs, scale, tid)``."""
+
+    offsets: torch.Tensor
+    linearized: tuple
+
+
+def fuses_bounds_check(mode: Any, needs_psw_grad: bool) -> bool:
+    """The WARNING check runs inside the kernels (no host sync), except when the per-sample weights
+    need a gradient: that gradient (:func:`per_sample_weight_grad`) reads a checked batch."""
+    return mode == BoundsCheckMode.WARNING and not needs_psw_grad
+
+
+def count_invalid(table_rows, feature_table, bag_feature, indices, offsets) -> Optional[int]:
+    """No fast FATAL check here: the TBE's own check runs."""
+    return None
 
 
 def _warn_counter(batch: TBEBatch) -> tuple[bool, torch.Tensor]:
     """``(check, counter)``: whether the fused WARNING check runs, and its int64 counter (an empty
     placeholder when it does not)."""
-    check = batch.index_check is not None
-    return check, batch.index_check if check else batch.indices.new_empty(0)
+    counter = batch.unchecked_counter
+    return counter is not None, counter if counter is not None else batch.indices.new_empty(0)
 
 
 def _batch_shape(batch: TBEBatch) -> tuple[int, int, bool]:
-    """``(total_rows or -1, vec, even_d)``: the host-side facts the kernels are specialised on."""
-    total_rows = getattr(batch, "total_rows", None)
-    vec, even_d = _vec_even(getattr(batch, "table_dims", None), _block_d(batch.max_D))
-    return -1 if total_rows is None else int(total_rows), vec, even_d
+    """``(total_rows, vec, even_d)``: the host-side facts the kernels are specialised on."""
+    vec, even_d = _vec_even(batch.table_dims, _block_d(batch.max_D))
+    return int(batch.total_rows), vec, even_d
 
 
-def _lookup(weights: torch.Tensor, batch: TBEBatch, out_dtype: torch.dtype,
+def _lookup(weights: torch.Tensor, batch: TBEBatch, offsets: torch.Tensor, out_dtype: torch.dtype,
             keys: Optional[torch.Tensor], counter: tuple, shape: tuple) -> torch.Tensor:
-    """The pooled lookup; ``counter`` / ``shape``: :func:`_warn_counter` / :func:`_batch_shape` of
-    the batch."""
+    """The pooled lookup over ``offsets`` (checked or repaired); ``counter`` / ``shape``:
+    :func:`_warn_counter` / :func:`_batch_shape` of the batch."""
     check, warn = counter
     _, vec, even_d = shape
-    return _call(_forward_op, _forward_impl, weights, batch.indices, batch.offsets,
+    return _call(_forward_op, _forward_impl, weights, batch.indices, offsets,
                  batch.bag_feature, batch.bag_out_offset, batch.feature_table, batch.table_w_offset,
-                 batch.table_dim, batch.table_rows, _row_base(batch), warn, check, keys,
+                 batch.table_dim, batch.table_rows, batch.table_row_base, warn, check, keys,
                  batch.per_sample_weights, int(batch.pooling_mode), int(batch.out_numel),
                  int(batch.max_D), out_dtype, vec, even_d)
 
 
-def _repair_batch_offsets(batch: TBEBatch) -> None:
-    """Repair (and count) ``batch.offsets`` in place of the batch if they are still raw."""
-    if batch.offsets_raw:
-        batch.offsets = repair_offsets(batch.offsets, batch.indices.numel(), batch.index_check)
-        batch.offsets_raw = False
+def _checked_offsets(batch: TBEBatch, warn: torch.Tensor) -> torch.Tensor:
+    """``batch.offsets``, repaired (and the repairs counted in ``warn``) if the batch is raw."""
+    if batch.unchecked_counter is None:
+        return batch.offsets
+    return repair_offsets(batch.offsets, batch.indices.numel(), warn)
 
 
 def forward(weights: torch.Tensor, batch: TBEBatch, out_dtype: torch.dtype) -> torch.Tensor:
     """Pooled lookup. Returns the flat output ``[batch.out_numel]`` in ``out_dtype`` (fp32 accumulation).
-    With the fused WARNING check, out-of-range indices are read as row 0 and counted (raw offsets
-    are repaired first)."""
-    _repair_batch_offsets(batch)
-    return _lookup(weights, batch, out_dtype, None, _warn_counter(batch), _batch_shape(batch))
+    For a raw batch (the fused WARNING check), the offsets are repaired first and out-of-range
+    indices are read as row 0; both are counted in ``batch.unchecked_counter``."""
+    counter = _warn_counter(batch)
+    offsets = _checked_offsets(batch, counter[1])
+    return _lookup(weights, batch, offsets, out_dtype, None, counter, _batch_shape(batch))
 
 
-def forward_train(weights: torch.Tensor, batch: TBEBatch, out_dtype: torch.dtype) -> torch.Tensor:
-    """The forward of a training step (its backward follows): same result as :func:`forward`.
+def forward_train(weights: torch.Tensor, batch: TBEBatch,
+                  out_dtype: torch.dtype) -> tuple[torch.Tensor, TritonContext]:
+    """The forward of a training step (its backward follows): same output as :func:`forward`.
 
     Linearises the batch first (:func:`.triton_backward.linearize_kernel`: each index's row key
     ``row_base[table] + index``, with the fused WARNING bounds check and its count, its gradient
-    offset, factor and table; raw offsets repaired in the same pass) and keeps the result on
-    ``batch.linearized`` for :func:`backward_update_`; the lookup then reads the checked row keys
-    (32-bit when the tables have fewer than 2**31 rows) instead of checking every index again.
+    offset, factor and table; raw offsets repaired in the same pass) and returns it in the context
+    for :func:`backward_update_`; the lookup then reads the checked row keys (32-bit when the tables
+    have fewer than 2**31 rows) instead of checking every index again.
     """
     counter, shape = _warn_counter(batch), _batch_shape(batch)
     (check, warn), (total_rows, _, even_d) = counter, shape
-    repair = bool(batch.offsets_raw)
     lin = _call(_linearize_op, _linearize_impl, batch.indices, batch.offsets, batch.bag_feature,
-                batch.bag_out_offset, batch.feature_table, _row_base(batch), batch.table_rows, warn,
-                check, True, repair, batch.per_sample_weights, int(batch.pooling_mode),
+                batch.bag_out_offset, batch.feature_table, batch.table_row_base, batch.table_rows,
+                warn, check, True, check, batch.per_sample_weights, int(batch.pooling_mode),
                 int(batch.max_D), total_rows, int(batch.out_numel), even_d)
-    if repair:
-        batch.offsets, batch.offsets_raw = lin[4], False
-    batch.linearized = tuple(lin[:4])
-    return _lookup(weights, batch, out_dtype, lin[0], counter, shape)
+    offsets = lin[4] if check else batch.offsets
+    out = _lookup(weights, batch, offsets, out_dtype, lin[0], counter, shape)
+    return out, TritonContext(offsets, tuple(lin[:4]))
 
 
 def backward_update_(weights: torch.Tensor, accum: torch.Tensor, linear: torch.Tensor,
-                     batch: TBEBatch, grad_out: torch.Tensor, hp: FTRLHyperparams,
-                     nonfinite_rows: torch.Tensor) -> None:
+                     batch: TBEBatch, ctx: Optional[TritonContext], grad_out: torch.Tensor,
+                     hp: FTRLHyperparams, nonfinite_rows: torch.Tensor) -> None:
     """Sum gradients per unique (table, row), then one FTRL update per touched row, in place.
 
     ``grad_out`` is the flat ``[batch.out_numel]`` output gradient (fp32/fp16/bf16). Rows whose summed
-    gradient has NaN/Inf are skipped and counted in ``nonfinite_rows`` (int64 ``[1]``, device). Uses
-    ``batch.linearized`` when :func:`forward_train` left it there.
+    gradient has NaN/Inf are skipped and counted in ``nonfinite_rows`` (int64 ``[1]``, device). Reuses
+    the linearised batch of ``ctx`` (from :func:`forward_train`); without it the batch is linearised
+    here, and a raw batch's repairs are not counted again (its forward counted them).
     """
-    _repair_batch_offsets(batch)
-    lin = getattr(batch, "linearized", None) or (None, None, None, None)
+    if ctx is None:
+        offsets, lin = _checked_offsets(batch, torch.zeros_like(batch.unchecked_counter)
+                                        if batch.unchecked_counter is not None else None), (None,) * 4
+    else:
+        offsets, lin = ctx
     total_rows, vec, even_d = _batch_shape(batch)
     _call(_backward_op, _backward_impl, weights, accum, linear, nonfinite_rows,
-          grad_out.reshape(-1).contiguous(), batch.indices, batch.offsets, batch.bag_feature,
+          grad_out.reshape(-1).contiguous(), batch.indices, offsets, batch.bag_feature,
           batch.bag_out_offset, batch.feature_table, batch.table_w_offset, batch.table_dim,
-          batch.table_rows, _row_base(batch), batch.index_check is not None, *lin,
+          batch.table_rows, batch.table_row_base, batch.unchecked_counter is not None, *lin,
           batch.per_sample_weights, int(batch.pooling_mode), int(batch.max_D), total_rows,
-          vec, even_d, hp.learning_rate, -hp.learning_rate_power, hp.l1_reg, hp.l2_effective, hp.beta,
-          2.0 * hp.l2_shrinkage)
+          vec, even_d, *hp.kernel_scalars())
 
 
 def repair_offsets(offsets: torch.Tensor, num_indices: int, warn: torch.Tensor) -> torch.Tensor:

@@ -39,7 +39,7 @@ because their summed gradient has a NaN/Inf (``nonfinite_rows``), bounds-check w
 tile tickets and published counts / maxima of the single-pass scans in the mark kernel and the
 offsets repair (exact whatever the order).
 
-The FTRL lines follow ``shared/docs/FTRL.md``: accum uses the raw gradient; ``z`` uses the OLD weight;
+The FTRL lines are the twin of :func:`torchrec_ftrl.rule.ftrl_rule` (``docs/ftrl.md``): accum uses the raw gradient; ``z`` uses the OLD weight;
 the exact zero comes from a branch; states are fp32 and the weight is stored in its own dtype. The
 arithmetic is rearranged for speed, not bitwise equal to the CPU kernel (both agree with the float64
 reference within the tests' tolerances): with ``p == -0.5``,
@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .triton_forward import bag_table, load_bags
+from .triton_forward import MEAN, NONE, bag_table, load_bags
 
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
@@ -92,7 +92,7 @@ def publish_and_look_back(status_ptr, t, own, LOOKBACK: tl.constexpr, MAX: tl.co
             stop_wait = tl.min(tl.where(st == 0, lane, LOOKBACK), axis=0)
             stop_pre = tl.min(tl.where((st & 3) == 2, lane, LOOKBACK), axis=0)
             found = stop_pre < stop_wait
-            upto = tl.where(found, stop_pre + 1, stop_wait)       # lanes taken this round
+            upto = tl.where(found, stop_pre + 1, stop_wait)       # lanes taken in this pass
             vals = tl.where(lane < upto, st >> 2, 0)
             if MAX:
                 prefix = tl.maximum(prefix, tl.max(vals, axis=0))
@@ -181,7 +181,7 @@ def linearize_kernel(
             if COUNT:
                 nbad += bad.to(tl.int32)
         tl.store(key_ptr + pos, (rbase[:, None] + idx).to(key_ptr.dtype.element_ty), mask=lmask)
-        if POOL == 2:
+        if POOL == NONE:
             g = pos * out_row_stride
         else:
             g = oofs[:, None] + jj[None, :] * 0
@@ -191,7 +191,7 @@ def linearize_kernel(
         if HAS_SCALE:
             if HAS_PSW:
                 s = tl.load(psw_ptr + pos, mask=lmask, other=0.0)
-                if POOL == 1:
+                if POOL == MEAN:
                     s = s * inv_len[:, None]
             else:
                 s = inv_len[:, None] + tl.zeros([BAGS, UNROLL], dtype=tl.float32)
@@ -257,21 +257,21 @@ def _pow(x, e, LIBDEVICE_POW: tl.constexpr):
 
 
 @triton.jit
-def load_states(w_ptr, z_ptr, n_ptr, roff, m, cols):
-    """Load ``(w fp32, z, n, offsets, mask)`` of the rows ``roff`` (element offsets ``[R]``),
+def load_states(w_ptr, n_ptr, z_ptr, roff, m, cols):
+    """Load ``(w fp32, n (accum), z (linear), offsets, mask)`` of the rows ``roff`` (element offsets ``[R]``),
     elements ``m``."""
     offs = roff[:, None] + cols[None, :]
     w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
     z = tl.load(z_ptr + offs, mask=m, other=0.0)
     n = tl.load(n_ptr + offs, mask=m, other=0.0)
-    return w, z, n, offs, m
+    return w, n, z, offs, m
 
 
 @triton.jit
-def ftrl_update_store(w_ptr, z_ptr, n_ptr, nonfinite_ptr, w, z, n, offs, m, rmask, g,
+def ftrl_update_store(w_ptr, n_ptr, z_ptr, nonfinite_ptr, w, n, z, offs, m, rmask, g,
                       lr, l1, l2_eff, beta, shrink2, neg_p,
                       POW_HALF: tl.constexpr, HAS_SHRINK: tl.constexpr, LIBDEVICE_POW: tl.constexpr):
-    """One FTRL step (shared/docs/FTRL.md) of rows ``rmask`` ``[R]`` with summed gradients ``g``
+    """One FTRL step (the twin of torchrec_ftrl.rule.ftrl_rule) of rows ``rmask`` ``[R]`` with summed gradients ``g``
     ``[R, BLOCK_D]`` and their loaded states; rows whose gradient has a NaN/Inf are not stored and
     are counted in ``nonfinite_ptr``."""
     # fp32 knobs whatever the caller's scalar type (torch.compile may pass Python floats as fp64).
@@ -290,7 +290,7 @@ def ftrl_update_store(w_ptr, z_ptr, n_ptr, nonfinite_ptr, w, z, n, offs, m, rmas
         # sqrt(n_new) - sqrt(n) == g^2 / (sqrt(n_new) + sqrt(n)): the same value without the
         # cancellation of the difference (sigma of a row with a large accum and a small gradient
         # is exact to a few ulp instead of losing digits), with the hardware sqrt / division (<= 2
-        # ulp each): the IEEE sequences made the update kernel instruction-bound (benchmarks/README.md).
+        # ulp each): the IEEE sequences make the update kernel instruction-bound.
         pn_new = tl.sqrt(n_new)
         den = pn_new + tl.sqrt(n)
         sigma = tl.where(den > 0, tl.fdiv(g2, tl.where(den > 0, den, 1.0)), 0.0) * inv_lr
@@ -343,7 +343,7 @@ def sum_gradient_rows(grad_ptr, go, sc, lm, m3c, cols, HAS_SCALE: tl.constexpr, 
 @triton.jit
 def segment_update_kernel(
     seg_ptr, count_ptr, sk_ptr, sgofs_ptr, sscale_ptr, stid_ptr, grad_ptr,
-    w_ptr, z_ptr, n_ptr, table_w_offset_ptr, table_dim_ptr, row_base_ptr, part_ptr, nonfinite_ptr,
+    w_ptr, n_ptr, z_ptr, table_w_offset_ptr, table_dim_ptr, row_base_ptr, part_ptr, nonfinite_ptr,
     N, lr, l1, l2_eff, beta, shrink2, neg_p,
     SEG: tl.constexpr, HAS_SCALE: tl.constexpr, POW_HALF: tl.constexpr, HAS_SHRINK: tl.constexpr,
     LIBDEVICE_POW: tl.constexpr, G: tl.constexpr, R: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -382,7 +382,7 @@ def segment_update_kernel(
             woff = tl.multiple_of(tl.load(table_w_offset_ptr + tid, mask=valid, other=0), VEC)
             roff = woff + (key - rbase) * dim
         # State loads depend only on the row: issue them before the gradient gather.
-        w, z, n, offs, sm = load_states(w_ptr, z_ptr, n_ptr, roff, complete[:, None] & m2, cols)
+        w, n, z, offs, sm = load_states(w_ptr, n_ptr, z_ptr, roff, complete[:, None] & m2, cols)
         m3c = m2[:, None, :]
         acc = sum_gradient_rows(grad_ptr, go0, sc0, lm0, m3c, cols, HAS_SCALE, VEC)
         # Entries past the first R (pieces of long runs), R at a time in sorted order.
@@ -395,14 +395,14 @@ def segment_update_kernel(
             acc += sum_gradient_rows(grad_ptr, go, sc, lm, m3c, cols, HAS_SCALE, VEC)
         slot = 2 * (s // SEG) + ((s % SEG) != 0).to(tl.int64)
         tl.store(part_ptr + slot[:, None] * BLOCK_D + cols[None, :], acc, mask=partial[:, None] & m2)
-        ftrl_update_store(w_ptr, z_ptr, n_ptr, nonfinite_ptr, w, z, n, offs, sm, complete, acc,
+        ftrl_update_store(w_ptr, n_ptr, z_ptr, nonfinite_ptr, w, n, z, offs, sm, complete, acc,
                           lr, l1, l2_eff, beta, shrink2, neg_p, POW_HALF, HAS_SHRINK, LIBDEVICE_POW)
 
 
 @triton.jit
 def segment_combine_kernel(
     sk_ptr, stid_ptr, part_ptr,
-    w_ptr, z_ptr, n_ptr, table_w_offset_ptr, table_dim_ptr, row_base_ptr, nonfinite_ptr,
+    w_ptr, n_ptr, z_ptr, table_w_offset_ptr, table_dim_ptr, row_base_ptr, nonfinite_ptr,
     N, lr, l1, l2_eff, beta, shrink2, neg_p,
     SEG: tl.constexpr, CP: tl.constexpr, NB: tl.constexpr, POW_HALF: tl.constexpr,
     HAS_SHRINK: tl.constexpr, LIBDEVICE_POW: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -444,7 +444,7 @@ def segment_combine_kernel(
                 one = tl.arange(0, 1)
                 rmask = one == 0
                 # States first: they depend only on the row.
-                w, z, n, offs, sm = load_states(w_ptr, z_ptr, n_ptr, roff + one * 0,
+                w, n, z, offs, sm = load_states(w_ptr, n_ptr, z_ptr, roff + one * 0,
                                                 rmask[:, None] & cmask[None, :], cols)
                 # The run's first piece starts at p1 - SEG (slot 2(m-1)) or inside (p1-2SEG, p1-SEG)
                 # (slot 2(m-2)+1).
@@ -464,7 +464,7 @@ def segment_combine_kernel(
                     acc += tl.sum(tile, axis=0)
                     go = tl.sum(selj.to(tl.int32), axis=0) == NB
                     j0 += NB
-                ftrl_update_store(w_ptr, z_ptr, n_ptr, nonfinite_ptr, w, z, n, offs, sm, rmask,
+                ftrl_update_store(w_ptr, n_ptr, z_ptr, nonfinite_ptr, w, n, z, offs, sm, rmask,
                                   acc[None, :], lr, l1, l2_eff, beta, shrink2, neg_p, POW_HALF,
                                   HAS_SHRINK, LIBDEVICE_POW)
 

@@ -20,7 +20,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-POOL_SUM, POOL_MEAN, POOL_NONE = 0, 1, 2
+from .layout import POOL_MEAN, POOL_NONE
+
+# The pooling modes as the kernels compare them (layout.POOL_*; Triton reads only constexpr globals).
+MEAN = tl.constexpr(POOL_MEAN)
+NONE = tl.constexpr(POOL_NONE)
 
 
 @triton.jit
@@ -99,7 +103,7 @@ def tbe_forward_kernel(
         if HAS_PSW:
             psw = tl.load(psw_ptr + pos, mask=lmask, other=0.0)
             rows = rows * psw[:, :, None]
-        if POOL == 2:
+        if POOL == NONE:
             tl.store(out_ptr + pos[:, :, None] * out_row_stride + cols[None, None, :],
                      rows.to(out_ptr.dtype.element_ty), mask=m3)
         else:
@@ -107,8 +111,8 @@ def tbe_forward_kernel(
     if CHECK:
         total_bad = tl.sum(tl.sum(nbad, axis=1).to(tl.int64), axis=0)
         tl.atomic_add(warn_ptr, total_bad, mask=total_bad > 0)
-    if POOL != 2:
-        if POOL == 1:
+    if POOL != NONE:
+        if POOL == MEAN:
             lf = tl.maximum(length, 1).to(tl.float32)
             acc = tl.where(length[:, None] > 0, tl.div_rn(acc, lf[:, None]), 0.0)
         oofs = tl.multiple_of(tl.load(bag_out_ptr + bags, mask=bmask, other=0), VEC)

@@ -5,8 +5,9 @@
 // Bags are feature-major; bag k holds indices[offsets[k]:offsets[k+1]] and writes its pooled D-vector
 // at bag_out_offset[k] of the flat output (PoolingMode.NONE: index i writes at i * max_D).
 //
-// Update rule: shared/docs/FTRL.md (McMahan et al. 2013, Alg. 1, with TensorFlow ApplyFtrlV2's l2
-// shrinkage and Keras' beta). It lives in exactly one place below: ftrl_element().
+// Update rule: the twin of torchrec_ftrl/rule.py (ftrl_rule; docs/ftrl.md for users; McMahan et al.
+// 2013, Alg. 1, with TensorFlow ApplyFtrlV2's l2 shrinkage and Keras' beta). It lives in exactly one
+// place below: ftrl_element(). Its scalars come from FTRLHyperparams.kernel_scalars().
 //
 // Backward + update is one call: linear row id per index -> stable LSD radix sort by row (carrying
 // each index's gradient offset and scale) -> parallel over unique rows: sum the row's gradient
@@ -31,11 +32,12 @@
 
 namespace {
 
+// FBGEMM's PoolingMode values, as torchrec_ftrl/kernels/layout.py passes them (POOL_SUM/MEAN/NONE).
 constexpr int kPoolSum = 0;
 constexpr int kPoolMean = 1;
 constexpr int kPoolNone = 2;
 
-// FTRL hyperparameters in the fp32 form the kernel computes with.
+// FTRL hyperparameters in the fp32 form the kernel computes with (FTRLHyperparams.kernel_scalars()).
 struct FtrlHp {
   float lr;        // alpha > 0
   float neg_power; // -p >= 0 (used by the pow path only)
@@ -45,7 +47,7 @@ struct FtrlHp {
   float shrink2;   // 2 * l2_shrinkage
 };
 
-// THE FTRL-Proximal update of one element (shared/docs/FTRL.md, line for line). `w` is the OLD
+// THE FTRL-Proximal update of one element (torchrec_ftrl/rule.py's ftrl_rule, line for line). `w` is the OLD
 // weight, `g` the gradient summed over the row's duplicates; updates `z` (linear) and `n` (accum) in
 // place and returns the new weight. kSqrt: p == -0.5, n^0.5 via sqrt; otherwise pow(n, -p).
 template <bool kSqrt>
@@ -415,8 +417,8 @@ void backward_update(at::Tensor& weights, at::Tensor& accum, at::Tensor& linear,
                      const at::Tensor& bag_feature, const at::Tensor& bag_out_offset,
                      const at::Tensor& indices, const at::Tensor& offsets,
                      const c10::optional<at::Tensor>& per_sample_weights, int64_t pooling_mode,
-                     int64_t max_D, const at::Tensor& grad_out, double lr, double power, double l1,
-                     double l2_effective, double beta, double l2_shrinkage,
+                     int64_t max_D, const at::Tensor& grad_out, double lr, double neg_power,
+                     double l1, double l2, double beta, double shrink2,
                      at::Tensor& nonfinite_rows) {
   for (auto* p : {&table_w_offset, &table_dim, &table_rows, &feature_table, &bag_feature,
                   &bag_out_offset, &indices, &offsets}) {
@@ -464,12 +466,12 @@ void backward_update(at::Tensor& weights, at::Tensor& accum, at::Tensor& linear,
   // 4. Sum + FTRL per unique row, parallel over rows.
   FtrlHp hp;
   hp.lr = static_cast<float>(lr);
-  hp.neg_power = static_cast<float>(-power);
+  hp.neg_power = static_cast<float>(neg_power);
   hp.l1 = static_cast<float>(l1);
-  hp.l2 = static_cast<float>(l2_effective);
+  hp.l2 = static_cast<float>(l2);
   hp.beta = static_cast<float>(beta);
-  hp.shrink2 = static_cast<float>(2.0 * l2_shrinkage);
-  const bool use_sqrt = power == -0.5;
+  hp.shrink2 = static_cast<float>(shrink2);
+  const bool use_sqrt = neg_power == 0.5;
   int64_t bad = 0;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weights.scalar_type(), "ftrl_bwd_w", [&] {
     using W = scalar_t;

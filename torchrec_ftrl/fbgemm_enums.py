@@ -1,4 +1,4 @@
-"""FBGEMM enums the TBE uses, imported where both fbgemm_gpu 1.6 (GPU machine) and 1.8 (CI) have them."""
+"""The FBGEMM enums the core uses, from the modules where fbgemm_gpu 1.6 and 1.8 both define them."""
 
 from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType  # noqa: F401
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import (  # noqa: F401

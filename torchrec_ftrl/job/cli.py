@@ -3,13 +3,24 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from typing import Any, Optional, Sequence
 
 SPARSE_OPTIMIZERS = ("ftrl", "rowwise_adagrad")
 
 
+def _prog() -> str:
+    """argparse's program name: the script's (``train_ctr.py``), also under ``python -m
+    torchrec_ftrl.job`` (argv[0] ``.../__main__.py``), so usage and error lines read as they always
+    have whichever way the job was started."""
+    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return "train_ctr.py" if name in ("", "__main__.py", "-c") else name
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
+        prog=_prog(),
         description="DLRM CTR model whose embedding tables are trained with a fused sparse optimizer "
                     "(FTRL-Proximal by default), sharded with DistributedModelParallel.")
     d = p.add_argument_group("data")

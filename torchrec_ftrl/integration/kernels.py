@@ -24,9 +24,9 @@ from torchrec.distributed.types import ShardingEnv, ShardingType
 from torchrec.modules.embedding_configs import data_type_to_sparse_type
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from ..hyperparams import FTRL_KWARGS
+from ..fbgemm_enums import BoundsCheckMode, PoolingMode
+from ..hyperparams import parse_options
 from ..tbe import FTRLTableBatchedEmbeddingBags
-from ..tbe_compat import BoundsCheckMode, PoolingMode
 
 # fused_params keys our TBE understands besides learning_rate and the ftrl_* knobs.
 _PASSED_THROUGH = ("output_dtype", "bounds_check_mode")
@@ -40,15 +40,11 @@ def tbe_kwargs_from_fused_params(fused_params: Optional[dict[str, Any]]) -> dict
     (``optimizer``, ``cache_precision``, ``stochastic_rounding``, ...).
 
     Raises:
-        ValueError: an unknown ``ftrl_*`` key (a misspelling would otherwise be ignored silently).
+        ValueError: an unknown ``ftrl_*`` key (a misspelling would otherwise be ignored silently),
+            ``lr`` and ``learning_rate`` that differ, or an invalid knob (naming it and its value).
     """
     fp = dict(fused_params or {})
-    unknown = sorted(k for k in fp if k.startswith("ftrl_") and k not in FTRL_KWARGS)
-    if unknown:
-        raise ValueError(f"unknown FTRL key(s) {unknown} in fused_params; expected some of "
-                         f"{sorted(FTRL_KWARGS)}")
-    kwargs: dict[str, Any] = {"learning_rate": fp.get("learning_rate", fp.get("lr", 0.01))}
-    kwargs.update({k: fp[k] for k in FTRL_KWARGS if k in fp})
+    kwargs: dict[str, Any] = parse_options(fp, where="fused_params").to_options()
     kwargs.update({k: fp[k] for k in _PASSED_THROUGH if k in fp and fp[k] is not None})
     # Under TorchRec, FBGEMM's default (WARNING: repair + count, no host sync) as for stock tables.
     kwargs.setdefault("bounds_check_mode", BoundsCheckMode.WARNING)

@@ -1,7 +1,7 @@
 """Sharders for DistributedModelParallel with FTRL tables.
 
 With ``import torchrec_ftrl`` done, TorchRec's stock sharders already route FTRL groups to our kernel
-(:mod:`torchrec_ftrl.distributed.lookup`). These subclasses add what a sharder itself decides: when
+(:mod:`.routing`). These subclasses add what a sharder itself decides: when
 their ``fused_params`` select FTRL, the planner may only pick the ``fused`` compute kernel and never
 plans a table data-parallel (a data-parallel table is a dense DDP parameter trained by whatever dense
 optimizer the user runs, so FTRL would silently not apply). For data-parallel FTRL, use a stock sharder
@@ -17,7 +17,7 @@ from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.types import ModuleSharder, ShardingType
 
-from ..registration import is_ftrl
+from ..optim_type import is_ftrl
 from .kernels import tbe_kwargs_from_fused_params
 
 FTRL_COMPUTE_KERNELS = (EmbeddingComputeKernel.FUSED.value,)
@@ -61,8 +61,6 @@ def sharders(fused_params: Optional[dict[str, Any]] = None) -> list[ModuleSharde
     """
     fp = dict(fused_params) if fused_params else None
     if fp and is_ftrl(fp.get("optimizer")):
-        from ..hyperparams import FTRLHyperparams
-        kw = tbe_kwargs_from_fused_params(fp)
-        FTRLHyperparams.from_kwargs(kw.pop("learning_rate"), kw)
+        tbe_kwargs_from_fused_params(fp)   # validates the knobs
     return [FTRLEmbeddingBagCollectionSharder(fused_params=fp and dict(fp)),
             FTRLEmbeddingCollectionSharder(fused_params=fp and dict(fp))]

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import re
 
-SUPPORTED_TORCHREC = ((1, 6), (1, 8))  # inclusive minor range: torchrec 1.6.x .. 1.8.x
+SUPPORTED_TORCHREC = ((1, 6), (1, 9))  # inclusive minor range: torchrec 1.6.x .. 1.9.x
 
 
 def check_torchrec_version(version: str) -> None:
-    """Raises ImportError naming the supported range unless ``version`` is torchrec 1.6.x-1.8.x."""
+    """Raises ImportError naming the supported range unless ``version`` is torchrec 1.6.x-1.9.x."""
     m = re.match(r"(\d+)\.(\d+)", version or "")
     lo, hi = SUPPORTED_TORCHREC
     if m is None or not lo <= (int(m.group(1)), int(m.group(2))) <= hi:

@@ -1,4 +1,4 @@
-"""Float64 reference of FTRL-Proximal, transcribed line by line from ``shared/docs/FTRL.md``.
+"""Float64 reference of FTRL-Proximal, transcribed line by line from ``docs/ftrl.md``.
 
 This module is the single source of expected values in the tests. It is deliberately plain NumPy in
 float64, element-wise, with the exact-zero branch written as a branch, and never calls the code it checks.
@@ -84,3 +84,16 @@ def reference_knobs(hp) -> dict:
     """Map an ``FTRLHyperparams`` to ``ftrl_reference_step`` keywords."""
     return dict(lr=hp.learning_rate, lr_power=hp.learning_rate_power, l1=hp.l1_reg, l2=hp.l2_reg,
                 beta=hp.beta, l2_shrinkage=hp.l2_shrinkage, l2_convention=hp.l2_convention)
+
+
+# FTRL option keywords (``torchrec_ftrl.FTRL(...)``, TBE and fused_params spelling) -> reference keywords.
+_OPTION_KNOBS = {"lr": "lr", "learning_rate": "lr", "ftrl_learning_rate_power": "lr_power",
+                 "ftrl_l1_reg": "l1", "ftrl_l2_reg": "l2", "ftrl_beta": "beta",
+                 "ftrl_l2_shrinkage": "l2_shrinkage", "ftrl_l2_convention": "l2_convention"}
+
+
+def option_knobs(options: dict) -> dict:
+    """Map FTRL option keywords (``lr`` / ``learning_rate``, ``ftrl_*``) to ``ftrl_reference_step``
+    keywords. ``ftrl_initial_accumulator_value`` is not a step keyword (it is the accum input ``n``);
+    other keys are ignored."""
+    return {_OPTION_KNOBS[k]: v for k, v in options.items() if k in _OPTION_KNOBS}

@@ -1,7 +1,0 @@
-"""TorchRec glue: kernels holding the FTRL TBE, lookup routing, sharders."""
-
-from .sharders import (  # noqa: F401
-    FTRLEmbeddingBagCollectionSharder,
-    FTRLEmbeddingCollectionSharder,
-    sharders,
-)

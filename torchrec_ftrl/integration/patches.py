@@ -1,0 +1,139 @@
+"""Every change this package makes to TorchRec / FBGEMM objects, in one list, with the versions each was
+verified on. :func:`install` applies them (idempotent; ``import torchrec_ftrl`` calls it) and
+:func:`uninstall` reverses them in reverse order, leaving the stock objects as they were.
+
+Where TorchRec has an extension point, the package uses it instead of a patch: sharders are
+subclasses (:mod:`.sharders`), the planner's storage estimate is an estimator class
+and enumerator (:mod:`.planner`), the fused optimizer and kernels are subclasses (:mod:`.kernels`). The patches
+below cover what has none.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torchrec
+import torchrec.optim as trec_optim
+from torchrec.distributed import utils as dist_utils
+from torchrec.distributed.planner import planners
+
+from .. import optim_type
+from ..optim import FTRL
+from .planner import FTRLEnumerator
+from .routing import ROUTES, routed_create_embedding_kernel
+from .versions import check_torchrec_version
+
+VERIFIED = "torchrec 1.6.1, 1.8.0 and 1.9.2; fbgemm_gpu 1.6.0 (CUDA) and fbgemm-gpu-cpu 1.8.0"
+
+
+@dataclasses.dataclass(frozen=True)
+class Patch:
+    """One change to a TorchRec/FBGEMM object: ``apply()`` makes it and returns the function that
+    undoes it."""
+
+    target: str
+    change: str
+    apply: Callable[[], Callable[[], None]]
+    verified: str = VERIFIED
+
+
+def _set_attr(obj, name: str, value) -> Callable[[], None]:
+    """``setattr(obj, name, value)``; the undo restores the old value (or deletes a new attribute)."""
+    had = name in vars(obj)
+    old = vars(obj).get(name)
+    setattr(obj, name, value)
+
+    def undo() -> None:
+        if had:
+            setattr(obj, name, old)
+        else:
+            delattr(obj, name)
+    return undo
+
+
+def _set_item(mapping: dict, key, value) -> Callable[[], None]:
+    """``mapping.setdefault(key, value)``; the undo removes the key only if this call added it."""
+    if key in mapping:
+        return lambda: None
+    mapping[key] = value
+    return lambda: mapping.pop(key, None)
+
+
+def _enum_member() -> Callable[[], None]:
+    added = optim_type.add_emb_optim_type()
+    return optim_type.remove_emb_optim_type if added else (lambda: None)
+
+
+def _optimizer_class() -> Callable[[], None]:
+    if getattr(trec_optim, "FTRL", None) is not None:
+        return lambda: None
+    return _set_attr(trec_optim, "FTRL", FTRL)
+
+
+def _class_type_maps() -> Callable[[], None]:
+    member = optim_type.emb_optim_type()
+    undos = []
+    cls_to_type = getattr(dist_utils, "_OPTIMIZER_CLASS_TO_EMB_OPT_TYPE", None)
+    if cls_to_type is not None:
+        undos += [_set_item(cls_to_type, trec_optim.FTRL, member), _set_item(cls_to_type, FTRL, member)]
+    type_to_cls = getattr(dist_utils, "_EMB_OPT_TYPE_TO_OPTIMIZER_CLASS", None)
+    if type_to_cls is not None:
+        undos.append(_set_item(type_to_cls, member, trec_optim.FTRL))
+    return lambda: [undo() for undo in reversed(undos)]
+
+
+def _route(lookup_cls, kernel_cls) -> Callable[[], Callable[[], None]]:
+    def apply() -> Callable[[], None]:
+        original = lookup_cls._create_embedding_kernel
+        return _set_attr(lookup_cls, "_create_embedding_kernel",
+                         routed_create_embedding_kernel(original, kernel_cls))
+    return apply
+
+
+def _default_enumerator() -> Callable[[], None]:
+    return _set_attr(planners, "EmbeddingEnumerator", FTRLEnumerator)
+
+
+PATCHES: tuple[Patch, ...] = (
+    Patch("fbgemm_gpu.split_embedding_configs.EmbOptimType",
+          "adds the member FTRL = 'ftrl' unless fbgemm_gpu has one", _enum_member),
+    Patch("torchrec.optim.FTRL", "set to torchrec_ftrl.FTRL unless torchrec has one", _optimizer_class),
+    Patch("torchrec.distributed.utils._OPTIMIZER_CLASS_TO_EMB_OPT_TYPE / _EMB_OPT_TYPE_TO_OPTIMIZER_CLASS",
+          "learn the pair FTRL class <-> EmbOptimType.FTRL (apply_optimizer_in_backward)", _class_type_maps),
+    *(Patch(f"torchrec.distributed.embedding_lookup.{lookup.__name__}._create_embedding_kernel",
+            f"builds {kernel.__name__} for groups whose fused_params optimizer is FTRL; other groups "
+            "unchanged", _route(lookup, kernel)) for lookup, kernel in ROUTES),
+    Patch("torchrec.distributed.planner.planners.EmbeddingEnumerator",
+          "EmbeddingShardingPlanner's default enumerator (DMP's default planner) is FTRLEnumerator",
+          _default_enumerator),
+)
+
+_undo: list[Callable[[], None]] = []
+
+
+def installed() -> bool:
+    return bool(_undo)
+
+
+def install() -> None:
+    """Apply every patch of :data:`PATCHES` once (idempotent).
+
+    Raises:
+        ImportError: the installed torchrec is outside the supported range (nothing is applied).
+    """
+    if _undo:
+        return
+    check_torchrec_version(getattr(torchrec, "__version__", ""))
+    try:
+        for patch in PATCHES:
+            _undo.append(patch.apply())
+    except BaseException:
+        uninstall()
+        raise
+
+
+def uninstall() -> None:
+    """Undo every applied patch, in reverse order (idempotent)."""
+    while _undo:
+        _undo.pop()()

@@ -1,0 +1,240 @@
+"""The CTR training job: a DLRM whose 26 (or any number of) embedding tables use a fused sparse
+optimizer (FTRL-Proximal from torchrec_ftrl by default, or stock row-wise Adagrad), sharded with
+TorchRec's DistributedModelParallel.
+
+One process:  python -m torchrec_ftrl.job                  (gloo, world size 1, synthetic data)
+              python examples/train_ctr.py                 (the same, from a checkout)
+Several:      torchx run -s local_cwd torchrec_ftrl/components.py:train_ctr --nproc 2 [-- FLAGS]
+Real data:    python -m torchrec_ftrl.job --data DATA/criteo/criteo_dac_combined.tsv
+
+Prints a tqdm bar on rank 0 (step, loss, examples/s), validation AUC / log loss every --eval-every
+steps, and at the end writes ``<output-dir>/<run-name>_summary.json`` and ``<run-name>.png``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from . import checkpoint, cli, dist_env, evaluate, faults, model as model_lib, report, sparsity
+from .source import make_source, steps_for_epochs
+
+
+def _mean_over_ranks(x: float, device: torch.device) -> float:
+    t = torch.tensor([x], dtype=torch.float64, device=device)
+    if dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return float(t) / dist.get_world_size()
+
+
+def _quiet() -> None:
+    """Hide torchrec planner advice and deprecation chatter that says nothing about this run."""
+    for name in ("torchrec.distributed.planner", "torchrec.distributed.planner.types",
+                 "torchrec.distributed.planner.storage_reservations"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+
+def run(argv=None) -> dict:
+    """Run the job with ``argv`` (default ``sys.argv[1:]``); returns the summary dict (every rank).
+
+    Raises:
+        FileNotFoundError, MalformedRowError, NoUsableRowsError, CheckpointError: bad data or
+            checkpoint (``main`` turns these into one ``train_ctr: error: ...`` line and status 2).
+        SystemExit: bad flags (argparse, status 2).
+    """
+    _quiet()
+    args = cli.parse_args(argv)
+    faults.parse(os.environ.get(faults.ENV))  # a malformed fault spec fails before any work
+    fused_params = cli.sparse_fused_params(args)  # fails early if FTRL is not registered
+    env = dist_env.init(args.device)
+    if env.device.type == "cpu" and args.cpu_threads > 0:
+        torch.set_num_threads(args.cpu_threads)
+    rank0 = env.rank == 0
+    try:
+        summary = _run(args, env, fused_params, rank0)
+    except BaseException:
+        dist_env.shutdown(clean=False)  # peers may be gone: no barrier
+        raise
+    dist_env.shutdown()
+    return summary
+
+
+def _run(args, env, fused_params, rank0) -> dict:
+    import torchrec_ftrl
+
+    torch.manual_seed(args.seed)
+    source, data_desc = make_source(args)
+    steps = args.steps
+    if args.epochs is not None:
+        steps = steps_for_epochs(source, args.epochs, env.world_size, args.batch_size)
+    features, sizes = source.categorical_names, source.num_embeddings
+    num_dense = len(source.dense_names)
+
+    def dense_of(b):
+        if num_dense == 0:
+            return torch.ones(b.labels.shape[0], 1, device=b.labels.device)
+        return b.dense_features
+
+    net = model_lib.build_dlrm(features, sizes, args.embedding_dim, num_dense, args.dense_arch_list,
+                               args.over_arch_list, env.device)
+    sharders = torchrec_ftrl.sharders(fused_params)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
+    dmp, plan = model_lib.shard(net, [f"t_{f}" for f in features], sharders, env.device,
+                                args.sharding_types.split(","), env.world_size, local_world,
+                                args.batch_size)
+    opt = model_lib.build_optimizer(dmp, args.dense_optimizer, args.dense_lr)
+
+    tracker = sparsity.TouchTracker(features, sizes)
+    start_step, loss_history, val_history = 0, [], []
+    if args.resume is not None:
+        path = checkpoint.resolve(args.resume, args.checkpoint_dir)
+        extra = tracker.state_dict()
+        meta = checkpoint.load(path, dmp, opt, extra=extra)
+        tracker.load_state_dict(extra)
+        start_step = int(meta["step"])
+        loss_history, val_history = meta.get("loss_history", []), meta.get("val_history", [])
+        if rank0:
+            print(f"resumed from {path} at step {start_step}", flush=True)
+
+    val_batches = source.validation_batches(env.rank, env.world_size, args.batch_size)
+    if rank0 and source.stats() is not None:
+        print(f"data: {source.stats().summary()}", flush=True)
+    train_iter = source.train_batches(env.rank, env.world_size, args.batch_size, start_step=start_step)
+    if rank0:
+        opt_name = args.sparse_optimizer
+        print(f"train_ctr: {env.world_size} rank(s), {env.device} ({env.backend}), data={data_desc['kind']}, "
+              f"{len(features)} tables x {args.embedding_dim} dims, sparse={opt_name} "
+              f"lr={args.sparse_lr}, dense={args.dense_optimizer} lr={args.dense_lr}, "
+              f"steps {start_step}->{steps}, batch {args.batch_size}/rank", flush=True)
+
+    bar = None
+    if rank0 and not args.no_progress:
+        from tqdm import tqdm
+        bar = tqdm(total=steps, initial=start_step, desc="train", mininterval=1.0, dynamic_ncols=True)
+
+    def eval_now(step):
+        m = evaluate.validate(dmp, val_batches, env.device, dense_of)
+        m["step"] = step
+        val_history.append(m)
+        if rank0:
+            msg = (f"step {step}: validation AUC {m['auc']:.4f}  logloss {m['logloss']:.4f}  "
+                   f"NE {m['ne']:.4f}  ({m['rows']} rows)")
+            (bar.write(msg) if bar else print(msg, flush=True))
+
+    def save_ckpt(step):
+        meta = {"loss_history": loss_history, "val_history": val_history, "args": vars(args)}
+        tracker.reduce(env.device)
+        path = checkpoint.save(args.checkpoint_dir, step, dmp, opt, meta, keep=args.keep_checkpoints,
+                               extra=tracker.state_dict())
+        if rank0:
+            msg = f"step {step}: checkpoint {path}"
+            (bar.write(msg) if bar else print(msg, flush=True))
+
+    dmp.train()
+    t0 = time.perf_counter()
+    window_loss, window_n = 0.0, 0
+    loss_val = float("nan")
+    for step in range(start_step + 1, steps + 1):
+        batch = next(train_iter)
+        tracker.update(batch.sparse_features)
+        batch = batch.to(env.device)
+        logits = dmp(dense_of(batch), batch.sparse_features).reshape(-1)
+        loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        faults.maybe_fail(env.rank, step, "step")
+        loss_val = float(loss.detach())
+        window_loss += loss_val
+        window_n += 1
+        if step % args.log_every == 0 or step == steps:
+            loss_history.append([step, _mean_over_ranks(window_loss / window_n, env.device)])
+            window_loss, window_n = 0.0, 0
+        if bar is not None:
+            done = step - start_step
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss_val:.4f}",
+                            ex_s=f"{done * args.batch_size * env.world_size / (time.perf_counter() - t0):.0f}",
+                            refresh=False)
+        if step % args.eval_every == 0 and step != steps:
+            eval_now(step)
+        if args.checkpoint_dir and args.checkpoint_every and step % args.checkpoint_every == 0 \
+                and step != steps:
+            save_ckpt(step)
+    train_time = time.perf_counter() - t0
+    if bar is not None:
+        bar.close()
+    if not val_history or val_history[-1]["step"] != steps:
+        eval_now(steps)
+    if args.checkpoint_dir:
+        save_ckpt(steps)
+    tracker.reduce(env.device)
+    sp = sparsity.table_sparsity(dmp, env.device, touched=tracker.masks)
+    done = steps - start_step
+    summary = {
+        "run_name": args.run_name,
+        "world_size": env.world_size, "device": str(env.device), "backend": env.backend,
+        "data": {**data_desc, "reader": source.stats().to_dict() if source.stats() else None},
+        "sparse_optimizer": args.sparse_optimizer,
+        "fused_params": {k: (getattr(v, "name", str(v)) if k == "optimizer" else v) for k, v in fused_params.items()},
+        "ftrl_registered": cli_ftrl_registered(),
+        "steps": steps, "start_step": start_step, "batch_size_per_rank": args.batch_size,
+        "examples_per_s": done * args.batch_size * env.world_size / train_time if done else None,
+        "train_time_s": train_time,
+        "final_train_loss": loss_history[-1][1] if loss_history else None,
+        "final_validation": val_history[-1],
+        "validation_history": val_history,
+        "loss_history": loss_history,
+        "sparsity_overall": sparsity.overall(sp),
+        "sparsity": sp,
+        "plan": model_lib.plan_summary(plan),
+        "args": vars(args),
+    }
+    if rank0:
+        out = os.path.join(args.output_dir, f"{args.run_name}_summary.json")
+        png = os.path.join(args.output_dir, f"{args.run_name}.png")
+        report.write_summary(out, summary)
+        report.plot(png, loss_history, val_history, sp,
+                    f"{args.run_name}: {args.sparse_optimizer}, {env.world_size} rank(s), {data_desc['kind']}")
+        fv, so = val_history[-1], summary["sparsity_overall"]
+        print(f"done: {steps} steps, final train loss {summary['final_train_loss']:.4f}, validation AUC "
+              f"{fv['auc']:.4f}, logloss {fv['logloss']:.4f}; of the {so['touched_rows']} embedding rows the "
+              f"data touched: {so['zero_weight_share_touched']:.1%} of weights and "
+              f"{so['zero_row_share_touched']:.1%} of rows are exactly zero (all rows: "
+              f"{so['zero_weight_share']:.1%} / {so['zero_row_share']:.1%}); "
+              f"{summary['examples_per_s'] or 0:.0f} examples/s",
+              flush=True)
+        print(f"wrote {out} and {png}", flush=True)
+    return summary
+
+
+def cli_ftrl_registered() -> bool:
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    return getattr(EmbOptimType, "FTRL", None) is not None
+
+
+def main(argv=None) -> dict:
+    """Command-line entry point (``python -m torchrec_ftrl.job``, ``examples/train_ctr.py``, the torchx
+    component): :func:`run`, except that a missing or malformed data file and an unloadable checkpoint
+    end the process with one line ``train_ctr: error: ...`` on stderr and exit status 2 (no traceback).
+    Returns the summary dict (every rank)."""
+    from torchrec_ftrl.data import MalformedRowError, NoUsableRowsError
+    try:
+        return run(argv)
+    except (FileNotFoundError, MalformedRowError, NoUsableRowsError,
+            checkpoint.CheckpointError) as e:  # one clear line, no traceback
+        print(f"train_ctr: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -379,7 +379,7 @@ def _lookup(weights: torch.Tensor, batch: TBEBatch, offsets: torch.Tensor, out_d
                  int(batch.max_D), out_dtype, vec, even_d)
 
 
-def _checked_offsets(batch: TBEBatch, warn: torch.Tensor) -> torch.Tensor:
+def _checked_offsets(batch: TBEBatch, warn: Optional[torch.Tensor]) -> torch.Tensor:
     """``batch.offsets``, repaired (and the repairs counted in ``warn``) if the batch is raw."""
     if batch.unchecked_counter is None:
         return batch.offsets
@@ -427,8 +427,11 @@ def backward_update_(weights: torch.Tensor, accum: torch.Tensor, linear: torch.T
     here, and a raw batch's repairs are not counted again (its forward counted them).
     """
     if ctx is None:
-        offsets, lin = _checked_offsets(batch, torch.zeros_like(batch.unchecked_counter)
-                                        if batch.unchecked_counter is not None else None), (None,) * 4
+        # No training forward ran: linearise here. A raw batch's repairs were counted by its forward,
+        # so this repair counts into a scratch counter.
+        raw = batch.unchecked_counter is not None
+        offsets = _checked_offsets(batch, torch.zeros_like(batch.unchecked_counter) if raw else None)
+        lin = (None,) * 4
     else:
         offsets, lin = ctx
     total_rows, vec, even_d = _batch_shape(batch)

@@ -2,20 +2,25 @@
 ``torchrec_ftrl.integration.planner`` (``FTRLStorageEstimator``, ``ftrl_planner``, and the patch that
 makes DMP's default planner use the estimator)."""
 
+import math
+
 import pytest
 import torch
 import torchrec
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import CacheAlgorithm
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.planner import enumerators, planners
 from torchrec.distributed.planner import shard_estimators as se
 from torchrec.distributed.planner.types import PlannerError
+from torchrec.distributed.types import CacheParams
+from torchrec.modules.embedding_configs import DataType
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
 import torchrec_ftrl
-from torchrec_ftrl.integration.planner import ftrl_planner
+from torchrec_ftrl.integration.planner import FTRLEnumerator, ftrl_planner
 
 ROWS, DIM, TABLES = 100_000, 64, 4
 WEIGHT_BYTES = ROWS * DIM * 4          # 25.6 MB fp32 per table
@@ -132,3 +137,220 @@ def test_ours_places_what_fits():
                                            for i in range(2)}).plan(ebc, sharders)
     real = _real_bytes_per_rank(plan)
     assert sorted(real) == [0, 1] and max(real.values()) <= CAP, real
+
+
+# ---------------------------------------------------------------- placements: fused_uvm, fused_uvm_caching
+# The storage each FTRL placement needs, written out here from the byte model (docs: torchrec_ftrl/placement.py):
+#   fused (HBM on CUDA, DDR on CPU), fused_uvm (DDR), fused_uvm_caching (DDR):
+#     rows * D * (weight bytes + 8)                       weight + accum + linear (fp32 states)
+#   fused_uvm_caching, HBM: slots * (D * (weight bytes + 8) + 8 + 8 + 8 + 8) + rows * 4 for LRU (cache rows of
+#     weight + accum + linear; lxu_cache_state, lru_state, the slot snapshot and claim stamp int64 per slot;
+#     cache_index_table_map int32 per row), slots * (D * (weight bytes + 8) + 8 + 8 + 8) + rows * (4 + 8) for LFU
+#     (no lru_state; an lfu_state int64 per row), slots = 32 * max(1, ceil(floor(rows * load_factor) / 32)).
+# Besides, TorchRec counts a table-wise shard's input and output buffers in HBM on CUDA (no pipeline):
+#   B * world * pooling factor 1.0 * 8 (int64 ids) + B * world * D * 4 (fp32 pooled output).
+GiB = 1024**3
+B = 512
+
+
+def _slots(rows, load_factor):
+    return 32 * max(1, -(-int(rows * load_factor) // 32))
+
+
+def _ftrl_bytes(kernel, rows, dim, weight_bytes=4, load_factor=0.2, lfu=False):
+    """(hbm, ddr) of an FTRL table on a CUDA rank, from the formulas above."""
+    table = rows * dim * (weight_bytes + 8)
+    if kernel == "fused":
+        return table, 0
+    if kernel == "fused_uvm":
+        return 0, table
+    slots = _slots(rows, load_factor)
+    row = dim * (weight_bytes + 8)
+    hbm = slots * (row + 24) + rows * (4 + 8) if lfu else slots * (row + 32) + rows * 4
+    return hbm, table
+
+
+def _tw_io_bytes(dim, world=2, output_bytes=4):
+    return B * world * 8 + B * world * dim * output_bytes
+
+
+def _one_table(rows, dim, data_type=None):
+    kw = {} if data_type is None else {"data_type": data_type}
+    return EmbeddingBagCollection(tables=[EmbeddingBagConfig(
+        name="big", embedding_dim=dim, num_embeddings=rows, feature_names=["f"], **kw)],
+        device=torch.device("meta"))
+
+
+def _storages(ebc, sharders, constraints, compute_device="cuda", estimator_cls=None):
+    """``{(sharding type, compute kernel): [(rows, cols, hbm, ddr) per shard]}`` of ``ebc``'s one table."""
+    topo = Topology(world_size=2, local_world_size=2, compute_device=compute_device)
+    estimator_cls = estimator_cls or torchrec_ftrl.FTRLStorageEstimator
+    enumerator = enumerators.EmbeddingEnumerator(
+        topology=topo, batch_size=B, constraints=constraints,
+        estimator=[estimator_cls(topology=topo, constraints=constraints)])
+    return {(so.sharding_type, so.compute_kernel): [(s.size[0], s.size[1], s.storage.hbm, s.storage.ddr)
+                                                    for s in so.shards]
+            for so in enumerator.enumerate(ebc, sharders)}
+
+
+FTRL_FUSED = {"optimizer": EmbOptimType.FTRL, "learning_rate": 0.1}
+
+
+@pytest.mark.parametrize("kernel", ["fused", "fused_uvm", "fused_uvm_caching"])
+def test_table_wise_storage_per_ftrl_kernel(kernel):
+    rows, dim = 1_000_003, 96
+    cons = {"big": ParameterConstraints(sharding_types=["table_wise"], compute_kernels=[kernel])}
+    got = _storages(_one_table(rows, dim), torchrec_ftrl.sharders(FTRL_FUSED), cons)
+    hbm, ddr = _ftrl_bytes(kernel, rows, dim)
+    assert got == {("table_wise", kernel): [(rows, dim, hbm + _tw_io_bytes(dim), ddr)]}
+    if kernel == "fused_uvm_caching":   # 200,000 of the 1,000,003 rows cached (default load factor 0.2)
+        assert (hbm, ddr) == (200_000 * (12 * 96 + 32) + 4 * rows, 12 * 96 * rows)
+
+
+def test_fp16_weights_shrink_table_and_cache():
+    rows, dim = 400_000, 64
+    ebc = _one_table(rows, dim, data_type=DataType.FP16)
+    got = {}
+    for kernel in ("fused", "fused_uvm", "fused_uvm_caching"):
+        cons = {"big": ParameterConstraints(sharding_types=["table_wise"], compute_kernels=[kernel])}
+        got.update(_storages(ebc, torchrec_ftrl.sharders(FTRL_FUSED), cons))
+    io = _tw_io_bytes(dim, output_bytes=2)   # the output is in the weights' dtype
+    assert got[("table_wise", "fused")] == [(rows, dim, rows * dim * 10 + io, 0)]
+    assert got[("table_wise", "fused_uvm")] == [(rows, dim, io, rows * dim * 10)]
+    assert got[("table_wise", "fused_uvm_caching")] == [
+        (rows, dim, 80_000 * (10 * dim + 32) + 4 * rows + io, rows * dim * 10)]
+
+
+@pytest.mark.parametrize("where", ["constraint", "fused_params"])
+@pytest.mark.parametrize("algorithm", [CacheAlgorithm.LRU, CacheAlgorithm.LFU])
+def test_cache_load_factor_and_algorithm_size_the_cache(where, algorithm):
+    rows, dim = 300_000, 32
+    fused = dict(FTRL_FUSED)
+    cons = ParameterConstraints(sharding_types=["table_wise"], compute_kernels=["fused_uvm_caching"])
+    if where == "constraint":
+        cons.cache_params = CacheParams(load_factor=0.5, algorithm=algorithm)
+    else:
+        fused.update(cache_load_factor=0.5, cache_algorithm=algorithm)
+    got = _storages(_one_table(rows, dim), torchrec_ftrl.sharders(fused), {"big": cons})
+    lfu = algorithm == CacheAlgorithm.LFU
+    hbm, ddr = _ftrl_bytes("fused_uvm_caching", rows, dim, load_factor=0.5, lfu=lfu)
+    assert got == {("table_wise", "fused_uvm_caching"): [(rows, dim, hbm + _tw_io_bytes(dim), ddr)]}
+    assert hbm == 150_016 * (12 * 32 + (24 if lfu else 32)) + rows * (12 if lfu else 4)
+
+
+def _stock_tensor_bytes(kernel, rows, dim, shard_rows, shard_cols, load_factor=0.2):
+    """(hbm, ddr) of TorchRec's own tensor estimate for one shard with no optimizer state: the fp32
+    weights (shard's share), in HBM for fused and in DDR for the UVM kernels; for fused_uvm_caching HBM
+    holds round(load_factor * weight bytes) (shard's share) + rows * (4 + 16 * load_factor)."""
+    share = shard_rows * shard_cols / (rows * dim)
+    weights = rows * dim * 4
+    if kernel == "fused":
+        return math.ceil(weights * share), 0
+    if kernel == "fused_uvm":
+        return 0, math.ceil(weights * share)
+    return (math.ceil(round(weights * load_factor) * share) + math.ceil(shard_rows * (4 + load_factor * 16)),
+            math.ceil(weights * share))
+
+
+@pytest.mark.parametrize("how", ["fused_params", "in_backward"])
+@pytest.mark.parametrize("kernel", ["fused", "fused_uvm", "fused_uvm_caching"])
+def test_ftrl_bytes_replace_torchrec_tensor_estimate_for_every_sharding_type(kernel, how):
+    """Per shard: ours - TorchRec's weights-only estimate == FTRL's bytes - TorchRec's tensor bytes, so
+    TorchRec's input / output buffers stay and its weight estimate is replaced, for row-wise and
+    column-wise shards too."""
+    rows, dim = 200_000, 128
+    cons = {"big": ParameterConstraints(sharding_types=["table_wise", "row_wise", "column_wise"],
+                                        compute_kernels=[kernel], min_partition=64)}
+    ebc = _one_table(rows, dim)
+    ours = _storages(ebc, _ftrl_sharders(ebc, how), cons)
+    stock = _storages(_one_table(rows, dim), [EmbeddingBagCollectionSharder()], cons,
+                      estimator_cls=se.EmbeddingStorageEstimator)
+    assert sorted(ours) == sorted(stock) == sorted((st, kernel) for st in ("table_wise", "row_wise", "column_wise"))
+    for key, shards in ours.items():
+        assert [s[:2] for s in shards] == [s[:2] for s in stock[key]] and len(shards) > (key[0] != "table_wise")
+        for (r, c, hbm, ddr), (_, _, hbm0, ddr0) in zip(shards, stock[key]):
+            new_hbm, new_ddr = _ftrl_bytes(kernel, r, c)
+            old_hbm, old_ddr = _stock_tensor_bytes(kernel, rows, dim, r, c)
+            assert (hbm - hbm0, ddr - ddr0) == (new_hbm - old_hbm, new_ddr - old_ddr), key
+
+
+def test_cpu_topology_counts_every_ftrl_table_in_ddr():
+    rows, dim = 100_000, 16
+    cons = {"big": ParameterConstraints(sharding_types=["table_wise"])}
+    got = _storages(_one_table(rows, dim), torchrec_ftrl.sharders(FTRL_FUSED), cons, compute_device="cpu")
+    # fused only (the CPU kernels); TorchRec counts the io buffers in DDR on CPU
+    assert got == {("table_wise", "fused"): [(rows, dim, 0, rows * dim * 12 + _tw_io_bytes(dim))]}
+
+
+def _issue_tables(rows, dim, n=4):
+    return EmbeddingBagCollection(tables=[EmbeddingBagConfig(
+        name=f"t{i}", embedding_dim=dim, num_embeddings=rows, feature_names=[f"f{i}"])
+        for i in range(n)], device=torch.device("meta"))
+
+
+def _cuda_plan(ebc, sharders, constraints=None):
+    topo = Topology(world_size=2, local_world_size=2, compute_device="cuda", hbm_cap=4 * GiB)
+    return ftrl_planner(topo, constraints=constraints).plan(ebc, sharders)
+
+
+def test_tables_larger_than_hbm_plan_on_uvm_caching():
+    """Issue #22: 4 FTRL tables of 4M x 128 (6 GiB each with accum + linear) on 2 GPUs of 4 GiB. Only
+    ``fused`` cannot fit; with the UVM placements the plan fits, by the formulas above."""
+    rows, dim = 4_000_000, 128
+    sharders = torchrec_ftrl.sharders(FTRL_FUSED)
+    with pytest.raises(PlannerError):
+        _cuda_plan(_issue_tables(rows, dim), sharders,
+                   {f"t{i}": ParameterConstraints(compute_kernels=["fused"]) for i in range(4)})
+    plan = _cuda_plan(_issue_tables(rows, dim), sharders)
+    kernels = {name: ps.compute_kernel for name, ps in plan.plan[""].items()}
+    assert sorted(kernels) == ["t0", "t1", "t2", "t3"]
+    assert set(kernels.values()) <= {"fused", "fused_uvm_caching"} and "fused_uvm_caching" in kernels.values()
+    hbm, ddr = {0: 0, 1: 0}, {0: 0, 1: 0}
+    for name, ps in plan.plan[""].items():
+        for shard in ps.sharding_spec.shards:
+            h, d = _ftrl_bytes(ps.compute_kernel, *shard.shard_sizes)
+            hbm[shard.placement.rank()] += h
+            ddr[shard.placement.rank()] += d
+    assert max(hbm.values()) <= 4 * GiB and min(hbm.values()) > 0, hbm
+    assert sum(ddr.values()) >= 2 * 12 * rows * dim, ddr   # at least two tables in unified memory
+
+
+def test_tables_that_fit_in_hbm_stay_fused():
+    plan = _cuda_plan(_issue_tables(100_000, 64), torchrec_ftrl.sharders(FTRL_FUSED))
+    assert {name: ps.compute_kernel for name, ps in plan.plan[""].items()} == {
+        f"t{i}": "fused" for i in range(4)}
+
+
+def test_in_backward_ftrl_tables_get_only_ftrl_kernels():
+    """Sharders without FTRL fused_params offer every stock kernel; the enumerator keeps only the FTRL
+    kernels (no virtual-table kernel, no data-parallel) for in-backward FTRL tables, stock tables keep
+    theirs."""
+    ebc = _issue_tables(100_000, 64, n=2)
+    apply_optimizer_in_backward(torchrec.optim.FTRL, ebc.embedding_bags["t0"].parameters(), {"lr": 0.1})
+    topo = Topology(world_size=2, local_world_size=2, compute_device="cuda")
+    kernels = ["dense", "fused", "fused_uvm", "fused_uvm_caching", "dram_virtual_table"]
+    cons = {f"t{i}": ParameterConstraints(compute_kernels=kernels) for i in range(2)}
+    options = FTRLEnumerator(topology=topo, batch_size=B, constraints=cons).enumerate(
+        ebc, torchrec_ftrl.sharders())
+    got = {name: {(so.sharding_type == "data_parallel", so.compute_kernel) for so in options
+                  if so.name == name} for name in ("t0", "t1")}
+    assert {k for _, k in got["t0"]} == {"fused", "fused_uvm", "fused_uvm_caching"}
+    assert not any(dp for dp, _ in got["t0"])
+    assert {(True, "dense"), (False, "dram_virtual_table"), (False, "fused_uvm_caching")} <= got["t1"]
+
+
+def test_uvm_caching_only_for_dims_the_ftrl_cache_takes():
+    """The FTRL cache moves rows 4 elements at a time (FBGEMM's cache ops): a table of dim 6 gets no
+    fused_uvm_caching option, column-wise shards of dim 4 do."""
+    topo = Topology(world_size=2, local_world_size=2, compute_device="cuda")
+    sharders = torchrec_ftrl.sharders(FTRL_FUSED)
+    got = {}
+    for dim, min_partition in ((6, None), (8, 4)):
+        cons = {"big": ParameterConstraints(sharding_types=["table_wise", "column_wise"],
+                                            min_partition=min_partition)}
+        options = FTRLEnumerator(topology=topo, batch_size=B, constraints=cons).enumerate(
+            _one_table(1000, dim), sharders)
+        got[dim] = {(so.sharding_type, so.compute_kernel, tuple(s.size[1] for s in so.shards)) for so in options}
+    assert {k for _, k, _ in got[6]} == {"fused", "fused_uvm"}
+    assert ("column_wise", "fused_uvm_caching", (4, 4)) in got[8]
+    assert ("table_wise", "fused_uvm_caching", (8,)) in got[8]

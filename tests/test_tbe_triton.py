@@ -441,10 +441,11 @@ def _run_mark(keys, gofs, ws, tiles, *, block, seg, lookback, grid, perm_dtype=t
     sgofs = torch.full((N,), -1, dtype=torch.int32)
     segs = torch.full((N + 1,), -1, dtype=torch.int32)
     g = torch.tensor(gofs, dtype=torch.int32)
-    # no factors / tables (HAS_SCALE, HAS_TID off): their pointers are placeholders
+    # no factors / tables / cache slots (HAS_SCALE, HAS_TID, CACHED off): placeholder pointers
     segment_mark_kernel[grid](torch.tensor(key_in, dtype=key_dtype), torch.tensor(perm, dtype=perm_dtype),
-                              g, g, g, sk, sgofs, sgofs, sgofs, segs, ws, N, tiles, SEG=seg,
-                              HAS_SCALE=False, HAS_TID=False, BLOCK=block, LOOKBACK=lookback)
+                              g, g, g, g, sk, sgofs, sgofs, sgofs, sgofs, segs, ws, N, tiles, SEG=seg,
+                              HAS_SCALE=False, HAS_TID=False, CACHED=False, BLOCK=block,
+                              LOOKBACK=lookback)
     return sk, sgofs, segs, perm
 
 
@@ -577,6 +578,9 @@ def test_ops_registered():
     schema = torch.ops.torchrec_ftrl.triton_tbe_backward_update_.default._schema
     mutated = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
     assert mutated == {"weights", "accum", "linear", "nonfinite_rows"}
+    schema = torch.ops.torchrec_ftrl.triton_tbe_backward_update_cached_.default._schema
+    mutated = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+    assert mutated == {"weights", "accum", "linear", "nonfinite_rows", "cache_weights", "cache_states"}
 
 
 def test_register_cap_only_for_direct_compiled_launches(monkeypatch):
@@ -792,7 +796,7 @@ def test_cuda_ops_under_torch_compile():
                                          b.feature_table, b.table_w_offset, b.table_dim,
                                          b.table_rows, b.table_row_base, b.unchecked_counter, True,
                                          lin[0], None, 0, b.out_numel, b.max_D, torch.float32,
-                                         vec, even)
+                                         vec, even, None, None)          # no cache
             ops.triton_tbe_backward_update_(
                 w, accum, linear, nonfinite, torch.cos(out), b.indices, fixed, b.bag_feature,
                 b.bag_out_offset, b.feature_table, b.table_w_offset, b.table_dim, b.table_rows,

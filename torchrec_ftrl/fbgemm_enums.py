@@ -3,6 +3,7 @@
 from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType  # noqa: F401
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import (  # noqa: F401
     BoundsCheckMode,
+    CacheAlgorithm,
     EmbeddingLocation,
     PoolingMode,
 )

@@ -5,20 +5,27 @@ applies one FTRL-Proximal update per row in place, never materialising a weight 
 shaped after FBGEMM's ``SplitTableBatchedEmbeddingBagsCodegen`` so TorchRec's kernel wrappers and
 ``EmbeddingFusedOptimizer`` can hold it. The update rule: :mod:`torchrec_ftrl.rule` (``docs/ftrl.md``).
 The kernels are reached only through the :class:`~torchrec_ftrl.kernels.backend.Backend` contract.
+Placements (HBM / host, unified memory, unified memory behind an HBM cache): :mod:`torchrec_ftrl.placement`;
+the cache: :mod:`torchrec_ftrl.cache`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
 
-from .fbgemm_enums import BoundsCheckMode, ComputeDevice, EmbeddingLocation, PoolingMode, SparseType
+from .cache import UVM_CACHE_STATS, RowCache
+from .fbgemm_enums import (BoundsCheckMode, CacheAlgorithm, ComputeDevice, EmbeddingLocation,
+                           PoolingMode, SparseType)
 from .hyperparams import DEFAULT_LEARNING_RATE, FTRLHyperparams, parse_options
 from .kernels.backend import resolve_backend
 from .kernels.layout import TBEBatch
 from .optim_type import emb_optim_type
+from .placement import PLACEMENTS
 
 __all__ = ["FTRLTableBatchedEmbeddingBags"]
 
@@ -36,12 +43,31 @@ def _as_sparse_type(name: str, value: Any) -> SparseType:
     raise ValueError(f"{name} must be SparseType.FP32, FP16 or BF16 (or the torch dtype), got {value!r}")
 
 
+def _allocate(numel: int, dtype: torch.dtype, device: torch.device, unified: bool,
+              host_mapped: bool) -> torch.Tensor:
+    """An uninitialised flat buffer on ``device``, or in unified memory (FBGEMM's
+    ``new_unified_tensor``: managed memory, or host-mapped with ``host_mapped``)."""
+    if not unified:
+        return torch.empty(numel, dtype=dtype, device=device)
+    like = torch.zeros(1, dtype=dtype, device=device)
+    return torch.ops.fbgemm.new_unified_tensor(like, [numel], host_mapped)
+
+
+def _flush_before_state_dict(module, prefix, keep_vars) -> None:
+    module.flush()
+
+
+def _empty_cache_after_load(module, incompatible_keys) -> None:
+    # The loaded tables replace what the cache held: drop it without writing back.
+    module.reset_cache_states()
+
+
 class _FTRLLookupFunction(torch.autograd.Function):
     """Autograd glue: forward = pooled lookup; backward = FTRL update in place (no weight grad)."""
 
     @staticmethod
-    def forward(ctx, placeholder, module, batch, per_sample_weights, train):  # noqa: D401
-        ctx.module, ctx.batch = module, batch
+    def forward(ctx, placeholder, module, batch, per_sample_weights, train, cache_keys):  # noqa: D401
+        ctx.module, ctx.batch, ctx.cache_keys = module, batch, cache_keys
         ctx.psw_needs_grad = per_sample_weights is not None and per_sample_weights.requires_grad
         backend, out_dtype = module._backend, module._output_torch_dtype
         if not train:
@@ -53,6 +79,8 @@ class _FTRLLookupFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         module, batch, bctx = ctx.module, ctx.batch, ctx.backend_ctx
+        if ctx.cache_keys is not None:
+            batch = module._relocate_cached_rows(batch, *ctx.cache_keys)
         grad_out = grad_out.contiguous().reshape(-1)
         backend = module._backend
         grad_psw = (backend.per_sample_weight_grad(module.weights_dev, batch, bctx, grad_out)
@@ -60,16 +88,20 @@ class _FTRLLookupFunction(torch.autograd.Function):
         backend.backward_update_(module.weights_dev, module.accum_dev, module.linear_dev, batch, bctx,
                                  grad_out, module._hp, module.nonfinite_grad_rows)
         module.iter += 1
-        return None, None, None, grad_psw, None
+        return None, None, None, grad_psw, None, None
 
 
 class FTRLTableBatchedEmbeddingBags(nn.Module):
     r"""Table-batched embedding bags trained by fused FTRL-Proximal.
 
     Args:
-        embedding_specs: one ``(rows, dim)`` per table; FBGEMM's ``(rows, dim, location,
-            compute_device)`` 4-tuples are accepted too (location/compute device are ignored: the
-            tables live on ``device``). Any ``dim >= 1``.
+        embedding_specs: one ``(rows, dim)`` per table, or FBGEMM's ``(rows, dim, location,
+            compute_device)`` (compute device ignored). Location (:mod:`torchrec_ftrl.placement`),
+            one for all tables: ``DEVICE`` / ``HOST`` (default): the tables live on ``device``;
+            ``MANAGED`` (``fused_uvm``): in unified memory; ``MANAGED_CACHING``
+            (``fused_uvm_caching``): in unified memory with an HBM cache of whole rows. Both UVM
+            placements need a CUDA ``device``; caching needs dims that are multiples of 4. Any
+            ``dim >= 1`` otherwise.
         feature_table_map: table of each feature (several features may share a table); default one
             feature per table.
         pooling_mode: FBGEMM ``PoolingMode`` SUM, MEAN or NONE (NONE needs one dim for all tables).
@@ -86,6 +118,13 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         backend: ``"triton"`` (CUDA default), ``"cpp"`` (CPU default, compiled at first use), ``"torch"``.
         table_names: optional names (for messages and export).
         deterministic: request bitwise-reproducible backward (the CPU kernels always are).
+        cache_load_factor, cache_sets, cache_algorithm, cache_reserved_memory, cache_precision,
+            prefetch_pipeline, gather_uvm_cache_stats: the ``MANAGED_CACHING`` cache, as in FBGEMM:
+            ``cache_sets`` sets of 32 rows (0: ``ceil(rows x cache_load_factor / 32)``), LRU or
+            LFU, HBM bytes to leave free, the weight cache's precision (the weights' own; None
+            means that), lines of a prefetched batch locked until its update (LRU only), and
+            :meth:`get_uvm_cache_stats` counting. Ignored by the other placements.
+        uvm_host_mapped: UVM placements allocate host-mapped memory instead of managed memory.
 
     Forward (``indices``, ``offsets`` int32/int64 1-D, FBGEMM layout, feature-major bags):
         returns ``[B, sum(D_f)]`` for SUM/MEAN, ``[N, D]`` for NONE, or FBGEMM's flat VBE output
@@ -93,6 +132,13 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
 
     NaN/Inf policy: a touched row whose summed gradient has a NaN or Inf is skipped (weight, accum
     and linear bit-for-bit unchanged) and counted in ``nonfinite_grad_rows``; other rows update.
+
+    ``MANAGED_CACHING``: each forward populates the cache with its batch's rows (or takes the batch
+    :meth:`prefetch` brought in), reads every row where it is (cache or unified memory), and the
+    update looks the rows up again first, so a row evicted or cached since the forward is updated
+    where it is now. Results are bitwise those of the ``DEVICE`` placement. Reads of the full
+    tables (:meth:`split_embedding_weights`, :meth:`split_optimizer_states`, ``state_dict``) flush
+    the cache; ``load_state_dict`` empties it.
 
     Raises:
         ValueError: bad constructor arguments or inputs, naming the argument and the value. Nothing
@@ -119,6 +165,14 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         backend: Optional[str] = None,
         table_names: Optional[Sequence[str]] = None,
         deterministic: bool = False,
+        cache_load_factor: float = 0.2,
+        cache_sets: int = 0,
+        cache_algorithm: CacheAlgorithm = CacheAlgorithm.LRU,
+        cache_reserved_memory: float = 0.0,
+        cache_precision: Optional[SparseType] = None,
+        prefetch_pipeline: bool = False,
+        gather_uvm_cache_stats: bool = False,
+        uvm_host_mapped: bool = False,
     ) -> None:
         super().__init__()
         self._hp = parse_options(dict(
@@ -129,7 +183,7 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
             ftrl_l2_convention=ftrl_l2_convention), where="FTRLTableBatchedEmbeddingBags(...)")
         if not embedding_specs:
             raise ValueError("embedding_specs must name at least one table, got []")
-        rows_dims = []
+        rows_dims, locations = [], set()
         for t, spec in enumerate(embedding_specs):
             if len(spec) not in (2, 4):
                 raise ValueError(f"embedding_specs[{t}] must be (rows, dim) or (rows, dim, location, "
@@ -140,6 +194,16 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
             if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
                 raise ValueError(f"embedding_specs[{t}] dim must be an int >= 1, got {dim!r}")
             rows_dims.append((rows, dim))
+            if len(spec) == 4:
+                try:
+                    locations.add(EmbeddingLocation(spec[2]))
+                except ValueError:
+                    raise ValueError(f"embedding_specs[{t}] location must be an EmbeddingLocation, "
+                                     f"got {spec[2]!r}")
+        uvm_locations = locations & {EmbeddingLocation.MANAGED, EmbeddingLocation.MANAGED_CACHING}
+        if not locations <= set(PLACEMENTS) or (uvm_locations and len(locations) > 1):
+            raise ValueError(f"embedding_specs locations must be one of DEVICE/HOST, MANAGED or "
+                             f"MANAGED_CACHING for all tables, got {sorted(x.name for x in locations)}")
         T = len(rows_dims)
         if feature_table_map is None:
             feature_table_map = list(range(T))
@@ -169,7 +233,16 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
             raise ValueError(f"table_names must have {T} names, got {list(table_names)!r}")
 
         device = torch.device(device) if device is not None else torch.device("cpu")
+        placement = uvm_locations.pop() if uvm_locations else None
+        if placement is not None and device.type != "cuda":
+            raise ValueError(f"embedding_specs location {placement.name} (unified memory) needs a CUDA "
+                             f"device, got device={device}")
         self.weights_precision = _as_sparse_type("weights_precision", weights_precision)
+        if placement == EmbeddingLocation.MANAGED_CACHING and cache_precision is not None and \
+                _as_sparse_type("cache_precision", cache_precision) != self.weights_precision:
+            raise ValueError(f"cache_precision must equal weights_precision "
+                             f"({self.weights_precision.name}) or be None: the FTRL cache holds rows "
+                             f"in the weights' precision, got {cache_precision!r}")
         self.output_dtype = _as_sparse_type("output_dtype", output_dtype)
         self._output_torch_dtype = _PRECISIONS[self.output_dtype]
         self.pooling_mode = pooling_mode
@@ -177,12 +250,16 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         self.feature_table_map = feature_table_map
         self.table_names = list(table_names) if table_names is not None else [f"t{t}" for t in range(T)]
         self.deterministic = bool(deterministic)
-        location = EmbeddingLocation.DEVICE if device.type == "cuda" else EmbeddingLocation.HOST
+        location = placement if placement is not None else (
+            EmbeddingLocation.DEVICE if device.type == "cuda" else EmbeddingLocation.HOST)
         compute = ComputeDevice.CUDA if device.type == "cuda" else ComputeDevice.CPU
         self.embedding_specs = [(r, d, location, compute) for r, d in rows_dims]
         self._total_rows = sum(r for r, _ in rows_dims)
         self._table_dims = tuple(d for _, d in rows_dims)
         self.backend, self._backend = resolve_backend(backend, device)
+        if placement == EmbeddingLocation.MANAGED_CACHING and self.backend != "triton":
+            raise ValueError(f"embedding_specs location MANAGED_CACHING runs on the triton backend, "
+                             f"got backend={backend!r}")
 
         sizes = [r * d for r, d in rows_dims]
         offs = [0]
@@ -209,10 +286,25 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         self.register_buffer("_D_offsets", torch.tensor(self.D_offsets, **i64), persistent=False)
         total = sum(sizes)
         wdtype = _PRECISIONS[self.weights_precision]
-        self.register_buffer("weights_dev", torch.empty(total, dtype=wdtype, device=device))
-        self.register_buffer("accum_dev", torch.full(
-            (total,), self._hp.initial_accumulator_value, dtype=torch.float32, device=device))
-        self.register_buffer("linear_dev", torch.zeros(total, dtype=torch.float32, device=device))
+        # Under the UVM placements these buffers are in unified memory (FBGEMM's weights_uvm).
+        alloc = functools.partial(_allocate, device=device, unified=placement is not None,
+                                  host_mapped=bool(uvm_host_mapped))
+        self.register_buffer("weights_dev", alloc(total, wdtype))
+        self.register_buffer("accum_dev", alloc(total, torch.float32).fill_(
+            self._hp.initial_accumulator_value))
+        self.register_buffer("linear_dev", alloc(total, torch.float32).zero_())
+        self.prefetch_pipeline = bool(prefetch_pipeline)
+        self._prefetched: list[tuple[torch.Tensor, torch.Tensor]] = []   # (keys, slots) per batch
+        self._prefetch_stream = None
+        self.cache: Optional[RowCache] = None
+        if placement == EmbeddingLocation.MANAGED_CACHING:
+            self.cache = RowCache(
+                [r for r, _ in rows_dims], [d for _, d in rows_dims], feature_table_map,
+                self._table_w_offset, wdtype, cache_load_factor, cache_sets, cache_algorithm,
+                prefetch_pipeline, cache_reserved_memory, gather_uvm_cache_stats, device)
+            self.cache.reset_states(self._hp.initial_accumulator_value)
+            self.register_state_dict_pre_hook(_flush_before_state_dict)
+            self.register_load_state_dict_post_hook(_empty_cache_after_load)
         self.register_buffer("bounds_check_warning", torch.zeros(1, **i64))
         self.register_buffer("nonfinite_grad_rows", torch.zeros(1, **i64))
         self.register_buffer("iter", torch.zeros(1, **i64))
@@ -255,16 +347,24 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         """Pooled (or sequence) lookup; see the class docstring for shapes. ``feature_requires_grad``
         is accepted for FBGEMM compatibility and ignored (every feature's table is trained)."""
         batch = self._make_batch(indices, offsets, per_sample_weights, batch_size_per_feature_per_rank)
+        cache_keys = None
+        if self.cache is not None:
+            batch, cache_keys = self._cached_batch(batch, batch_size_per_feature_per_rank)
         train = torch.is_grad_enabled() and self.placeholder_autograd_tensor.requires_grad
         out = _FTRLLookupFunction.apply(self.placeholder_autograd_tensor, self, batch, per_sample_weights,
-                                        train)
+                                        train, cache_keys)
+        if cache_keys is not None and not train:
+            self.cache.unlock(cache_keys[1])   # no update follows: release the batch's lines
         if self.pooling_mode == PoolingMode.NONE:
             return out.view(-1, self.max_D)
         if batch_size_per_feature_per_rank is not None:
             return out
         return out.view(-1, self.total_D)
 
-    def _make_batch(self, indices, offsets, per_sample_weights, bsfpr) -> TBEBatch:
+    def _make_batch(self, indices, offsets, per_sample_weights, bsfpr,
+                    warn_counter: Optional[torch.Tensor] = None) -> TBEBatch:
+        """The checked batch (``warn_counter``: where WARNING repairs are counted, default
+        ``bounds_check_warning``)."""
         dev = self.weights_dev.device
         F = len(self.feature_table_map)
         for name, t in (("indices", indices), ("offsets", offsets)):
@@ -306,10 +406,13 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
             out_numel = N * self.max_D if self.pooling_mode == PoolingMode.NONE else B * self.total_D
         needs_psw_grad = per_sample_weights is not None and per_sample_weights.requires_grad
         unchecked_counter = None
-        if self._backend.fuses_bounds_check(self.bounds_check_mode, needs_psw_grad):
-            unchecked_counter = self.bounds_check_warning   # the backend checks and counts
+        counter = self.bounds_check_warning if warn_counter is None else warn_counter
+        # A cached batch is checked here: FBGEMM's populate reads the indices before any kernel.
+        if self.cache is None and self._backend.fuses_bounds_check(self.bounds_check_mode,
+                                                                    needs_psw_grad):
+            unchecked_counter = counter   # the backend checks and counts
         else:
-            indices64, offsets64 = self._bounds_check(indices64, offsets64, bag_feature)
+            indices64, offsets64 = self._bounds_check(indices64, offsets64, bag_feature, counter)
         return TBEBatch(
             table_w_offset=self._table_w_offset, table_dim=self._table_dim,
             table_rows=self._table_rows, feature_table=self._feature_table,
@@ -320,6 +423,72 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
             pooling_mode=int(self.pooling_mode), out_numel=out_numel, max_D=self.max_D,
             total_rows=self._total_rows, table_dims=self._table_dims,
             table_row_base=self._table_row_base, unchecked_counter=unchecked_counter)
+
+    # ------------------------------------------------------------------ the UVM-caching placement
+    def _cached_batch(self, batch: TBEBatch, bsfpr) -> tuple[TBEBatch, tuple]:
+        """``batch`` with its rows' cache slots: the batch :meth:`prefetch` took first, else the cache
+        is populated for it now. Returns the batch and ``(row keys, slots)`` for the update."""
+        N = batch.indices.numel()
+        if self._prefetched and bsfpr is not None:
+            # TorchRec's pooled lookup prefetches without the variable batch sizes, so a prefetched
+            # VBE batch was linearised as F * B bags: release it and populate for the real layout.
+            self.cache.unlock(self._prefetched.pop(0)[1])
+        if self._prefetched:
+            if self._prefetched[0][0].numel() != N:
+                raise ValueError(f"forward got {N} indices but the oldest prefetch()ed batch has "
+                                 f"{self._prefetched[0][0].numel()}: prefetch() and forward() must see "
+                                 f"the same batches in the same order")
+            keys, slots = self._prefetched.pop(0)
+            if self._prefetch_stream is not None:
+                torch.cuda.current_stream().wait_stream(self._prefetch_stream)
+        else:
+            keys, slots = self._populate(batch, bsfpr)
+        return dataclasses.replace(batch, cache_locations=slots,
+                                   cache_weights=self.cache.lxu_cache_weights,
+                                   cache_states=self.cache.lxu_cache_states), (keys, slots)
+
+    def _populate(self, batch: TBEBatch, bsfpr) -> tuple[torch.Tensor, torch.Tensor]:
+        bags = [sum(int(b) for b in per_rank) for per_rank in bsfpr] if bsfpr is not None else None
+        keys = self.cache.linearize(batch.indices, batch.offsets, bags)
+        return keys, self.cache.populate(keys, self.weights_dev, self.accum_dev, self.linear_dev)
+
+    def _relocate_cached_rows(self, batch: TBEBatch, keys: torch.Tensor,
+                              slots: torch.Tensor) -> TBEBatch:
+        """The batch for its update: the prefetch of a later batch is waited for, this batch's lines
+        are released, and its rows are looked up again (a row may have been evicted, and written
+        back, or cached since the forward), so the update reaches each row where it is now."""
+        if self._prefetch_stream is not None:
+            torch.cuda.current_stream().wait_stream(self._prefetch_stream)
+        self.cache.unlock(slots)
+        return dataclasses.replace(batch, cache_locations=self.cache.lookup(keys, count=False))
+
+    def prefetch(self, indices: torch.Tensor, offsets: torch.Tensor,
+                 forward_stream: Optional[torch.cuda.Stream] = None,
+                 batch_size_per_feature_per_rank: Optional[Sequence[Sequence[int]]] = None) -> None:
+        """Bring a batch's rows into the HBM cache ahead of its :meth:`forward` (FBGEMM's
+        ``prefetch``; TorchRec's ``PrefetchTrainPipelineSparseDist`` calls it on its prefetch
+        stream). Batches are consumed by ``forward`` in the order they were prefetched. With
+        ``prefetch_pipeline=True`` their lines stay locked until their update. A no-op for the
+        other placements. Inputs as :meth:`forward`; bad input raises ``ValueError`` first."""
+        if self.cache is None:
+            return
+        if forward_stream is not None and self._prefetch_stream is None:
+            self._prefetch_stream = torch.cuda.current_stream()
+        batch = self._make_batch(indices, offsets, None, batch_size_per_feature_per_rank,
+                                 warn_counter=torch.zeros_like(self.bounds_check_warning))
+        keys, slots = self._populate(batch, batch_size_per_feature_per_rank)
+        if forward_stream is not None:
+            keys.record_stream(forward_stream)
+            slots.record_stream(forward_stream)
+        self._prefetched.append((keys, slots))
+
+    def get_uvm_cache_stats(self) -> torch.Tensor:
+        """int64 ``[6]`` cumulative FBGEMM cache statistics (``torchrec_ftrl.cache.UVM_CACHE_STATS``:
+        calls, requested indices, unique indices, unique misses, conflict unique misses, conflict
+        misses), counted when ``gather_uvm_cache_stats=True``; zeros otherwise or uncached."""
+        if self.cache is None:
+            return torch.zeros(len(UVM_CACHE_STATS), dtype=torch.int64)
+        return self.cache.uvm_cache_stats.clone()
 
     def _plain_layout(self, B: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(bag_feature, bag_out_offset)`` of ``F * B`` bags in the ``[B, total_D]`` output; the
@@ -364,7 +533,7 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         return (torch.tensor(bag_f, dtype=torch.int64).to(dev, non_blocking=True),
                 torch.tensor(bag_off, dtype=torch.int64).to(dev, non_blocking=True), pos)
 
-    def _bounds_check(self, indices, offsets, bag_feature):
+    def _bounds_check(self, indices, offsets, bag_feature, counter):
         mode = self.bounds_check_mode
         if mode in (BoundsCheckMode.IGNORE, BoundsCheckMode.NONE):
             return indices, offsets
@@ -401,7 +570,7 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
                                           output_size=N)
         rows = self._table_rows[self._feature_table[bag_feature[idx_bag]]]
         bad = (indices < 0) | (indices >= rows)
-        self.bounds_check_warning += bad.sum() + n_off_bad
+        counter += bad.sum() + n_off_bad
         return torch.where(bad, torch.zeros_like(indices), indices), fixed_off
 
     # ------------------------------------------------------------------ FBGEMM-shaped API
@@ -411,11 +580,15 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         return buf[off:off + rows * dim].view(rows, dim)
 
     def split_embedding_weights(self) -> list[torch.Tensor]:
-        """Per-table ``[rows, D]`` views (not copies) of the weights, in table order."""
+        """Per-table ``[rows, D]`` views (not copies) of the weights, in table order (the HBM cache is
+        flushed first)."""
+        self.flush()
         return [self._table_view(self.weights_dev, t) for t in range(len(self.embedding_specs))]
 
     def split_optimizer_states(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per-table ``(accum, linear)``, each a fp32 ``[rows, D]`` view."""
+        """Per-table ``(accum, linear)``, each a fp32 ``[rows, D]`` view (the HBM cache is flushed
+        first)."""
+        self.flush()
         return [(self._table_view(self.accum_dev, t), self._table_view(self.linear_dev, t))
                 for t in range(len(self.embedding_specs))]
 
@@ -449,17 +622,27 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         """accum := initial_accumulator_value, linear := 0."""
         self.accum_dev.fill_(self._hp.initial_accumulator_value)
         self.linear_dev.zero_()
+        if self.cache is not None:
+            self.cache.reset_states(self._hp.initial_accumulator_value)
 
     def flush(self) -> None:
-        """No cache to write back: tables live on ``device``."""
+        """Write the HBM cache's rows (weights and states) back to unified memory; they stay cached.
+        A no-op for the other placements."""
+        if self.cache is not None:
+            self.cache.flush(self.weights_dev, self.accum_dev, self.linear_dev)
 
     def reset_cache_states(self) -> None:
-        """No cache: nothing to reset."""
+        """Empty the HBM cache without writing it back, and forget prefetched batches (after a
+        load has replaced the tables). A no-op for the other placements."""
+        if self.cache is not None:
+            self.cache.reset()
+            self._prefetched.clear()
 
     @torch.no_grad()
     def init_embedding_weights_uniform(self, min_val: float, max_val: float) -> None:
         for w in self.split_embedding_weights():
             w.uniform_(min_val, max_val)
+        self.reset_cache_states()
 
     def extra_repr(self) -> str:
         return (f"tables={[(r, d) for r, d, *_ in self.embedding_specs]}, pooling={self.pooling_mode.name}, "

@@ -2,7 +2,10 @@
 ``BatchedFusedEmbedding`` hold FBGEMM's ``SplitTableBatchedEmbeddingBagsCodegen``.
 
 They inherit TorchRec's fused-kernel behaviour (state_dict as ShardedTensors, ``fused_optimizer``,
-``named_parameters`` with ``EmptyFusedOptimizer``) and only replace the TBE they build. The fused
+``named_parameters`` with ``EmptyFusedOptimizer``, ``flush`` / ``purge`` of the TBE's cache) and only
+replace the TBE they build. The TBE places its tables as TorchRec's own kernels do: on a CUDA device
+where the tables' compute kernel says (``fused``: HBM, ``fused_uvm``: unified memory,
+``fused_uvm_caching``: unified memory behind an HBM cache), elsewhere in host memory. The fused
 optimizer exposes FTRL states under TensorFlow's slot names: ``{table}.accum`` and ``{table}.linear``.
 """
 
@@ -12,6 +15,8 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import ComputeDevice
 from torchrec.distributed.batched_embedding_kernel import (
     BaseBatchedEmbedding,
     BaseBatchedEmbeddingBag,
@@ -19,36 +24,125 @@ from torchrec.distributed.batched_embedding_kernel import (
     BatchedFusedEmbeddingBag,
     EmbeddingFusedOptimizer,
 )
-from torchrec.distributed.embedding_types import GroupedEmbeddingConfig
+from torchrec.distributed.embedding_types import (
+    EmbeddingComputeKernel,
+    GroupedEmbeddingConfig,
+    compute_kernel_to_embedding_location,
+)
+from torchrec.distributed.planner.constants import UVM_CACHING_RATIO
 from torchrec.distributed.types import ShardingEnv, ShardingType
-from torchrec.modules.embedding_configs import data_type_to_sparse_type
+from torchrec.modules.embedding_configs import DataType, data_type_to_sparse_type
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from ..fbgemm_enums import BoundsCheckMode, PoolingMode
+from ..fbgemm_enums import BoundsCheckMode, PoolingMode, SparseType
 from ..hyperparams import parse_options
 from ..tbe import FTRLTableBatchedEmbeddingBags
 
-# fused_params keys our TBE understands besides learning_rate and the ftrl_* knobs.
-_PASSED_THROUGH = ("output_dtype", "bounds_check_mode")
+# The compute kernels an FTRL table may be planned with (values of EmbeddingComputeKernel): the FTRL
+# TBE with its tables in device/host memory, in unified memory, or in unified memory behind an HBM
+# cache. Dense (data-parallel) and key-value / SSD / virtual-table kernels are not FTRL kernels.
+FTRL_COMPUTE_KERNELS = (EmbeddingComputeKernel.FUSED.value, EmbeddingComputeKernel.FUSED_UVM.value,
+                        EmbeddingComputeKernel.FUSED_UVM_CACHING.value)
+
+# fused_params keys passed to the TBE as given (when not None), besides learning_rate / lr and the
+# ftrl_* knobs. The cache keys are those TorchRec's add_params_from_parameter_sharding copies from a
+# table's CacheParams (algorithm, load_factor, reserved_memory, prefetch_pipeline; precision below) and
+# FBGEMM's other cache keywords that a sharder's fused_params may carry.
+_PASSED_THROUGH = ("output_dtype", "bounds_check_mode", "cache_load_factor", "cache_sets",
+                   "cache_algorithm", "cache_reserved_memory", "prefetch_pipeline", "uvm_host_mapped",
+                   "gather_uvm_cache_stats")
 
 
-def tbe_kwargs_from_fused_params(fused_params: Optional[dict[str, Any]]) -> dict[str, Any]:
+def _sparse_type(key: str, value: Any) -> SparseType:
+    """``value`` (a ``SparseType`` or TorchRec ``DataType``) as a ``SparseType``.
+
+    Raises:
+        ValueError: anything else, naming ``key`` and the value.
+    """
+    if isinstance(value, DataType):
+        return data_type_to_sparse_type(value)
+    if isinstance(value, SparseType):
+        return value
+    raise ValueError(f"fused_params {key} must be a SparseType or DataType, got {value!r}")
+
+
+def tbe_kwargs_from_fused_params(fused_params: Optional[dict[str, Any]],
+                                 location: Optional[EmbeddingLocation] = None,
+                                 weights_precision: Optional[SparseType] = None) -> dict[str, Any]:
     """Constructor kwargs of :class:`FTRLTableBatchedEmbeddingBags` from a TorchRec ``fused_params``.
 
-    Keeps ``learning_rate`` (or ``lr``), the ``ftrl_*`` knobs, ``output_dtype`` and ``bounds_check_mode``
-    (default ``BoundsCheckMode.WARNING``, FBGEMM's default for stock tables); drops FBGEMM-only keys
-    (``optimizer``, ``cache_precision``, ``stochastic_rounding``, ...).
+    Keeps ``learning_rate`` (or ``lr``), the ``ftrl_*`` knobs, ``output_dtype``, ``bounds_check_mode``
+    (default ``BoundsCheckMode.WARNING``, FBGEMM's default for stock tables) and the cache keys
+    ``cache_load_factor``, ``cache_sets``, ``cache_algorithm``, ``cache_reserved_memory``,
+    ``cache_precision`` (as a ``SparseType``), ``prefetch_pipeline``, ``uvm_host_mapped`` and
+    ``gather_uvm_cache_stats``. Drops every other key, among them: ``optimizer`` (routing reads it);
+    ``multipass_prefetch_config`` (FBGEMM splits a prefetch into passes to bound its memory; the
+    same rows are cached); ``enforce_hbm`` when false or when the tables are not cached;
+    ``stochastic_rounding``
+    (the kernels round fp16 / bf16 weights to nearest); ``stats_reporter_config`` and the
+    key-value / SSD keys (kernels FTRL does not run on); other optimizers' keys (``eps``, ...).
+
+    Args:
+        fused_params: a table group's (or a sharder's) ``fused_params``; ``None`` is empty.
+        location: the ``EmbeddingLocation`` of the TBE's tables, when known (kernel construction).
+        weights_precision: the tables' weight ``SparseType``, when known.
 
     Raises:
         ValueError: an unknown ``ftrl_*`` key (a misspelling would otherwise be ignored silently),
-            ``lr`` and ``learning_rate`` that differ, or an invalid knob (naming it and its value).
+            ``lr`` and ``learning_rate`` that differ, or an invalid knob (naming it and its value);
+            ``cache_precision`` that is not a ``SparseType`` / ``DataType``, or that differs from
+            ``weights_precision`` for a ``MANAGED_CACHING`` TBE (its cache holds the weights in
+            their own precision; FBGEMM would round cached rows to ``cache_precision``);
+            ``enforce_hbm=True`` for a ``MANAGED_CACHING`` TBE (FBGEMM would keep the cached tables'
+            backing store in HBM; the FTRL TBE keeps it in unified memory).
     """
     fp = dict(fused_params or {})
     kwargs: dict[str, Any] = parse_options(fp, where="fused_params").to_options()
     kwargs.update({k: fp[k] for k in _PASSED_THROUGH if k in fp and fp[k] is not None})
+    if fp.get("enforce_hbm") and location == EmbeddingLocation.MANAGED_CACHING:
+        raise ValueError("fused_params enforce_hbm=True asks for the fused_uvm_caching tables' backing "
+                         "store in HBM; the FTRL TBE keeps it in unified memory. Plan the tables on "
+                         "'fused' for HBM, or leave enforce_hbm unset")
+    if fp.get("cache_precision") is not None:
+        kwargs["cache_precision"] = _cache_precision(fp["cache_precision"], location, weights_precision)
     # Under TorchRec, FBGEMM's default (WARNING: repair + count, no host sync) as for stock tables.
     kwargs.setdefault("bounds_check_mode", BoundsCheckMode.WARNING)
     return kwargs
+
+
+def _cache_precision(value: Any, location: Optional[EmbeddingLocation],
+                     weights_precision: Optional[SparseType]) -> SparseType:
+    """``fused_params["cache_precision"]`` as a ``SparseType``, checked against the weights' precision
+    for a ``MANAGED_CACHING`` TBE (other placements have no cache: FBGEMM ignores the key there).
+
+    Raises:
+        ValueError: not a ``SparseType`` / ``DataType``, or a caching TBE whose ``cache_precision``
+            differs from ``weights_precision`` (naming both).
+    """
+    precision = _sparse_type("cache_precision", value)
+    if (location == EmbeddingLocation.MANAGED_CACHING and weights_precision is not None
+            and precision != weights_precision):
+        raise ValueError(
+            f"fused_params cache_precision={precision.name} differs from the tables' weights precision "
+            f"{weights_precision.name}; the FTRL cache (fused_uvm_caching) keeps the weights in their "
+            f"own precision. Leave cache_precision unset or set it to {weights_precision.name}")
+    return precision
+
+
+def tbe_placements(config: GroupedEmbeddingConfig,
+                   device: Optional[torch.device]) -> list[tuple[EmbeddingLocation, ComputeDevice]]:
+    """``(location, compute device)`` of each table of ``config``, as TorchRec's
+    ``BatchedFusedEmbeddingBag`` chooses them: on a CUDA device the location of the table's compute
+    kernel (``compute_kernel_to_embedding_location``: ``fused`` DEVICE, ``fused_uvm`` MANAGED,
+    ``fused_uvm_caching`` MANAGED_CACHING); on any other device (or none) HOST on the CPU.
+
+    Raises:
+        ValueError: on a CUDA device, a compute kernel that has no embedding location.
+    """
+    if device is not None and torch.device(device).type == "cuda":
+        return [(compute_kernel_to_embedding_location(t.compute_kernel), ComputeDevice.CUDA)
+                for t in config.embedding_tables]
+    return [(EmbeddingLocation.HOST, ComputeDevice.CPU) for _ in config.embedding_tables]
 
 
 class FTRLEmbeddingFusedOptimizer(EmbeddingFusedOptimizer):
@@ -63,16 +157,52 @@ class FTRLEmbeddingFusedOptimizer(EmbeddingFusedOptimizer):
                 (k[: -len("momentum1")] + "accum" if k.endswith(".momentum1") else k): v
                 for k, v in param_state.items()}
 
+    @property
+    def state(self):
+        """The per-parameter FTRL states (views of ``accum`` / ``linear``), after writing the TBE's
+        HBM cache back (``flush``) so the views hold every update. TorchRec reads ``.state`` for the
+        optimizer ``state_dict`` (``CombinedOptimizer`` reads its sub-optimizers' ``.state``
+        directly), so every such read sees the latest states.
+
+        TorchRec itself flushes the lookups before a model ``state_dict`` (``_pre_state_dict_hook``
+        of ``ShardedEmbeddingBagCollection`` / ``ShardedEmbeddingCollection``) and purges them
+        (``reset_cache_states``) before a model ``load_state_dict`` (``_pre_load_state_dict_hook``).
+        """
+        emb = self.__dict__.get("_emb_module")
+        if emb is not None:
+            emb.flush()
+        return self.__dict__["_ftrl_state"]
+
+    @state.setter
+    def state(self, value) -> None:
+        self.__dict__["_ftrl_state"] = value
+
 
 def _build_tbe(kernel, config: GroupedEmbeddingConfig, device, pooling) -> FTRLTableBatchedEmbeddingBags:
+    """The FTRL TBE of ``config``'s tables on this rank: FBGEMM 4-tuple specs ``(rows, dim, location,
+    compute device)`` from :func:`tbe_placements`, the kwargs from :func:`tbe_kwargs_from_fused_params`;
+    a ``MANAGED_CACHING`` TBE without ``cache_load_factor`` gets TorchRec's planner default
+    ``UVM_CACHING_RATIO``, the load factor the plan was sized with.
+
+    Raises:
+        ValueError: invalid fused_params (see :func:`tbe_kwargs_from_fused_params`) or TBE arguments.
+    """
+    placements = tbe_placements(config, device)
+    locations = {location for location, _ in placements}
+    location = next(iter(locations)) if len(locations) == 1 else None
+    weights_precision = data_type_to_sparse_type(config.data_type)
+    kwargs = tbe_kwargs_from_fused_params(config.fused_params, location, weights_precision)
+    if location == EmbeddingLocation.MANAGED_CACHING:
+        kwargs.setdefault("cache_load_factor", UVM_CACHING_RATIO)
     return FTRLTableBatchedEmbeddingBags(
-        embedding_specs=list(zip(kernel._local_rows, kernel._local_cols)),
+        embedding_specs=[(rows, dim, loc, compute) for rows, dim, (loc, compute)
+                         in zip(kernel._local_rows, kernel._local_cols, placements)],
         feature_table_map=kernel._feature_table_map,
         pooling_mode=pooling,
-        weights_precision=data_type_to_sparse_type(config.data_type),
+        weights_precision=weights_precision,
         device=device,
         table_names=[t.name for t in config.embedding_tables],
-        **tbe_kwargs_from_fused_params(config.fused_params),
+        **kwargs,
     )
 
 

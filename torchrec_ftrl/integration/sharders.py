@@ -1,26 +1,49 @@
 """Sharders for DistributedModelParallel with FTRL tables.
 
 With ``import torchrec_ftrl`` done, TorchRec's stock sharders already route FTRL groups to our kernel
-(:mod:`.routing`). These subclasses add what a sharder itself decides: when
-their ``fused_params`` select FTRL, the planner may only pick the ``fused`` compute kernel and never
-plans a table data-parallel (a data-parallel table is a dense DDP parameter trained by whatever dense
-optimizer the user runs, so FTRL would silently not apply). For data-parallel FTRL, use a stock sharder
-with a manual plan and :class:`torchrec_ftrl.FTRL` as the dense optimizer.
+(:mod:`.routing`). These subclasses add what a sharder itself decides:
+
+* when their ``fused_params`` select FTRL, the planner may pick only the FTRL compute kernels
+  ``fused`` (tables in HBM / host memory), ``fused_uvm`` (unified memory) and ``fused_uvm_caching``
+  (unified memory behind an HBM cache), never key-value / SSD / virtual-table kernels, and never plans
+  a table data-parallel (a data-parallel table is a dense DDP parameter trained by whatever dense
+  optimizer the user runs, so FTRL would silently not apply). For data-parallel FTRL, use a stock
+  sharder with a manual plan and :class:`torchrec_ftrl.FTRL` as the dense optimizer.
+* TorchRec groups a rank's ``fused``, ``fused_uvm`` and ``fused_uvm_caching`` tables of one sharding
+  type into one kernel, while one FTRL TBE holds tables of one placement. When a CUDA plan gives the
+  FTRL tables of one rank and sharding type different FTRL kernels, :meth:`shard` shards the module
+  with TorchRec's ``use_one_tbe_per_table`` fused param (one TBE per table; the key never reaches a
+  TBE), so every TBE holds one placement.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Any, Optional
 
+import torch
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
-from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.embedding_sharding import USE_ONE_TBE_PER_TABLE
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-from torchrec.distributed.types import ModuleSharder, ShardingType
+from torchrec.distributed.types import ModuleSharder, ParameterSharding, ShardingType
 
 from ..optim_type import is_ftrl
-from .kernels import tbe_kwargs_from_fused_params
+from .kernels import FTRL_COMPUTE_KERNELS, tbe_kwargs_from_fused_params
 
-FTRL_COMPUTE_KERNELS = (EmbeddingComputeKernel.FUSED.value,)
+__all__ = ["FTRL_COMPUTE_KERNELS", "FTRLEmbeddingBagCollectionSharder", "FTRLEmbeddingCollectionSharder",
+           "mixed_ftrl_placements", "sharders"]
+
+
+def mixed_ftrl_placements(params: dict[str, ParameterSharding], ftrl_tables: set[str]) -> bool:
+    """Whether two FTRL tables of ``params`` (table name -> its plan) with the same sharding type have
+    shards on one rank under different compute kernels, i.e. would share a TorchRec group of more than
+    one placement."""
+    kernels_at: dict[tuple[str, int], set[str]] = defaultdict(set)
+    for name, ps in params.items():
+        if name in ftrl_tables:
+            for rank in ps.ranks or ():
+                kernels_at[(ps.sharding_type, rank)].add(ps.compute_kernel)
+    return any(len(kernels) > 1 for kernels in kernels_at.values())
 
 
 class _FTRLKernelFilter:
@@ -39,6 +62,32 @@ class _FTRLKernelFilter:
             kernels = [k for k in kernels if k in FTRL_COMPUTE_KERNELS]
         return kernels
 
+    def _ftrl_tables(self, module) -> set[str]:
+        """Names of ``module``'s tables trained by FTRL: by their in-backward optimizer class, else by
+        this sharder's ``fused_params``."""
+        ftrl = set()
+        for name, param in self.shardable_parameters(module).items():
+            classes = getattr(param, "_optimizer_classes", None)
+            in_backward = classes[0] if classes else None
+            by_ftrl = is_ftrl(in_backward) if in_backward is not None else self._ftrl()
+            if by_ftrl:
+                ftrl.add(name)
+        return ftrl
+
+    def shard(self, module, params: dict[str, ParameterSharding], env, device: Optional[torch.device] = None,
+              module_fqn: Optional[str] = None):
+        """TorchRec's ``shard``; on a CUDA ``device``, with ``use_one_tbe_per_table`` added to the
+        fused_params when :func:`mixed_ftrl_placements` holds for this module's FTRL tables."""
+        if (device is None or torch.device(device).type != "cuda"
+                or not mixed_ftrl_placements(params, self._ftrl_tables(module))):
+            return super().shard(module, params, env, device, module_fqn)
+        own = self._fused_params
+        self._fused_params = {**(own or {}), USE_ONE_TBE_PER_TABLE: True}
+        try:
+            return super().shard(module, params, env, device, module_fqn)
+        finally:
+            self._fused_params = own
+
 
 class FTRLEmbeddingBagCollectionSharder(_FTRLKernelFilter, EmbeddingBagCollectionSharder):
     """``EmbeddingBagCollectionSharder`` whose FTRL tables use the fused FTRL TBE."""
@@ -53,11 +102,14 @@ def sharders(fused_params: Optional[dict[str, Any]] = None) -> list[ModuleSharde
 
     Args:
         fused_params: default for every table these sharders shard, e.g.
-            ``{"optimizer": EmbOptimType.FTRL, "learning_rate": 0.05, "ftrl_l1_reg": 1e-3}``. Tables
-            with an in-backward optimizer (``apply_optimizer_in_backward``) use theirs instead.
+            ``{"optimizer": EmbOptimType.FTRL, "learning_rate": 0.05, "ftrl_l1_reg": 1e-3}``, plus
+            optional cache keys for ``fused_uvm_caching`` tables (``cache_load_factor``,
+            ``cache_algorithm``, ``prefetch_pipeline``, ...). Tables with an in-backward optimizer
+            (``apply_optimizer_in_backward``) use theirs instead.
 
     Raises:
-        ValueError: invalid FTRL knobs (checked here, before any process builds a kernel).
+        ValueError: invalid FTRL knobs or cache keys (checked here, before any process builds a
+            kernel).
     """
     fp = dict(fused_params) if fused_params else None
     if fp and is_ftrl(fp.get("optimizer")):

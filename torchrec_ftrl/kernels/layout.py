@@ -2,6 +2,9 @@
 
 Weights and both FTRL states live in flat 1-D buffers, table after table, row-major, no padding:
 element ``table_w_offset[t] + r * table_dim[t] + d`` is row ``r``, column ``d`` of table ``t``.
+With the UVM-caching placement (:mod:`torchrec_ftrl.placement`) an HBM cache holds some rows:
+``cache_locations[i]`` is the slot of index ``i``'s row (-1: read and update the flat buffers), whose
+weight is ``cache_weights[slot, :D]`` and whose states are ``cache_states[0 or 1, slot, :D]``.
 
 Indices and offsets follow FBGEMM's TBE convention: bag ``k`` (``0 <= k < num_bags``) holds
 ``indices[offsets[k]:offsets[k+1]]``; bags are feature-major (all bags of feature 0 first). Each bag
@@ -48,6 +51,9 @@ class TBEBatch:
             repaired). Otherwise the int64 ``[1]`` WARNING counter: the batch is raw, and the backend
             (whose ``fuses_bounds_check`` asked for it) repairs the offsets, reads an index outside
             ``[0, rows)`` as row 0 and adds the number of such repairs here, once per forward.
+        cache_locations: int32 ``[N]`` cache slot of each index's row (-1: not cached), or None.
+        cache_weights: ``[slots, S]`` weight cache in the weights' dtype (``S >= max_D``), or None.
+        cache_states: fp32 ``[2, slots, S]`` accum and linear caches (same row stride), or None.
     """
 
     table_w_offset: torch.Tensor
@@ -66,6 +72,9 @@ class TBEBatch:
     table_dims: tuple
     table_row_base: torch.Tensor
     unchecked_counter: torch.Tensor | None = None
+    cache_locations: torch.Tensor | None = None
+    cache_weights: torch.Tensor | None = None
+    cache_states: torch.Tensor | None = None
     _index_bag: torch.Tensor | None = dataclasses.field(default=None, init=False, repr=False,
                                                         compare=False)
 

@@ -67,6 +67,12 @@ def per_sample_weight_grad(weights: torch.Tensor, batch: TBEBatch, ctx: Any,
     Needs a checked batch (``batch.unchecked_counter`` None)."""
     g = index_gradients(grad_out, dataclasses.replace(batch, per_sample_weights=None))  # [N, max_D]
     w, _, _ = gather_index_rows(weights, batch, batch.index_row_offset())
+    if batch.cache_locations is not None:   # rows held by the cache are read there
+        loc = batch.cache_locations.long()
+        hit = loc >= 0
+        valid = (torch.arange(batch.max_D, device=w.device)
+                 < batch.table_dim[batch.index_table()[hit]].unsqueeze(1))
+        w[hit] = batch.cache_weights[loc[hit], :batch.max_D].float() * valid
     return (g * w).sum(1)
 
 

@@ -146,7 +146,9 @@ def _forward_impl(weights: torch.Tensor, indices: torch.Tensor, offsets: torch.T
                   table_rows: torch.Tensor, row_base: torch.Tensor, warn: torch.Tensor, check: bool,
                   keys: Optional[torch.Tensor],
                   per_sample_weights: Optional[torch.Tensor], pooling_mode: int, out_numel: int,
-                  max_D: int, out_dtype: torch.dtype, vec: int, even_d: bool) -> torch.Tensor:
+                  max_D: int, out_dtype: torch.dtype, vec: int, even_d: bool,
+                  cache_locations: Optional[torch.Tensor],
+                  cache_weights: Optional[torch.Tensor]) -> torch.Tensor:
     out = torch.empty(out_numel, dtype=out_dtype, device=weights.device)
     num_bags = offsets.numel() - 1
     if num_bags <= 0 or out_numel == 0:
@@ -157,11 +159,15 @@ def _forward_impl(weights: torch.Tensor, indices: torch.Tensor, offsets: torch.T
     has_psw = _has_scale(per_sample_weights, pooling_mode)[0]
     psw = per_sample_weights if has_psw else out
     use_keys = keys is not None
+    cached = cache_locations is not None and cache_weights is not None
     _k(tbe_forward_kernel)[(_cdiv(num_bags, bags),)](
         weights, out, keys if use_keys else indices, offsets, bag_feature, bag_out_offset,
-        feature_table, table_w_offset, table_dim, table_rows, row_base, psw, warn, num_bags, max_D,
+        feature_table, table_w_offset, table_dim, table_rows, row_base, psw, warn,
+        cache_locations if cached else offsets, cache_weights if cached else weights, num_bags, max_D,
+        cache_weights.stride(0) if cached else 0,
         POOL=pooling_mode, HAS_PSW=has_psw, CHECK=check and not use_keys, KEYS=use_keys, BAGS=bags,
-        UNROLL=unroll, BLOCK_D=BLOCK_D, VEC=vec, EVEN_D=even_d, WEVICT=evict, num_warps=warps)
+        UNROLL=unroll, BLOCK_D=BLOCK_D, VEC=vec, EVEN_D=even_d, WEVICT=evict,
+        CACHED=cached, num_warps=warps)
     return out
 
 
@@ -244,6 +250,39 @@ def _backward_impl(weights: torch.Tensor, accum: torch.Tensor, linear: torch.Ten
                    per_sample_weights: Optional[torch.Tensor], pooling_mode: int, max_D: int,
                    total_rows: int, vec: int, even_d: bool, lr: float, neg_p: float, l1: float,
                    l2_eff: float, beta: float, shrink2: float) -> None:
+    _backward_kernels(weights, accum, linear, nonfinite_rows, grad, indices, offsets, bag_feature,
+                      bag_out_offset, feature_table, table_w_offset, table_dim, table_rows, row_base,
+                      check, lin_key, lin_gofs, lin_scale, lin_tid, per_sample_weights, pooling_mode,
+                      max_D, total_rows, vec, even_d, lr, neg_p, l1, l2_eff, beta, shrink2)
+
+
+def _backward_cached_impl(weights: torch.Tensor, accum: torch.Tensor, linear: torch.Tensor,
+                          nonfinite_rows: torch.Tensor, cache_weights: torch.Tensor,
+                          cache_states: torch.Tensor, cache_locations: torch.Tensor,
+                          grad: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,
+                          bag_feature: torch.Tensor, bag_out_offset: torch.Tensor,
+                          feature_table: torch.Tensor, table_w_offset: torch.Tensor,
+                          table_dim: torch.Tensor, table_rows: torch.Tensor, row_base: torch.Tensor,
+                          check: bool, lin_key: Optional[torch.Tensor],
+                          lin_gofs: Optional[torch.Tensor], lin_scale: Optional[torch.Tensor],
+                          lin_tid: Optional[torch.Tensor], per_sample_weights: Optional[torch.Tensor],
+                          pooling_mode: int, max_D: int, total_rows: int, vec: int, even_d: bool,
+                          lr: float, neg_p: float, l1: float, l2_eff: float, beta: float,
+                          shrink2: float) -> None:
+    """:func:`_backward_impl` of a batch whose rows may sit in the HBM cache (``cache_locations``
+    int32 ``[N]``, the weight cache ``[slots, S]`` and the state cache ``[2, slots, S]``)."""
+    _backward_kernels(weights, accum, linear, nonfinite_rows, grad, indices, offsets, bag_feature,
+                      bag_out_offset, feature_table, table_w_offset, table_dim, table_rows, row_base,
+                      check, lin_key, lin_gofs, lin_scale, lin_tid, per_sample_weights, pooling_mode,
+                      max_D, total_rows, vec, even_d, lr, neg_p, l1, l2_eff, beta, shrink2,
+                      cache_locations, cache_weights, cache_states)
+
+
+def _backward_kernels(weights, accum, linear, nonfinite_rows, grad, indices, offsets, bag_feature,
+                      bag_out_offset, feature_table, table_w_offset, table_dim, table_rows, row_base,
+                      check, lin_key, lin_gofs, lin_scale, lin_tid, per_sample_weights, pooling_mode,
+                      max_D, total_rows, vec, even_d, lr, neg_p, l1, l2_eff, beta, shrink2,
+                      cache_locations=None, cache_weights=None, cache_states=None) -> None:
     N = indices.numel()
     num_bags = offsets.numel() - 1
     if N == 0 or num_bags <= 0:
@@ -272,12 +311,15 @@ def _backward_impl(weights: torch.Tensor, accum: torch.Tensor, linear: torch.Ten
     sgofs = torch.empty_like(gofs)
     sscale = torch.empty_like(scale)
     stid = torch.empty_like(tid)
+    cached = cache_locations is not None
+    sloc = torch.empty_like(cache_locations) if cached else tid
     seg = torch.empty(N + 1, dtype=torch.int32 if N < i32_max else torch.int64, device=dev)
     tiles = _cdiv(N, BLOCK)
     ws = torch.zeros(tiles + 2, dtype=torch.int64, device=dev)
     _k(segment_mark_kernel)[(tiles,)](
-        key, perm, gofs, scale, tid, sorted_key, sgofs, sscale, stid, seg, ws, N, tiles,
-        SEG=SEG, HAS_SCALE=has_scale, HAS_TID=not even_d, BLOCK=BLOCK,
+        key, perm, gofs, scale, tid, cache_locations if cached else tid, sorted_key, sgofs, sscale,
+        stid, sloc, seg, ws, N, tiles, SEG=SEG, HAS_SCALE=has_scale, HAS_TID=not even_d,
+        CACHED=cached, BLOCK=BLOCK,
         LOOKBACK=int(TUNING["lookback"]), num_warps=4)
     count = ws[tiles + 1:]
 
@@ -290,21 +332,27 @@ def _backward_impl(weights: torch.Tensor, accum: torch.Tensor, linear: torch.Ten
     has_shrink = shrink2 != 0.0
     libdev = isinstance(segment_update_kernel, JITFunction)
     update = _k(segment_update_kernel)
+    # The caches: weights [slots, S], states [2, slots, S] (accum, linear), one row stride S. Uncached,
+    # a read-only placeholder: passing a mutated tensor twice would alias it under torch.compile.
+    cw, cn, cz = (cache_weights, cache_states[0], cache_states[1]) if cached else (grad, grad, grad)
+    cache_stride = cw.stride(0) if cached else 0
     update[(_cdiv(bound, G),)](
-        seg, count, sorted_key, sgofs, sscale, stid, grad, weights, accum, linear,
+        seg, count, sorted_key, sgofs, sscale, stid, sloc, grad, weights, accum, linear, cw, cn, cz,
         table_w_offset, table_dim, row_base, part, nonfinite_rows,
-        N, lr, l1, l2_eff, beta, shrink2, neg_p,
+        N, cache_stride, lr, l1, l2_eff, beta, shrink2, neg_p,
         SEG=SEG, HAS_SCALE=has_scale, POW_HALF=pow_half, HAS_SHRINK=has_shrink,
-        LIBDEVICE_POW=libdev, G=G, R=R, BLOCK_D=BLOCK_D, VEC=vec, EVEN_D=even_d, num_warps=warps,
+        LIBDEVICE_POW=libdev, G=G, R=R, BLOCK_D=BLOCK_D, VEC=vec, EVEN_D=even_d,
+        CACHED=cached, num_warps=warps,
         **_register_cap(update, launch[2] if len(launch) > 2 else None, dev))
     if nmult > 0:
         cp = int(TUNING["combine_cp"])
         _k(segment_combine_kernel)[(_cdiv(nmult, cp),)](
-            sorted_key, stid, part, weights, accum, linear,
+            sorted_key, stid, sloc, part, weights, accum, linear, cw, cn, cz,
             table_w_offset, table_dim, row_base, nonfinite_rows,
-            N, lr, l1, l2_eff, beta, shrink2, neg_p,
+            N, cache_stride, lr, l1, l2_eff, beta, shrink2, neg_p,
             SEG=SEG, CP=cp, NB=int(TUNING["combine_nb"]), POW_HALF=pow_half,
             HAS_SHRINK=has_shrink, LIBDEVICE_POW=libdev, BLOCK_D=BLOCK_D, VEC=vec, EVEN_D=even_d,
+            CACHED=cached,
             num_warps=max(1, min(4, int(TUNING["combine_nb"]) * BLOCK_D // 1024)))
 
 
@@ -327,10 +375,15 @@ if triton_op is not None:
                               mutates_args=("warn",))
     _backward_op = triton_op("torchrec_ftrl::triton_tbe_backward_update_", _backward_impl,
                              mutates_args=("weights", "accum", "linear", "nonfinite_rows"))
+    _backward_cached_op = triton_op("torchrec_ftrl::triton_tbe_backward_update_cached_",
+                                    _backward_cached_impl,
+                                    mutates_args=("weights", "accum", "linear", "nonfinite_rows",
+                                                  "cache_weights", "cache_states"))
     _repair_offsets_op = triton_op("torchrec_ftrl::triton_repair_offsets", _repair_offsets_impl,
                                    mutates_args=("warn",))
 else:  # pragma: no cover
     _forward_op, _backward_op, _repair_offsets_op = _forward_impl, _backward_impl, _repair_offsets_impl
+    _backward_cached_op = _backward_cached_impl
     _linearize_op = _linearize_impl
 
 
@@ -376,7 +429,7 @@ def _lookup(weights: torch.Tensor, batch: TBEBatch, offsets: torch.Tensor, out_d
                  batch.bag_feature, batch.bag_out_offset, batch.feature_table, batch.table_w_offset,
                  batch.table_dim, batch.table_rows, batch.table_row_base, warn, check, keys,
                  batch.per_sample_weights, int(batch.pooling_mode), int(batch.out_numel),
-                 int(batch.max_D), out_dtype, vec, even_d)
+                 int(batch.max_D), out_dtype, vec, even_d, batch.cache_locations, batch.cache_weights)
 
 
 def _checked_offsets(batch: TBEBatch, warn: Optional[torch.Tensor]) -> torch.Tensor:
@@ -435,12 +488,16 @@ def backward_update_(weights: torch.Tensor, accum: torch.Tensor, linear: torch.T
     else:
         offsets, lin = ctx
     total_rows, vec, even_d = _batch_shape(batch)
-    _call(_backward_op, _backward_impl, weights, accum, linear, nonfinite_rows,
-          grad_out.reshape(-1).contiguous(), batch.indices, offsets, batch.bag_feature,
-          batch.bag_out_offset, batch.feature_table, batch.table_w_offset, batch.table_dim,
-          batch.table_rows, batch.table_row_base, batch.unchecked_counter is not None, *lin,
-          batch.per_sample_weights, int(batch.pooling_mode), int(batch.max_D), total_rows,
-          vec, even_d, *hp.kernel_scalars())
+    args = (grad_out.reshape(-1).contiguous(), batch.indices, offsets, batch.bag_feature,
+            batch.bag_out_offset, batch.feature_table, batch.table_w_offset, batch.table_dim,
+            batch.table_rows, batch.table_row_base, batch.unchecked_counter is not None, *lin,
+            batch.per_sample_weights, int(batch.pooling_mode), int(batch.max_D), total_rows,
+            vec, even_d, *hp.kernel_scalars())
+    if batch.cache_locations is None:
+        _call(_backward_op, _backward_impl, weights, accum, linear, nonfinite_rows, *args)
+    else:
+        _call(_backward_cached_op, _backward_cached_impl, weights, accum, linear, nonfinite_rows,
+              batch.cache_weights, batch.cache_states, batch.cache_locations, *args)
 
 
 def repair_offsets(offsets: torch.Tensor, num_indices: int, warn: torch.Tensor) -> torch.Tensor:

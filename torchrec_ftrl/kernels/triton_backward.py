@@ -202,15 +202,16 @@ def linearize_kernel(
 
 
 @triton.jit
-def segment_mark_kernel(key_ptr, perm_ptr, gofs_ptr, scale_ptr, tid_ptr, sk_ptr, sgofs_ptr,
-                        sscale_ptr, stid_ptr, seg_ptr, ws_ptr, N, num_tiles, SEG: tl.constexpr,
-                        HAS_SCALE: tl.constexpr, HAS_TID: tl.constexpr, BLOCK: tl.constexpr,
-                        LOOKBACK: tl.constexpr):
+def segment_mark_kernel(key_ptr, perm_ptr, gofs_ptr, scale_ptr, tid_ptr, loc_ptr, sk_ptr, sgofs_ptr,
+                        sscale_ptr, stid_ptr, sloc_ptr, seg_ptr, ws_ptr, N, num_tiles,
+                        SEG: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_TID: tl.constexpr,
+                        CACHED: tl.constexpr, BLOCK: tl.constexpr, LOOKBACK: tl.constexpr):
     """Gather the entries into sorted order, flag segment starts and compact them into ``seg`` in
     one pass (a single-pass scan with decoupled look-back).
 
     ``perm`` ``[N]`` (int32 or int64): the positions that sort ``key`` stably. Writes the sorted keys
-    ``sk[p] = key[perm[p]]`` and each sorted entry's gradient offset, factor and table. ``ws`` (int64
+    ``sk[p] = key[perm[p]]`` and each sorted entry's gradient offset, factor, table and (``CACHED``)
+    cache slot. ``ws`` (int64
     ``[num_tiles + 2]``, zeroed): ``ws[0]`` hands out tiles in the order programs start, so a tile
     only ever waits for tiles that are already running; ``ws[1 + t]`` is tile ``t``'s status, 0 (not
     ready), ``count << 2 | 1`` (its own starts) or ``prefix << 2 | 2`` (starts up to and including
@@ -236,6 +237,8 @@ def segment_mark_kernel(key_ptr, perm_ptr, gofs_ptr, scale_ptr, tid_ptr, sk_ptr,
         tl.store(sscale_ptr + p, tl.load(scale_ptr + orig, mask=valid, other=0.0), mask=valid)
     if HAS_TID:
         tl.store(stid_ptr + p, tl.load(tid_ptr + orig, mask=valid, other=0), mask=valid)
+    if CACHED:
+        tl.store(sloc_ptr + p, tl.load(loc_ptr + orig, mask=valid, other=-1), mask=valid)
     f = flag.to(tl.int64)
     prefix = publish_and_look_back(ws_ptr + 1, t, tl.sum(f, axis=0), LOOKBACK, False)
     cum = prefix + tl.cumsum(f, axis=0)                      # inclusive, global
@@ -257,18 +260,34 @@ def _pow(x, e, LIBDEVICE_POW: tl.constexpr):
 
 
 @triton.jit
-def load_states(w_ptr, n_ptr, z_ptr, roff, m, cols):
-    """Load ``(w fp32, n (accum), z (linear), offsets, mask)`` of the rows ``roff`` (element offsets ``[R]``),
-    elements ``m``."""
+def row_pointers(w_ptr, n_ptr, z_ptr, roff, cw_ptr, cn_ptr, cz_ptr, loc, cache_stride, cols,
+                 CACHED: tl.constexpr):
+    """Pointer blocks ``[R, BLOCK_D]`` to the weight, accum and linear of the rows at element offsets
+    ``roff`` ``[R]`` of the three flat buffers. With ``CACHED``, a row whose cache slot ``loc`` ``[R]``
+    is >= 0 is addressed in the HBM caches instead (weight, accum, linear caches ``cw``, ``cn``,
+    ``cz``, row ``slot`` at ``slot * cache_stride``)."""
     offs = roff[:, None] + cols[None, :]
-    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    z = tl.load(z_ptr + offs, mask=m, other=0.0)
-    n = tl.load(n_ptr + offs, mask=m, other=0.0)
-    return w, n, z, offs, m
+    if CACHED:
+        hit = (loc >= 0)[:, None]
+        coffs = (loc.to(tl.int64) * cache_stride)[:, None] + cols[None, :]
+        return (tl.where(hit, cw_ptr + coffs, w_ptr + offs), tl.where(hit, cn_ptr + coffs, n_ptr + offs),
+                tl.where(hit, cz_ptr + coffs, z_ptr + offs))
+    else:
+        return w_ptr + offs, n_ptr + offs, z_ptr + offs
 
 
 @triton.jit
-def ftrl_update_store(w_ptr, n_ptr, z_ptr, nonfinite_ptr, w, n, z, offs, m, rmask, g,
+def load_states(wp, np_, zp, m):
+    """Load ``(w fp32, n (accum), z (linear))`` at the pointer blocks of :func:`row_pointers`,
+    elements ``m``."""
+    w = tl.load(wp, mask=m, other=0.0).to(tl.float32)
+    z = tl.load(zp, mask=m, other=0.0)
+    n = tl.load(np_, mask=m, other=0.0)
+    return w, n, z
+
+
+@triton.jit
+def ftrl_update_store(wp, np_, zp, nonfinite_ptr, w, n, z, m, rmask, g,
                       lr, l1, l2_eff, beta, shrink2, neg_p,
                       POW_HALF: tl.constexpr, HAS_SHRINK: tl.constexpr, LIBDEVICE_POW: tl.constexpr):
     """One FTRL step (the twin of torchrec_ftrl.rule.ftrl_rule) of rows ``rmask`` ``[R]`` with summed gradients ``g``
@@ -311,9 +330,9 @@ def ftrl_update_store(w_ptr, n_ptr, z_ptr, nonfinite_ptr, w, n, z, offs, m, rmas
     w_new = tl.where(keep, tl.where(qd > 0, tl.fdiv(num, tl.where(qd > 0, qd, 1.0)), num * float("inf")),
                      0.0)
     # Streaming stores (.cs): the rows are not read again in this step; keeps L2 for the gradients.
-    tl.store(w_ptr + offs, w_new.to(w_ptr.dtype.element_ty), mask=sm, cache_modifier=".cs")
-    tl.store(z_ptr + offs, z_new, mask=sm, cache_modifier=".cs")
-    tl.store(n_ptr + offs, n_new, mask=sm, cache_modifier=".cs")
+    tl.store(wp, w_new.to(wp.dtype.element_ty), mask=sm, cache_modifier=".cs")
+    tl.store(zp, z_new, mask=sm, cache_modifier=".cs")
+    tl.store(np_, n_new, mask=sm, cache_modifier=".cs")
 
 
 @triton.jit
@@ -342,12 +361,12 @@ def sum_gradient_rows(grad_ptr, go, sc, lm, m3c, cols, HAS_SCALE: tl.constexpr, 
 
 @triton.jit
 def segment_update_kernel(
-    seg_ptr, count_ptr, sk_ptr, sgofs_ptr, sscale_ptr, stid_ptr, grad_ptr,
-    w_ptr, n_ptr, z_ptr, table_w_offset_ptr, table_dim_ptr, row_base_ptr, part_ptr, nonfinite_ptr,
-    N, lr, l1, l2_eff, beta, shrink2, neg_p,
+    seg_ptr, count_ptr, sk_ptr, sgofs_ptr, sscale_ptr, stid_ptr, sloc_ptr, grad_ptr,
+    w_ptr, n_ptr, z_ptr, cw_ptr, cn_ptr, cz_ptr, table_w_offset_ptr, table_dim_ptr, row_base_ptr,
+    part_ptr, nonfinite_ptr, N, cache_stride, lr, l1, l2_eff, beta, shrink2, neg_p,
     SEG: tl.constexpr, HAS_SCALE: tl.constexpr, POW_HALF: tl.constexpr, HAS_SHRINK: tl.constexpr,
     LIBDEVICE_POW: tl.constexpr, G: tl.constexpr, R: tl.constexpr, BLOCK_D: tl.constexpr,
-    VEC: tl.constexpr, EVEN_D: tl.constexpr,
+    VEC: tl.constexpr, EVEN_D: tl.constexpr, CACHED: tl.constexpr,
 ):
     j0 = tl.program_id(0).to(tl.int64) * G
     count = tl.load(count_ptr).to(tl.int64)          # number of segments (device-side)
@@ -381,8 +400,15 @@ def segment_update_kernel(
             rbase = tl.load(row_base_ptr + tid, mask=valid, other=0)
             woff = tl.multiple_of(tl.load(table_w_offset_ptr + tid, mask=valid, other=0), VEC)
             roff = woff + (key - rbase) * dim
+        if CACHED:
+            loc = tl.load(sloc_ptr + s, mask=valid, other=-1)
+        else:
+            loc = s
+        wp, np_, zp = row_pointers(w_ptr, n_ptr, z_ptr, roff, cw_ptr, cn_ptr, cz_ptr, loc,
+                                   cache_stride, cols, CACHED)
         # State loads depend only on the row: issue them before the gradient gather.
-        w, n, z, offs, sm = load_states(w_ptr, n_ptr, z_ptr, roff, complete[:, None] & m2, cols)
+        sm = complete[:, None] & m2
+        w, n, z = load_states(wp, np_, zp, sm)
         m3c = m2[:, None, :]
         acc = sum_gradient_rows(grad_ptr, go0, sc0, lm0, m3c, cols, HAS_SCALE, VEC)
         # Entries past the first R (pieces of long runs), R at a time in sorted order.
@@ -395,18 +421,18 @@ def segment_update_kernel(
             acc += sum_gradient_rows(grad_ptr, go, sc, lm, m3c, cols, HAS_SCALE, VEC)
         slot = 2 * (s // SEG) + ((s % SEG) != 0).to(tl.int64)
         tl.store(part_ptr + slot[:, None] * BLOCK_D + cols[None, :], acc, mask=partial[:, None] & m2)
-        ftrl_update_store(w_ptr, n_ptr, z_ptr, nonfinite_ptr, w, n, z, offs, sm, complete, acc,
+        ftrl_update_store(wp, np_, zp, nonfinite_ptr, w, n, z, sm, complete, acc,
                           lr, l1, l2_eff, beta, shrink2, neg_p, POW_HALF, HAS_SHRINK, LIBDEVICE_POW)
 
 
 @triton.jit
 def segment_combine_kernel(
-    sk_ptr, stid_ptr, part_ptr,
-    w_ptr, n_ptr, z_ptr, table_w_offset_ptr, table_dim_ptr, row_base_ptr, nonfinite_ptr,
-    N, lr, l1, l2_eff, beta, shrink2, neg_p,
+    sk_ptr, stid_ptr, sloc_ptr, part_ptr,
+    w_ptr, n_ptr, z_ptr, cw_ptr, cn_ptr, cz_ptr, table_w_offset_ptr, table_dim_ptr, row_base_ptr,
+    nonfinite_ptr, N, cache_stride, lr, l1, l2_eff, beta, shrink2, neg_p,
     SEG: tl.constexpr, CP: tl.constexpr, NB: tl.constexpr, POW_HALF: tl.constexpr,
     HAS_SHRINK: tl.constexpr, LIBDEVICE_POW: tl.constexpr, BLOCK_D: tl.constexpr,
-    VEC: tl.constexpr, EVEN_D: tl.constexpr,
+    VEC: tl.constexpr, EVEN_D: tl.constexpr, CACHED: tl.constexpr,
 ):
     # Candidates: the CP multiples p = m * SEG (m >= 1) of this program. p is the FIRST cut of a
     # run iff key[p - SEG] == key[p] (p is a cut) and p - SEG is not a cut.
@@ -443,9 +469,15 @@ def segment_combine_kernel(
                     roff = woff + (kb - rbase) * dim
                 one = tl.arange(0, 1)
                 rmask = one == 0
+                if CACHED:
+                    loc = tl.load(sloc_ptr + p1 + one * 0)
+                else:
+                    loc = one
+                wp, np_, zp = row_pointers(w_ptr, n_ptr, z_ptr, roff + one * 0, cw_ptr, cn_ptr, cz_ptr,
+                                           loc, cache_stride, cols, CACHED)
                 # States first: they depend only on the row.
-                w, n, z, offs, sm = load_states(w_ptr, n_ptr, z_ptr, roff + one * 0,
-                                                rmask[:, None] & cmask[None, :], cols)
+                sm = rmask[:, None] & cmask[None, :]
+                w, n, z = load_states(wp, np_, zp, sm)
                 # The run's first piece starts at p1 - SEG (slot 2(m-1)) or inside (p1-2SEG, p1-SEG)
                 # (slot 2(m-2)+1).
                 m1 = p1 // SEG
@@ -464,7 +496,7 @@ def segment_combine_kernel(
                     acc += tl.sum(tile, axis=0)
                     go = tl.sum(selj.to(tl.int32), axis=0) == NB
                     j0 += NB
-                ftrl_update_store(w_ptr, n_ptr, z_ptr, nonfinite_ptr, w, n, z, offs, sm, rmask,
+                ftrl_update_store(wp, np_, zp, nonfinite_ptr, w, n, z, sm, rmask,
                                   acc[None, :], lr, l1, l2_eff, beta, shrink2, neg_p, POW_HALF,
                                   HAS_SHRINK, LIBDEVICE_POW)
 

@@ -11,6 +11,9 @@ which linearises once for the forward and the backward.
 With ``CHECK`` (the fused ``BoundsCheckMode.WARNING``) an index outside ``[0, rows of its table)`` is
 read as row 0 and counted (one integer atomic add per program) into ``warn_ptr``. ``WEVICT`` is the
 L2 eviction policy of the row loads ("" or "evict_last", which helps small D on an H200).
+With ``CACHED`` (the UVM-caching placement) each index position also has a cache slot (``loc``, -1
+for none): a row held by the HBM cache is read from ``cache + slot * cache_stride``, any other from
+the table in unified memory.
 
 Layout contract: :mod:`torchrec_ftrl.kernels.layout`.
 """
@@ -48,10 +51,10 @@ def load_bags(offsets_ptr, bag_feature_ptr, feature_table_ptr, num_bags, BAGS: t
 def tbe_forward_kernel(
     w_ptr, out_ptr, indices_ptr, offsets_ptr, bag_feature_ptr, bag_out_ptr, feature_table_ptr,
     table_w_offset_ptr, table_dim_ptr, table_rows_ptr, row_base_ptr, psw_ptr, warn_ptr,
-    num_bags, out_row_stride,
+    loc_ptr, cache_ptr, num_bags, out_row_stride, cache_stride,
     POOL: tl.constexpr, HAS_PSW: tl.constexpr, CHECK: tl.constexpr, KEYS: tl.constexpr,
     BAGS: tl.constexpr, UNROLL: tl.constexpr, BLOCK_D: tl.constexpr,
-    VEC: tl.constexpr, EVEN_D: tl.constexpr, WEVICT: tl.constexpr,
+    VEC: tl.constexpr, EVEN_D: tl.constexpr, WEVICT: tl.constexpr, CACHED: tl.constexpr,
 ):
     bags, bmask, start, length, tab = load_bags(offsets_ptr, bag_feature_ptr, feature_table_ptr,
                                                 num_bags, BAGS)
@@ -97,7 +100,12 @@ def tbe_forward_kernel(
         else:
             roff = woff[:, None] + idx * dim[:, None]
         m3 = lmask[:, :, None] & cmask3
-        rows = tl.load(w_ptr + roff[:, :, None] + cols[None, None, :], mask=m3, other=0.0,
+        if CACHED:
+            loc = tl.load(loc_ptr + pos, mask=lmask, other=-1)
+            rowp = tl.where(loc >= 0, cache_ptr + loc.to(tl.int64) * cache_stride, w_ptr + roff)
+        else:
+            rowp = w_ptr + roff
+        rows = tl.load(rowp[:, :, None] + cols[None, None, :], mask=m3, other=0.0,
                        eviction_policy=WEVICT)
         rows = rows.to(tl.float32)
         if HAS_PSW:

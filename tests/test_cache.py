@@ -1,0 +1,559 @@
+"""Tests of the UVM placements (``fused_uvm``, ``fused_uvm_caching``): :mod:`torchrec_ftrl.cache`, the
+cache paths of the Triton kernels, and the TBE under each placement.
+
+* Interpreter (CI, ``TRITON_INTERPRET=1`` child pytest): the kernels' cache path against the float64
+  oracle with a cache laid out by hand (no FBGEMM op: its cache ops are CUDA-only). The cached copy
+  of a row differs from its unified-memory copy, so a kernel that reads or updates the wrong one
+  fails. And the state-cache follow kernel against moves written out by hand.
+* ``cuda``: FBGEMM's real cache ops. DEVICE, MANAGED and MANAGED_CACHING TBEs trained on the same
+  batches end bitwise equal (same kernels, same summation order), across evictions of dirty rows,
+  hits and misses in one batch, hot rows, fp16 weights, VBE, weighted features, LFU, a cache smaller
+  than one batch's unique rows, prefetch, and state_dict save / load with a warm cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import HAS_CUDA, INTERP, cuda, interpreter_parent, needs_cuda, reference_update, \
+    run_interpreter_suite
+
+pytest.importorskip("triton")
+
+from reference import reference_knobs  # noqa: E402
+from torchrec_ftrl import FTRLTableBatchedEmbeddingBags  # noqa: E402
+from torchrec_ftrl.fbgemm_enums import (BoundsCheckMode, CacheAlgorithm, ComputeDevice,  # noqa: E402
+                                        EmbeddingLocation, PoolingMode, SparseType)
+from torchrec_ftrl.kernels import triton_backend  # noqa: E402
+
+KNOBS = dict(learning_rate=0.05, ftrl_l1_reg=0.002, ftrl_l2_reg=0.01, ftrl_beta=0.3)
+
+
+@pytest.fixture
+def interp(monkeypatch):
+    """Tiny launch shapes under the interpreter (SEG=4: runs longer than 4 are cut and combined)."""
+    if not INTERP:
+        pytest.skip("runs in the child process of test_interpreter_suite (TRITON_INTERPRET=1)")
+    for k, v in dict(seg=4, seg_launch={8: (32, 4)}, combine_cp=4, combine_nb=2, block=16,
+                     repair_block=4).items():
+        monkeypatch.setitem(triton_backend.TUNING, k, v)
+
+
+@interpreter_parent
+def test_interpreter_suite():
+    """Runs the ``interp`` tests below in a child pytest with TRITON_INTERPRET=1 (CPU tensors)."""
+    run_interpreter_suite(__file__, timeout=600)
+
+
+def _case(rng, specs, fmap, B, max_len, hot):
+    lengths, idx = [], []
+    for f in range(len(fmap)):
+        rows = specs[fmap[f]][0]
+        for _ in range(B):
+            L = int(rng.randint(0, max_len + 1))
+            lengths.append(L)
+            ids = rng.randint(0, rows, L)
+            if hot:
+                ids = np.where(rng.rand(L) < 0.7, rng.randint(0, min(2, rows), L), ids)
+            idx.extend(int(i) for i in ids)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    return torch.tensor(idx, dtype=torch.int64), torch.tensor(offsets, dtype=torch.int64)
+
+
+# ------------------------------------------------------------------ interpreter: the kernels
+@pytest.mark.parametrize("pooling", [PoolingMode.SUM, PoolingMode.MEAN, PoolingMode.NONE])
+@pytest.mark.parametrize("specs,fmap,hot,psw", [
+    ([(9, 4), (13, 8), (6, 4)], [0, 1, 2, 0], False, True),     # mixed D: table/dim lookups
+    ([(9, 8), (13, 8)], [0, 1, 1], True, False),                 # one D (EVEN_D), long runs combined
+])
+def test_interp_cached_rows_are_read_and_updated_in_the_cache(interp, pooling, specs, fmap, hot, psw):
+    """Half of the touched rows sit in a hand-made cache (slots in random order, row stride wider
+    than D) holding values that differ from the flat buffers. The output and the update must follow
+    the logical table (cache copy where cached, flat copy elsewhere), and the flat copies of cached
+    rows must stay untouched."""
+    if pooling == PoolingMode.NONE:
+        specs = [(r, specs[0][1]) for r, _ in specs]
+        psw = False
+    rng = np.random.RandomState(3)
+    torch.manual_seed(0)
+    m = FTRLTableBatchedEmbeddingBags(specs, feature_table_map=fmap, pooling_mode=pooling,
+                                      bounds_check_mode=BoundsCheckMode.FATAL, backend="triton",
+                                      **KNOBS)
+    with torch.no_grad():
+        m.accum_dev.uniform_(0.0, 0.5)
+        m.linear_dev.uniform_(-0.1, 0.1)
+    indices, offsets = _case(rng, specs, fmap, B=4, max_len=6, hot=hot)
+    weights = torch.tensor(rng.rand(indices.numel()) + 0.5, dtype=torch.float32) if psw else None
+    batch = m._make_batch(indices, offsets, weights, None)
+
+    row_base = np.cumsum([0] + [r for r, _ in specs])
+    tables = batch.index_table().numpy()
+    keys = row_base[tables] + indices.numpy()
+    uniq = np.unique(keys)
+    cached = rng.permutation(uniq)[: len(uniq) // 2]
+    slots, stride = len(uniq) + 3, max(d for _, d in specs) + 4
+    slot_of = dict(zip(cached.tolist(), rng.permutation(slots)[: len(cached)].tolist()))
+    cache_w = torch.full((slots, stride), 7.0)
+    cache_s = torch.full((2, slots, stride), 9.0)
+    logical_w = [w.clone() for w in m.split_embedding_weights()]
+    logical_s = [(a.clone(), z.clone()) for a, z in m.split_optimizer_states()]
+    for key, slot in slot_of.items():
+        t = int(np.searchsorted(row_base, key, side="right") - 1)
+        r, D = key - row_base[t], specs[t][1]
+        w = torch.tensor(rng.uniform(-0.05, 0.05, D), dtype=torch.float32)
+        n = torch.tensor(rng.uniform(0.0, 0.7, D), dtype=torch.float32)
+        z = torch.tensor(rng.uniform(-0.2, 0.2, D), dtype=torch.float32)
+        cache_w[slot, :D], cache_s[0, slot, :D], cache_s[1, slot, :D] = w, n, z
+        logical_w[t][r], logical_s[t][0][r], logical_s[t][1][r] = w, n, z
+    loc = torch.tensor([slot_of.get(int(k), -1) for k in keys], dtype=torch.int32)
+    batch = dataclasses.replace(batch, cache_locations=loc, cache_weights=cache_w, cache_states=cache_s)
+    flat_before = [t.clone() for t in (m.weights_dev, m.accum_dev, m.linear_dev)]
+    cache_before = (cache_w.clone(), cache_s.clone())
+
+    out, ctx = triton_backend.forward_train(m.weights_dev, batch, torch.float32)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(5))
+    triton_backend.backward_update_(m.weights_dev, m.accum_dev, m.linear_dev, batch, ctx, g,
+                                    m.hyperparams, m.nonfinite_grad_rows)
+
+    ref = reference_update(logical_w, [a for a, _ in logical_s], [z for _, z in logical_s], fmap,
+                           pooling, indices, offsets, g, reference_knobs(m.hyperparams), psw=weights)
+    np.testing.assert_allclose(out.double().reshape(-1).numpy(), ref.out.reshape(-1).numpy(),
+                               rtol=5e-5, atol=1e-5)
+    views = m.split_embedding_weights(), m.split_optimizer_states()
+    for t, (_, D) in enumerate(specs):
+        got_w, got_n, got_z = views[0][t].clone(), views[1][t][0].clone(), views[1][t][1].clone()
+        for key, slot in slot_of.items():
+            tt = int(np.searchsorted(row_base, key, side="right") - 1)
+            if tt == t:
+                r = key - row_base[t]
+                got_w[r], got_n[r], got_z[r] = cache_w[slot, :D], cache_s[0, slot, :D], cache_s[1, slot, :D]
+        np.testing.assert_allclose(got_w.double().numpy(), ref.w[t], rtol=5e-5, atol=1e-5)
+        np.testing.assert_allclose(got_n.double().numpy(), ref.n[t], rtol=3e-5, atol=1e-6)
+        np.testing.assert_allclose(got_z.double().numpy(), ref.z[t], rtol=5e-5, atol=1e-5)
+    # The flat copies of cached rows are untouched; the cache's other slots and padding too.
+    offs = [int(o) for o in batch.table_w_offset]
+    for key in slot_of:
+        t = int(np.searchsorted(row_base, key, side="right") - 1)
+        D = specs[t][1]
+        e = offs[t] + (key - row_base[t]) * D
+        for now, before in zip((m.weights_dev, m.accum_dev, m.linear_dev), flat_before):
+            assert torch.equal(now[e:e + D], before[e:e + D])
+    free = sorted(set(range(slots)) - set(slot_of.values()))
+    assert torch.equal(cache_w[free], cache_before[0][free])
+    assert torch.equal(cache_s[:, free], cache_before[1][:, free])
+    assert torch.equal(cache_w[:, max(d for _, d in specs):], cache_before[0][:, max(d for _, d in specs):])
+
+
+def test_interp_state_cache_follows_slot_changes(interp):
+    """Slots whose row changed write the old row's states back and load the new row's; empty slots,
+    unchanged slots and the padding past D are left alone."""
+    from torchrec_ftrl.kernels.triton_cache import state_cache_follow_kernel
+
+    specs = [(5, 4), (7, 8)]
+    row_base = torch.tensor([0, 5, 12])
+    w_off = torch.tensor([0, 5 * 4])
+    dims = torch.tensor([4, 8])
+    total = 5 * 4 + 7 * 8
+    accum = torch.arange(total, dtype=torch.float32)
+    linear = -torch.arange(total, dtype=torch.float32)
+    row_table = torch.tensor([0] * 5 + [1] * 7, dtype=torch.int32)
+    S = 10
+    cache = torch.rand(2, 6, S) + 100.0
+    before = torch.tensor([3, 6, -1, 11, 2, -1])      # slot 0: row 3 (t0), 1: row 6 (t1, r1), ...
+    after = torch.tensor([3, 8, 0, -1, 2, -1])        # 1: 6 -> 8, 2: empty -> 0, 3: 11 -> empty
+    acc0, lin0, cache0 = accum.clone(), linear.clone(), cache.clone()
+    state_cache_follow_kernel[(3,)](before, after, accum, linear, cache[0], cache[1], row_table,
+                                    w_off, dims, row_base, 6, S, SLOTS=2, BLOCK_D=8)
+
+    def flat(row):
+        t = int(row_table[row])
+        start = int(w_off[t]) + (row - int(row_base[t])) * int(dims[t])
+        return slice(start, start + int(dims[t])), int(dims[t])
+
+    exp_acc, exp_lin, exp_cache = acc0.clone(), lin0.clone(), cache0.clone()
+    for slot, old in ((1, 6), (3, 11)):                      # written back
+        sl, D = flat(old)
+        exp_acc[sl], exp_lin[sl] = cache0[0, slot, :D], cache0[1, slot, :D]
+    for slot, new in ((1, 8), (2, 0)):                       # loaded
+        sl, D = flat(new)
+        exp_cache[0, slot, :D], exp_cache[1, slot, :D] = acc0[sl], lin0[sl]
+    assert torch.equal(accum, exp_acc)
+    assert torch.equal(linear, exp_lin)
+    assert torch.equal(cache, exp_cache)
+
+
+# ------------------------------------------------------------------ CUDA: the real cache ops
+def _tbe(location, specs, fmap=None, pooling=PoolingMode.SUM, precision=SparseType.FP32, seed=0,
+         **kw):
+    torch.manual_seed(seed)
+    m = FTRLTableBatchedEmbeddingBags(
+        [(r, d, location, ComputeDevice.CUDA) for r, d in specs], feature_table_map=fmap,
+        pooling_mode=pooling, weights_precision=precision, device="cuda",
+        bounds_check_mode=BoundsCheckMode.WARNING, **KNOBS, **kw)
+    return m
+
+
+def _same_start(models):
+    first = models[0]
+    for m in models[1:]:
+        with torch.no_grad():
+            for a, b in zip(m.split_embedding_weights(), first.split_embedding_weights()):
+                a.copy_(b)
+        m.reset_cache_states()
+
+
+def _tables(m):
+    return ([w.detach().clone().cpu() for w in m.split_embedding_weights()],
+            [(a.clone().cpu(), z.clone().cpu()) for a, z in m.split_optimizer_states()])
+
+
+def _assert_bitwise(a, b):
+    (wa, sa), (wb, sb) = _tables(a), _tables(b)
+    for x, y in zip(wa, wb):
+        assert torch.equal(x, y)
+    for (na, za), (nb, zb) in zip(sa, sb):
+        assert torch.equal(na, nb) and torch.equal(za, zb)
+
+
+def _batches(steps, specs, fmap, B, L, zipf, seed, vbe=False):
+    rng = np.random.RandomState(seed)
+    out = []
+    for _ in range(steps):
+        sizes = [int(rng.randint(1, B + 1)) for _ in fmap] if vbe else [B] * len(fmap)
+        lengths, idx = [], []
+        for f, t in enumerate(fmap):
+            rows = specs[t][0]
+            for _ in range(sizes[f]):
+                n = int(rng.randint(0, L + 1))
+                lengths.append(n)
+                ids = (rng.zipf(zipf, n) - 1) % rows if zipf else rng.randint(0, rows, n)
+                idx.extend(int(i) for i in ids)
+        off = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int64)
+        psw = torch.tensor(rng.rand(len(idx)) + 0.5, dtype=torch.float32)
+        g_seed = int(rng.randint(1 << 30))
+        out.append((torch.tensor(idx, dtype=torch.int64), off, psw, g_seed,
+                    [[s] for s in sizes] if vbe else None))
+    return out
+
+
+def _keys(idx, off, specs, fmap, batches_vbe=False):
+    """Linear row keys of a batch (bags feature-major)."""
+    row_base = np.cumsum([0] + [r for r, _ in specs])
+    lengths = (off[1:] - off[:-1]).numpy()
+    nb = len(lengths)
+    if batches_vbe:
+        return set(idx.tolist())   # distinct raw ids: no more than the distinct keys
+    bag_feature = np.arange(nb) // (nb // len(fmap))
+    feat = np.repeat(bag_feature, lengths)
+    return set((row_base[np.asarray(fmap)[feat]] + idx.numpy()).tolist())
+
+
+def _train(m, batches, weighted=False, prefetch=False, pipelined=False):
+    """Train on ``batches``. ``prefetch``: prefetch each batch right before its forward;
+    ``pipelined``: as ``PrefetchTrainPipelineSparseDist`` does, prefetch batch i+1 after the forward
+    of batch i and before its backward (its populate may evict rows batch i is about to update)."""
+    cuda = [(idx.cuda(), off.cuda(), psw.cuda(), g_seed, bsfpr) for idx, off, psw, g_seed, bsfpr in batches]
+    if pipelined and cuda:
+        m.prefetch(cuda[0][0], cuda[0][1])
+    for i, (idx, off, psw, g_seed, bsfpr) in enumerate(cuda):
+        kw = dict(batch_size_per_feature_per_rank=bsfpr) if bsfpr else {}
+        if prefetch:
+            m.prefetch(idx, off, **kw)
+        out = m(idx, off, psw if weighted else None, **kw)
+        if pipelined and i + 1 < len(cuda):
+            m.prefetch(cuda[i + 1][0], cuda[i + 1][1])
+        g = torch.randn(out.shape, generator=torch.Generator().manual_seed(g_seed)).to(out.dtype)
+        out.backward(g.cuda())
+    torch.cuda.synchronize()
+
+
+SPECS = [(20000, 64), (3000, 32), (500, 128)]
+FMAP = [0, 1, 2, 0]
+
+
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("name,kw,batch_kw,train_kw", [
+    ("lru_evicting", dict(cache_load_factor=0.05), dict(zipf=1.1), {}),
+    ("uniform_mostly_misses", dict(cache_load_factor=0.02), dict(zipf=None), {}),
+    ("hot_rows", dict(cache_sets=4), dict(zipf=2.0), {}),
+    ("lfu", dict(cache_load_factor=0.05, cache_algorithm=CacheAlgorithm.LFU), dict(zipf=1.1), {}),
+    ("smaller_than_a_batch", dict(cache_sets=1), dict(zipf=1.05), {}),
+    ("weighted", dict(cache_load_factor=0.05), dict(zipf=1.1), dict(weighted=True)),
+    ("vbe", dict(cache_load_factor=0.05), dict(zipf=1.1, vbe=True), {}),
+    ("prefetch", dict(cache_load_factor=0.05), dict(zipf=1.1), dict(prefetch=True)),
+    ("prefetch_pipeline_locks", dict(cache_load_factor=0.05, prefetch_pipeline=True), dict(zipf=1.1),
+     dict(pipelined=True)),
+    ("prefetch_ahead_without_locks", dict(cache_load_factor=0.05), dict(zipf=1.1),
+     dict(pipelined=True)),
+    ("fp16", dict(cache_load_factor=0.05, precision=SparseType.FP16), dict(zipf=1.1), {}),
+])
+def test_cuda_placements_train_bitwise_equal(name, kw, batch_kw, train_kw):
+    precision = kw.pop("precision", SparseType.FP32)
+    dev = _tbe(EmbeddingLocation.DEVICE, SPECS, FMAP, precision=precision)
+    uvm = _tbe(EmbeddingLocation.MANAGED, SPECS, FMAP, precision=precision)
+    cached = _tbe(EmbeddingLocation.MANAGED_CACHING, SPECS, FMAP, precision=precision,
+                  gather_uvm_cache_stats=True, **kw)
+    _same_start([dev, uvm, cached])
+    batches = _batches(12, SPECS, FMAP, B=256, L=12, seed=1, **batch_kw)
+    for m in (dev, uvm, cached):
+        _train(m, batches, **train_kw)
+    touched = set()
+    for idx, off, *_ in batches:
+        touched.update(_keys(idx, off, SPECS, FMAP, batches_vbe=batch_kw.get("vbe", False)))
+    # More distinct rows than cache slots: rows were evicted (dirty ones written back) on the way.
+    assert len(touched) > cached.cache.slots
+    _assert_bitwise(uvm, dev)
+    _assert_bitwise(cached, dev)
+
+
+@cuda
+@needs_cuda
+def test_cuda_state_dict_with_a_warm_cache_resumes_bitwise():
+    """Save mid-run with dirty cached rows, load into a fresh cached TBE, continue: equal to the
+    uninterrupted run (the save flushes; the load empties the cache)."""
+    batches = _batches(10, SPECS, FMAP, B=256, L=12, zipf=1.1, seed=2)
+    ref = _tbe(EmbeddingLocation.MANAGED_CACHING, SPECS, FMAP, cache_load_factor=0.05)
+    _train(ref, batches)
+    a = _tbe(EmbeddingLocation.MANAGED_CACHING, SPECS, FMAP, cache_load_factor=0.05)
+    _train(a, batches[:5])
+    saved = {k: v.detach().cpu().clone() for k, v in a.state_dict().items()}
+    b = _tbe(EmbeddingLocation.MANAGED_CACHING, SPECS, FMAP, cache_load_factor=0.05, seed=7)
+    _train(b, batches[5:7])      # b's cache is warm with other rows before the load
+    b.load_state_dict(saved)
+    _train(b, batches[5:])
+    _assert_bitwise(b, ref)
+
+
+@cuda
+@needs_cuda
+def test_cuda_cached_forward_matches_float64_reference():
+    """One step of a cached TBE against the float64 oracle (not only against another placement)."""
+    m = _tbe(EmbeddingLocation.MANAGED_CACHING, SPECS, FMAP, cache_load_factor=0.05)
+    warm = _batches(3, SPECS, FMAP, B=128, L=8, zipf=1.1, seed=4)
+    _train(m, warm)
+    W0, S0 = _tables(m)
+    idx, off, _, g_seed, _ = _batches(1, SPECS, FMAP, B=128, L=8, zipf=1.1, seed=5)[0]
+    out = m(idx.cuda(), off.cuda())
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(g_seed))
+    out.backward(g.cuda())
+    ref = reference_update(W0, [a for a, _ in S0], [z for _, z in S0], FMAP, PoolingMode.SUM, idx, off,
+                           g, reference_knobs(m.hyperparams))
+    np.testing.assert_allclose(out.detach().double().cpu().numpy().reshape(-1),
+                               ref.out.numpy().reshape(-1), rtol=5e-5, atol=1e-5)
+    W1, S1 = _tables(m)
+    for t in range(len(SPECS)):
+        np.testing.assert_allclose(W1[t].double().numpy(), ref.w[t], rtol=5e-5, atol=2e-5)
+        np.testing.assert_allclose(S1[t][0].double().numpy(), ref.n[t], rtol=3e-5, atol=1e-6)
+        np.testing.assert_allclose(S1[t][1].double().numpy(), ref.z[t], rtol=5e-5, atol=1e-5)
+
+
+def test_uvm_placements_need_cuda_and_one_location():
+    specs = [(10, 4, EmbeddingLocation.MANAGED_CACHING, ComputeDevice.CUDA)]
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        FTRLTableBatchedEmbeddingBags(specs, device="cpu")
+    mixed = [(10, 4, EmbeddingLocation.MANAGED, ComputeDevice.CUDA),
+             (10, 4, EmbeddingLocation.DEVICE, ComputeDevice.CUDA)]
+    with pytest.raises(ValueError, match="for all tables"):
+        FTRLTableBatchedEmbeddingBags(mixed, device="cpu")
+
+
+@needs_cuda
+def test_cuda_caching_refuses_what_it_cannot_honour():
+    loc = EmbeddingLocation.MANAGED_CACHING
+    with pytest.raises(ValueError, match="multiple of 4"):
+        _tbe(loc, [(100, 6)])
+    with pytest.raises(ValueError, match="cache_precision"):
+        _tbe(loc, [(100, 8)], precision=SparseType.FP16, cache_precision=SparseType.FP32)
+    with pytest.raises(ValueError, match="LRU"):
+        _tbe(loc, [(100, 8)], cache_algorithm=CacheAlgorithm.LFU, prefetch_pipeline=True)
+    with pytest.raises(ValueError, match="cache_load_factor"):
+        _tbe(loc, [(100, 8)], cache_load_factor=0.0)
+
+
+def _sharded_tensor_local(t):
+    return (t.local_shards()[0].tensor if hasattr(t, "local_shards") else t).cpu()
+
+
+def _assert_dmp_bitwise(got, want):
+    """Weights (TorchRec's sharded state_dict, which flushes the caches) and FTRL states (the fused
+    optimizer's, which flushes too) of two DMP models are bitwise equal."""
+    a, b = got.state_dict(), want.state_dict()
+    for key in b:
+        assert torch.equal(_sharded_tensor_local(a[key]), _sharded_tensor_local(b[key])), key
+    a, b = got.fused_optimizer.state_dict()["state"], want.fused_optimizer.state_dict()["state"]
+    for key, st in b.items():
+        for k, v in st.items():
+            assert torch.equal(_sharded_tensor_local(a[key][k]), _sharded_tensor_local(v)), (key, k)
+
+
+def _tbes(opt):
+    """The TBEs behind DMP's (nested) CombinedOptimizer."""
+    if hasattr(opt, "_emb_module"):
+        yield opt._emb_module
+    for _, sub in getattr(opt, "_optims", ()):
+        yield from _tbes(sub)
+
+
+class _EBCModel(torch.nn.Module):
+    """EBC only; loss = sum(pooled * batch.dense_features) (a fixed output gradient per batch)."""
+
+    def __init__(self, tables):
+        super().__init__()
+        import torchrec
+        self.ebc = torchrec.EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+
+    def forward(self, batch):
+        pooled = self.ebc(batch.sparse_features).values()
+        return (pooled * batch.dense_features).sum(), pooled.detach()
+
+
+@pytest.fixture
+def nccl_world_of_one():
+    import os
+
+    import torch.distributed as dist
+
+    from conftest import _free_port
+    if not HAS_CUDA:
+        pytest.skip("needs a CUDA device")
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(_free_port())
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _dmp(tables, kernels, cache_params=None):
+    import torchrec_ftrl
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.planner import Topology
+    from torchrec.distributed.planner.types import ParameterConstraints
+    from torchrec_ftrl.fbgemm_enums import EmbOptimType
+
+    sharders = torchrec_ftrl.sharders({"optimizer": EmbOptimType.FTRL, **KNOBS, "cache_load_factor": 0.05})
+    torch.manual_seed(0)
+    model = _EBCModel(tables)
+    cons = {t.name: ParameterConstraints(sharding_types=["table_wise"], compute_kernels=[k],
+                                         cache_params=cache_params)
+            for t, k in zip(tables, kernels)}
+    plan = torchrec_ftrl.ftrl_planner(Topology(world_size=1, compute_device="cuda"),
+                                      constraints=cons).plan(model, sharders)
+    return DistributedModelParallel(model, device=torch.device("cuda"), plan=plan, sharders=sharders)
+
+
+def _kjt_batches(names, rows, steps, B=64, seed=0):
+    from torchrec.datasets.utils import Batch
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+    rng = np.random.RandomState(seed)
+    out = []
+    for step in range(steps):
+        lengths = torch.tensor(rng.randint(0, 6, len(names) * B), dtype=torch.int32)
+        values = torch.cat([torch.tensor((rng.zipf(1.1, int(n)) - 1) % rows[i // B])
+                            for i, n in enumerate(lengths.tolist())]).long()
+        kjt = KeyedJaggedTensor.from_lengths_sync(names, values, lengths)
+        g = torch.randn(B, 32 * len(names), generator=torch.Generator().manual_seed(step))
+        out.append(Batch(dense_features=g, sparse_features=kjt, labels=torch.zeros(B)))
+    return out
+
+
+@cuda
+def test_cuda_dmp_mixed_placements_train_like_all_fused(nccl_world_of_one):
+    """One GPU, three FTRL tables planned on ``fused``, ``fused_uvm`` and ``fused_uvm_caching`` (one
+    TorchRec group, so torchrec_ftrl's sharder builds one TBE per table), trained on the same batches
+    as the same model all on ``fused``: weights and states bitwise equal."""
+    import torchrec
+    names, rows = ["a", "b", "c"], [5000, 3000, 8000]
+    tables = [torchrec.EmbeddingBagConfig(name=n, feature_names=[n], num_embeddings=r, embedding_dim=32)
+              for n, r in zip(names, rows)]
+    ref = _dmp(tables, ["fused"] * 3)
+    mixed = _dmp(tables, ["fused", "fused_uvm", "fused_uvm_caching"])
+    mixed.load_state_dict(ref.state_dict())
+    for batch in _kjt_batches(names, rows, 8):
+        batch = batch.to(torch.device("cuda"))
+        for model in (ref, mixed):
+            model(batch)[0].backward()
+    _assert_dmp_bitwise(mixed, ref)
+    kinds = {type(t).__name__ + ":" + t.embedding_specs[0][2].name for t in _tbes(mixed.fused_optimizer)}
+    assert {"FTRLTableBatchedEmbeddingBags:MANAGED_CACHING", "FTRLTableBatchedEmbeddingBags:MANAGED",
+            "FTRLTableBatchedEmbeddingBags:DEVICE"} <= kinds
+
+
+@cuda
+def test_cuda_prefetch_train_pipeline_matches_all_fused(nccl_world_of_one):
+    """TorchRec's ``PrefetchTrainPipelineSparseDist`` (batch i+1 prefetched on its own stream while
+    batch i trains) over ``fused_uvm_caching`` tables with ``CacheParams(prefetch_pipeline=True)``
+    and a small cache: bitwise equal to ``TrainPipelineSparseDist`` over the same tables on ``fused``."""
+    import torchrec
+    from torchrec.distributed.train_pipeline import (PrefetchTrainPipelineSparseDist,
+                                                     TrainPipelineSparseDist)
+    from torchrec.distributed.types import CacheParams
+
+    names, rows = ["a", "b"], [20000, 6000]
+    tables = [torchrec.EmbeddingBagConfig(name=n, feature_names=[n], num_embeddings=r, embedding_dim=32)
+              for n, r in zip(names, rows)]
+    ref = _dmp(tables, ["fused"] * 2)
+    cached = _dmp(tables, ["fused_uvm_caching"] * 2,
+                  CacheParams(algorithm=CacheAlgorithm.LRU, load_factor=0.02, prefetch_pipeline=True))
+    cached.load_state_dict(ref.state_dict())
+    tbes = list(_tbes(cached.fused_optimizer))
+    assert tbes and all(t.cache is not None and t.prefetch_pipeline for t in tbes)
+    batches = _kjt_batches(names, rows, 12, B=256)
+    dummy = torch.nn.Parameter(torch.zeros(1, device="cuda"))
+    for model, cls in ((ref, TrainPipelineSparseDist), (cached, PrefetchTrainPipelineSparseDist)):
+        pipe = cls(model, torch.optim.SGD([dummy], lr=0.0), torch.device("cuda"))
+        it = iter(batches)
+        done = 0
+        while True:
+            try:
+                pipe.progress(it)
+            except StopIteration:
+                break
+            done += 1
+        assert done == len(batches)
+    torch.cuda.synchronize()
+    distinct = sum(len(set().union(*(b.sparse_features[n].values().tolist() for b in batches)))
+                   for n in names)
+    assert distinct > sum(t.cache.slots for t in tbes)      # more rows than slots: evictions happened
+    _assert_dmp_bitwise(cached, ref)
+
+
+def test_interp_state_cache_fill_moves_each_inserted_slot_once(interp):
+    """Indices that missed and now have a slot: the slot's evicted row goes back and the inserted row
+    comes in, once per slot (duplicates of a row claim the slot once); hits and uncached misses are
+    left alone."""
+    from torchrec_ftrl.kernels.triton_cache import state_cache_fill_kernel
+
+    row_base, w_off, dims = torch.tensor([0, 5]), torch.tensor([0, 5 * 4]), torch.tensor([4, 8])
+    total = 5 * 4 + 7 * 8
+    accum, linear = torch.arange(total, dtype=torch.float32), -torch.arange(total, dtype=torch.float32)
+    row_table = torch.tensor([0] * 5 + [1] * 7, dtype=torch.int32)
+    S = 8
+    cache = torch.rand(2, 4, S) + 100.0
+    snapshot = torch.tensor([3, 6, -1, 11])              # the slots' rows before the populate
+    claim = torch.zeros(4, dtype=torch.int64)
+    # rows: 8 (inserted into slot 1, twice), 0 (into empty slot 2), 4 (hit in slot 0), 9 (no slot)
+    keys = torch.tensor([8, 0, 8, 4, 9])
+    before = torch.tensor([-1, -1, -1, 0, -1], dtype=torch.int32)
+    after = torch.tensor([1, 2, 1, 0, -1], dtype=torch.int32)
+    acc0, lin0, cache0 = accum.clone(), linear.clone(), cache.clone()
+    state_cache_fill_kernel[(5,)](keys, before, after, snapshot, claim, 7, accum, linear, cache[0],
+                                  cache[1], row_table, w_off, dims, row_base, 5, S, BLOCK_D=8)
+
+    def flat(row):
+        t = int(row_table[row])
+        start = int(w_off[t]) + (row - int(row_base[t])) * int(dims[t])
+        return slice(start, start + int(dims[t])), int(dims[t])
+
+    exp_acc, exp_lin, exp_cache = acc0.clone(), lin0.clone(), cache0.clone()
+    sl, D = flat(6)                                       # slot 1's evicted row written back
+    exp_acc[sl], exp_lin[sl] = cache0[0, 1, :D], cache0[1, 1, :D]
+    for slot, new in ((1, 8), (2, 0)):                    # inserted rows loaded
+        sl, D = flat(new)
+        exp_cache[0, slot, :D], exp_cache[1, slot, :D] = acc0[sl], lin0[sl]
+    assert torch.equal(accum, exp_acc) and torch.equal(linear, exp_lin)
+    assert torch.equal(cache, exp_cache)
+    assert claim.tolist() == [0, 7, 7, 0]

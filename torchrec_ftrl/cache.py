@@ -1,0 +1,216 @@
+"""The HBM row cache of the UVM-caching placement (``fused_uvm_caching``), built on FBGEMM's cache ops.
+
+FBGEMM's ops keep the weights: ``linearize_cache_indices`` (row keys), ``lru_cache_populate`` /
+``lfu_cache_populate`` (insert the batch's missing rows into ``lxu_cache_weights``, writing evicted
+rows back to unified memory), ``lxu_cache_lookup`` (each index's cache slot, -1 where a row could
+not be cached), ``lxu_cache_flush`` and ``lxu_cache_locking_counter_decrement``. The FTRL states
+follow (:mod:`torchrec_ftrl.kernels.triton_cache`): after every populate, the slots that took a row
+of the batch move the evicted row's ``accum`` / ``linear`` back to the unified-memory buffers and
+load the inserted row's into the state cache (fp32 ``[2, slots, S]``, the weight cache's row stride
+``S``); a flush writes every cached row's states back. So a cached row's weight
+and both states are updated in HBM and reach unified memory on eviction or :meth:`RowCache.flush`.
+
+Every table of a cached TBE is cached (a TBE holds tables of one placement; ``torchrec_ftrl.sharders()``
+plans accordingly), so the linear cache index of ``index`` in table ``t`` is ``row_base[t] + index``,
+the TBE's own row key. Sizing:
+:func:`torchrec_ftrl.placement.cache_slots` (FBGEMM's). CUDA only: FBGEMM has no CPU cache ops.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from .fbgemm_enums import CacheAlgorithm
+from .kernels.triton_cache import (fill_warps, follow_config, state_cache_fill_kernel,
+                                   state_cache_follow_kernel)
+from .placement import CACHE_ASSOC, CACHE_DIM_MULTIPLE, cache_slots
+
+# FBGEMM's cache statistics, in the order its ops fill them.
+UVM_CACHE_STATS = ("num_calls", "num_requested_indices", "num_unique_indices", "num_unique_misses",
+                   "num_conflict_unique_misses", "num_conflict_misses")
+
+
+class RowCache(nn.Module):
+    """The cache of one TBE's tables (all ``MANAGED_CACHING``).
+
+    Args:
+        rows: rows of each table. dims: D of each table (multiples of 4, FBGEMM's vector width).
+        feature_table: table of each feature (FBGEMM's ``feature_table_map``).
+        table_w_offset: int64 ``[T]`` element offset of each table in the flat buffers.
+        weights_dtype: dtype of the weights and of their cache (FBGEMM's ``cache_precision``).
+        load_factor: cache rows / table rows, in ``(0, 1]`` (used when ``cache_sets`` is 0).
+        cache_sets: sets of :data:`~torchrec_ftrl.placement.CACHE_ASSOC` rows, or 0.
+        algorithm: FBGEMM ``CacheAlgorithm.LRU`` or ``LFU``.
+        lock_lines: keep the rows of a prefetched batch in the cache until its update
+            (``prefetch_pipeline``; LRU only, FBGEMM's ``lock_cache_line``).
+        reserved_memory: bytes of HBM to leave free; a cache that would not fit in the free HBM
+            is shrunk to fit, as FBGEMM does.
+        gather_stats: count :data:`UVM_CACHE_STATS` (FBGEMM's ``gather_uvm_cache_stats``).
+        device: the CUDA device.
+
+    Raises:
+        ValueError: a dim not a multiple of 4, a bad ``load_factor`` / ``cache_sets`` /
+            ``algorithm``, or ``lock_lines`` with LFU.
+    """
+
+    def __init__(self, rows: Sequence[int], dims: Sequence[int], feature_table: Sequence[int],
+                 table_w_offset: torch.Tensor, weights_dtype: torch.dtype, load_factor: float,
+                 cache_sets: int, algorithm: CacheAlgorithm, lock_lines: bool,
+                 reserved_memory: float, gather_stats: bool, device: torch.device) -> None:
+        super().__init__()
+        bad = [d for d in dims if d % CACHE_DIM_MULTIPLE]
+        if bad:
+            raise ValueError(f"fused_uvm_caching needs every table dim to be a multiple of 4 (FBGEMM's "
+                             f"cache ops move rows 4 elements at a time), got dims {list(dims)}")
+        try:
+            algorithm = CacheAlgorithm(algorithm)
+        except ValueError:
+            raise ValueError(f"cache_algorithm must be CacheAlgorithm.LRU or LFU, got {algorithm!r}")
+        if lock_lines and algorithm != CacheAlgorithm.LRU:
+            raise ValueError("prefetch_pipeline=True needs cache_algorithm=CacheAlgorithm.LRU (FBGEMM "
+                             f"locks cache lines only for LRU), got {algorithm!r}")
+        total = int(sum(rows))
+        max_d = int(max(dims))
+        slots = cache_slots(total, load_factor, cache_sets)
+        slot_bytes = max_d * (torch.empty(0, dtype=weights_dtype).element_size() + 8)
+        if device.type == "cuda":
+            free = (torch.cuda.get_device_properties(device).total_memory
+                    - torch.cuda.memory_reserved(device) - int(reserved_memory))
+            if slots * slot_bytes > free > 0:
+                slots = max(1, free // slot_bytes // CACHE_ASSOC) * CACHE_ASSOC
+        sets = slots // CACHE_ASSOC
+        self.algorithm = algorithm
+        self.lock_lines = bool(lock_lines)
+        self.gather_stats = bool(gather_stats)
+        self.total_rows = total
+        self.max_D = max_d
+        self.timestep = 1
+        row_base = [0]
+        for r in rows:
+            row_base.append(row_base[-1] + int(r))
+        i64 = dict(dtype=torch.int64, device=device)
+        buf = lambda name, t: self.register_buffer(name, t, persistent=False)  # noqa: E731
+        # Per feature, for linearize_cache_indices; per table, for the populate / flush ops.
+        buf("cache_hash_size_cumsum", torch.tensor([row_base[t] for t in feature_table] + [total], **i64))
+        buf("table_hash_size_cumsum", torch.tensor(row_base, **i64))
+        buf("cache_index_table_map", torch.repeat_interleave(
+            torch.arange(len(rows), dtype=torch.int32, device=device),
+            torch.tensor([int(r) for r in rows], device=device), output_size=total))
+        buf("weights_offsets", table_w_offset.clone())
+        buf("D_offsets", torch.tensor([0] + [int(sum(dims[:t + 1])) for t in range(len(dims))],
+                                      dtype=torch.int32, device=device))
+        buf("table_dim", torch.tensor([int(d) for d in dims], **i64))
+        buf("lxu_cache_state", torch.full((sets, CACHE_ASSOC), -1, **i64))
+        buf("lxu_cache_weights", torch.zeros(slots, max_d, dtype=weights_dtype, device=device))
+        buf("lxu_cache_states", torch.zeros(2, slots, max_d, dtype=torch.float32, device=device))
+        buf("lxu_state", torch.zeros((total + 1,) if algorithm == CacheAlgorithm.LFU
+                                     else (sets, CACHE_ASSOC), **i64))
+        # The slots' rows before the last populate, and the populate that last claimed each slot.
+        buf("lxu_cache_snapshot", torch.full((slots,), -1, **i64))
+        buf("lxu_cache_claim", torch.zeros(slots, **i64))
+        self._stamp = 0
+        buf("lxu_cache_locking_counter", torch.zeros((sets, CACHE_ASSOC) if lock_lines else (0, 0),
+                                                     dtype=torch.int32, device=device))
+        buf("uvm_cache_stats", torch.zeros(len(UVM_CACHE_STATS), **i64))
+        buf("local_uvm_cache_stats", torch.zeros(len(UVM_CACHE_STATS), dtype=torch.int32, device=device))
+
+    @property
+    def slots(self) -> int:
+        return self.lxu_cache_weights.shape[0]
+
+    def linearize(self, indices: torch.Tensor, offsets: torch.Tensor,
+                  bags_per_feature: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """int64 ``[N]`` linear cache index (row key) of every index. ``bags_per_feature``: the bags
+        of each feature for a variable-batch (VBE) batch, None for ``F * B`` bags."""
+        if bags_per_feature is None:
+            return torch.ops.fbgemm.linearize_cache_indices(self.cache_hash_size_cumsum, indices, offsets)
+        b_offsets = [0]
+        for b in bags_per_feature:
+            b_offsets.append(b_offsets[-1] + int(b))
+        b_offsets_t = torch.tensor(b_offsets, dtype=torch.int32).to(indices.device, non_blocking=True)
+        return torch.ops.fbgemm.linearize_cache_indices(self.cache_hash_size_cumsum, indices, offsets,
+                                                        b_offsets_t, max(bags_per_feature, default=0))
+
+    def populate(self, linear: torch.Tensor, weights: torch.Tensor, accum: torch.Tensor,
+                 linear_state: torch.Tensor) -> torch.Tensor:
+        """Insert the rows of ``linear`` (int64 ``[N]``) into the cache, evicting (and writing back)
+        others; the states follow. ``weights`` / ``accum`` / ``linear_state``: the flat buffers.
+        Returns the int32 ``[N]`` cache slot of each index after the populate (-1: not cached)."""
+        before = self.lookup(linear, count=False)
+        self.lxu_cache_snapshot.copy_(self.lxu_cache_state.view(-1))
+        if self.algorithm == CacheAlgorithm.LRU:
+            torch.ops.fbgemm.lru_cache_populate(
+                weights, self.table_hash_size_cumsum, self.total_rows, self.cache_index_table_map,
+                self.weights_offsets, self.D_offsets, linear, self.lxu_cache_state,
+                self.lxu_cache_weights, self.timestep, self.lxu_state, False, self.gather_stats,
+                self.local_uvm_cache_stats, self.lock_lines,
+                self.lxu_cache_locking_counter if self.lock_lines else None)
+        else:
+            torch.ops.fbgemm.lfu_cache_populate(
+                weights, self.table_hash_size_cumsum, self.total_rows, self.cache_index_table_map,
+                self.weights_offsets, self.D_offsets, linear, self.lxu_cache_state,
+                self.lxu_cache_weights, self.lxu_state, False)
+        self.timestep += 1
+        after = self.lookup(linear)
+        self._stamp += 1
+        n = linear.numel()
+        if n:
+            block_d = 1 << max(0, self.max_D - 1).bit_length()
+            state_cache_fill_kernel[(n,)](
+                linear, before, after, self.lxu_cache_snapshot, self.lxu_cache_claim, self._stamp,
+                accum, linear_state, self.lxu_cache_states[0], self.lxu_cache_states[1],
+                self.cache_index_table_map, self.weights_offsets, self.table_dim,
+                self.table_hash_size_cumsum, n, self.lxu_cache_states.stride(1), BLOCK_D=block_d,
+                num_warps=fill_warps(block_d))
+        return after
+
+    def lookup(self, linear: torch.Tensor, count: bool = True) -> torch.Tensor:
+        """int32 ``[N]`` cache slot of each row of ``linear``, -1 where it is not cached; counted in
+        the statistics with ``count``."""
+        count = count and self.gather_stats
+        loc = torch.ops.fbgemm.lxu_cache_lookup(linear, self.lxu_cache_state, self.total_rows,
+                                                count, self.local_uvm_cache_stats)
+        if count:
+            self.uvm_cache_stats += self.local_uvm_cache_stats
+            self.local_uvm_cache_stats.zero_()
+        return loc
+
+    def unlock(self, locations: torch.Tensor) -> None:
+        """Release the lines a prefetch locked for the batch whose slots are ``locations``."""
+        if self.lock_lines:
+            torch.ops.fbgemm.lxu_cache_locking_counter_decrement(self.lxu_cache_locking_counter,
+                                                                 locations)
+
+    def flush(self, weights: torch.Tensor, accum: torch.Tensor, linear_state: torch.Tensor) -> None:
+        """Write every cached row (weight and states) back to the flat buffers; the cache keeps them."""
+        torch.ops.fbgemm.lxu_cache_flush(
+            weights, self.table_hash_size_cumsum, self.cache_index_table_map, self.weights_offsets,
+            self.D_offsets, int(self.D_offsets[-1]), self.lxu_cache_state, self.lxu_cache_weights,
+            False)
+        self._follow(self.lxu_cache_state, torch.full_like(self.lxu_cache_state, -1), accum,
+                     linear_state)
+
+    def reset(self) -> None:
+        """Empty the cache without writing anything back (FBGEMM's ``reset_cache_states``)."""
+        self.lxu_cache_state.fill_(-1)
+        self.lxu_state.zero_()
+        self.timestep = 1
+
+    def reset_states(self, initial_accumulator_value: float) -> None:
+        """accum := ``initial_accumulator_value``, linear := 0 for the cached rows too."""
+        self.lxu_cache_states[0].fill_(initial_accumulator_value)
+        self.lxu_cache_states[1].zero_()
+
+    def _follow(self, before: torch.Tensor, after: torch.Tensor, accum: torch.Tensor,
+                linear_state: torch.Tensor) -> None:
+        block_d = 1 << max(0, self.max_D - 1).bit_length()
+        per, warps = follow_config(block_d)
+        slots = before.numel()
+        stride = self.lxu_cache_states.stride(1)
+        state_cache_follow_kernel[(-(-slots // per),)](
+            before, after, accum, linear_state, self.lxu_cache_states[0], self.lxu_cache_states[1],
+            self.cache_index_table_map, self.weights_offsets, self.table_dim,
+            self.table_hash_size_cumsum, slots, stride, SLOTS=per, BLOCK_D=block_d, num_warps=warps)

@@ -1,0 +1,70 @@
+"""Where an FTRL TBE keeps its rows (FBGEMM ``EmbeddingLocation``), and the bytes each placement costs.
+
+* ``DEVICE`` (TorchRec compute kernel ``fused`` on CUDA) and ``HOST`` (``fused`` on CPU): weights,
+  ``accum`` and ``linear`` in three flat buffers on the tables' device.
+* ``MANAGED`` (``fused_uvm``): the same three buffers in unified memory (FBGEMM's
+  ``new_unified_tensor``; host-mapped with ``uvm_host_mapped=True``), read and written in place by the
+  same kernels. Host memory holds the table; the GPU reaches it over PCIe / NVLink-C2C.
+* ``MANAGED_CACHING`` (``fused_uvm_caching``): the same three buffers in unified memory, and an HBM
+  cache of whole rows: FBGEMM's weight cache (``lxu_cache_weights``, ``[slots, max_D]`` in the cache
+  precision) managed by FBGEMM's cache ops (``linearize_cache_indices``, ``lru_cache_populate`` /
+  ``lfu_cache_populate``, ``lxu_cache_lookup``, ``lxu_cache_flush``), and beside it a state cache
+  (``accum`` and ``linear``, fp32 ``[2, slots, max_D]``) that follows every slot FBGEMM fills or
+  evicts. A cached row's weight and both states are updated in the cache and written back when
+  evicted or flushed; a lookup the cache could not take (a batch with more unique rows than a cache
+  set holds) reads and updates the unified-memory row in place.
+
+The planner (:mod:`torchrec_ftrl.integration.planner`) and the TBE (:mod:`torchrec_ftrl.tbe`) both size
+these buffers from the functions below, so the plan and the allocation agree.
+"""
+
+from __future__ import annotations
+
+from .fbgemm_enums import EmbeddingLocation
+
+# FBGEMM's cache associativity on CUDA (``DEFAULT_ASSOC`` of its training TBE): rows per cache set.
+CACHE_ASSOC = 32
+STATE_BYTES_PER_ELEMENT = 8          # accum + linear, fp32 each, whatever the weight dtype
+# FBGEMM's cache ops move rows 4 elements at a time: a cached table's dim is a multiple of this.
+CACHE_DIM_MULTIPLE = 4
+
+PLACEMENTS = (EmbeddingLocation.DEVICE, EmbeddingLocation.HOST, EmbeddingLocation.MANAGED,
+              EmbeddingLocation.MANAGED_CACHING)
+
+
+def cache_slots(cached_rows: int, load_factor: float, cache_sets: int = 0) -> int:
+    """Rows the HBM cache holds for ``cached_rows`` rows: FBGEMM's sizing, ``cache_sets`` sets of
+    :data:`CACHE_ASSOC` rows, ``cache_sets = ceil(cached_rows * load_factor / CACHE_ASSOC)`` (at least
+    1) unless given.
+
+    Raises:
+        ValueError: ``load_factor`` not in ``(0, 1]`` (when ``cache_sets`` is not given) or a negative
+            ``cache_sets``.
+    """
+    if isinstance(cache_sets, bool) or not isinstance(cache_sets, int) or cache_sets < 0:
+        raise ValueError(f"cache_sets must be an int >= 0, got {cache_sets!r}")
+    if cache_sets == 0:
+        if isinstance(load_factor, bool) or not isinstance(load_factor, (int, float)) \
+                or not 0.0 < float(load_factor) <= 1.0:
+            raise ValueError(f"cache_load_factor must be in (0, 1], got {load_factor!r}")
+        cache_sets = max(1, (int(cached_rows * float(load_factor)) + CACHE_ASSOC - 1) // CACHE_ASSOC)
+    return cache_sets * CACHE_ASSOC
+
+
+def table_bytes(rows: int, dim: int, weight_bytes: int, location: EmbeddingLocation) -> int:
+    """Bytes of one table's weights and FTRL state where the table itself lives (every placement: the
+    device for ``DEVICE`` / ``HOST``, unified host memory for ``MANAGED`` and ``MANAGED_CACHING``). The
+    cache is :func:`cache_bytes`."""
+    return rows * dim * (weight_bytes + STATE_BYTES_PER_ELEMENT)
+
+
+def cache_bytes(cached_rows: int, max_dim: int, slots: int, lfu: bool = False,
+                cache_weight_bytes: int = 4) -> int:
+    """HBM bytes of a ``MANAGED_CACHING`` TBE's cache: ``slots`` rows of ``max_dim`` weights
+    (``cache_weight_bytes`` each: the cache precision) and ``2 x max_dim`` fp32 states, FBGEMM's
+    per-slot state (``lxu_cache_state`` int64 and, for LRU, ``lru_state`` int64), the state cache's
+    per-slot int64 snapshot and claim stamp, and per-row arrays (``cache_index_table_map`` int32; for
+    LFU, the ``lfu_state`` int64 counters of every row)."""
+    per_slot = max_dim * (cache_weight_bytes + STATE_BYTES_PER_ELEMENT) + 24 + (0 if lfu else 8)
+    per_row = 4 + (8 if lfu else 0)
+    return slots * per_slot + cached_rows * per_row

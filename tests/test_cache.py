@@ -557,3 +557,140 @@ def test_interp_state_cache_fill_moves_each_inserted_slot_once(interp):
     assert torch.equal(accum, exp_acc) and torch.equal(linear, exp_lin)
     assert torch.equal(cache, exp_cache)
     assert claim.tolist() == [0, 7, 7, 0]
+
+
+# ------------------------------------------------------------------ CPU: byte model, TBE cache flow
+@pytest.mark.parametrize("lfu,lock", [(False, False), (False, True), (True, False)])
+def test_row_cache_allocates_what_the_byte_model_counts(lfu, lock):
+    """The buffers RowCache allocates (on CPU here) equal placement.cache_bytes plus the small
+    per-table / per-feature arrays and the statistics, counted here from their definitions."""
+    from torchrec_ftrl.cache import RowCache
+    from torchrec_ftrl.placement import cache_bytes, cache_slots
+    rows, dims, fmap = [4000, 1000], [128, 16], [0, 1, 1]
+    algorithm = CacheAlgorithm.LFU if lfu else CacheAlgorithm.LRU
+    c = RowCache(rows, dims, fmap, torch.tensor([0, 4000 * 128]), torch.float16, 0.2, 0, algorithm,
+                 lock, 0.0, False, torch.device("cpu"))
+    allocated = sum(b.numel() * b.element_size() for b in c.buffers())
+    slots = cache_slots(sum(rows), 0.2)
+    assert c.slots == slots == 1024                        # ceil(floor(5000 * 0.2) / 32) sets of 32
+    T, F = len(rows), len(fmap)
+    small = (8 * (F + 1) + 8 * (T + 1) + 8 * T + 4 * (T + 1) + 8 * T   # cumsums, offsets, dims
+             + 6 * 8 + 6 * 4 + (8 if lfu else 0))                      # statistics; LFU's extra row
+    assert allocated - cache_bytes(sum(rows), max(dims), slots, lfu, 2, lock) == small
+
+
+class _FakeRowCache(torch.nn.Module):
+    """Stands in for RowCache on CPU (FBGEMM's cache ops are CUDA-only): caches nothing (every slot
+    -1, so the TBE reads and updates the flat buffers) and records the calls."""
+
+    def __init__(self, lock_lines):
+        super().__init__()
+        self.lock_lines = lock_lines
+        self.calls = []
+        self.register_buffer("lxu_cache_weights", torch.zeros(1, 8))
+        self.register_buffer("lxu_cache_states", torch.zeros(2, 1, 8))
+        self._n = 0
+
+    def linearize(self, indices, offsets, bags=None):
+        self.calls.append(("linearize", indices.numel()))
+        return indices.clone()
+
+    def _slots(self, keys, tag):
+        self._n += 1
+        slots = torch.full((keys.numel(),), -1, dtype=torch.int32)
+        slots.tag = (tag, self._n)
+        return slots
+
+    def populate(self, keys, *buffers):
+        self.calls.append(("populate", keys.numel()))
+        return self._slots(keys, "populate")
+
+    def lookup(self, keys, count=True):
+        self.calls.append(("lookup", keys.numel(), count))
+        return self._slots(keys, "lookup")
+
+    def unlock(self, slots):
+        self.calls.append(("unlock", slots.tag))
+
+    def flush(self, *buffers):
+        self.calls.append(("flush",))
+
+    def reset(self):
+        self.calls.append(("reset",))
+
+    def reset_states(self, value):
+        pass
+
+
+def _cpu_tbes(lock):
+    ref = FTRLTableBatchedEmbeddingBags([(50, 8), (45, 8)], device="cpu", **KNOBS)
+    m = FTRLTableBatchedEmbeddingBags([(50, 8), (45, 8)], device="cpu", **KNOBS)
+    m.load_state_dict(ref.state_dict())
+    m.cache = _FakeRowCache(lock)
+    m.prefetch_pipeline = lock
+    return ref, m
+
+
+def _step(m, idx, off, g, backward=True):
+    out = m(idx, off)
+    if backward:
+        out.backward(g)
+    return out
+
+
+@pytest.mark.parametrize("lock", [False, True])
+def test_cached_flow_populates_looks_up_again_and_releases_after_the_update(lock):
+    ref, m = _cpu_tbes(lock)
+    idx, off = torch.tensor([1, 2, 2, 40, 7, 3]), torch.tensor([0, 2, 3, 5, 6])
+    g = torch.randn(2, 16, generator=torch.Generator().manual_seed(0))
+    want = _step(ref, idx, off, g)
+    assert torch.equal(_step(m, idx, off, g), want)
+    names = [c[0] for c in m.cache.calls]
+    # forward: linearize + populate; update: look up again (uncounted); then release the batch's lines
+    assert names == ["linearize", "populate", "lookup", "unlock"]
+    assert m.cache.calls[2][2] is False and m.cache.calls[3][1] == ("populate", 1)
+    for a, b in zip(m.split_embedding_weights(), ref.split_embedding_weights()):
+        assert torch.equal(a, b)
+
+
+def test_cached_flow_takes_the_prefetched_batch_and_tolerates_a_stale_one():
+    ref, m = _cpu_tbes(True)
+    idx, off = torch.tensor([1, 2, 2, 40, 7, 3]), torch.tensor([0, 2, 3, 5, 6])
+    other_idx, other_off = torch.tensor([5, 6]), torch.tensor([0, 1, 1, 2, 2])
+    g = torch.randn(2, 16, generator=torch.Generator().manual_seed(0))
+    m.prefetch(other_idx, other_off)          # a prefetch of another batch, left over
+    m.cache.calls.clear()
+    out = _step(m, idx, off, g)
+    want = _step(ref, idx, off, g)
+    assert torch.equal(out, want)             # rows read where they are, not at the stale slots
+    names = [c[0] for c in m.cache.calls]
+    assert names == ["linearize", "lookup", "lookup", "unlock"]      # no populate: the queue had one
+    assert m.cache.calls[-1][1][0] == "populate"                      # the prefetch's lines released
+    assert m._prefetched == []
+    for a, b in zip(m.split_embedding_weights(), ref.split_embedding_weights()):
+        assert torch.equal(a, b)
+
+
+def test_cached_flow_releases_lines_at_once_without_an_update():
+    _, m = _cpu_tbes(True)
+    idx, off = torch.tensor([1, 2, 40]), torch.tensor([0, 2, 3])
+    with torch.no_grad():
+        m(idx, off)
+    assert [c[0] for c in m.cache.calls] == ["linearize", "populate", "unlock"]
+    m.cache.calls.clear()
+    m.eval()                                  # grad enabled, eval mode: no update is expected
+    m(idx, off).sum().backward()
+    names = [c[0] for c in m.cache.calls]
+    assert names.count("unlock") == 1 and names.index("unlock") < names.index("lookup", 2)
+
+
+def test_prefetch_refuses_its_own_stream_without_locks_and_skips_what_it_cannot_lay_out():
+    _, m = _cpu_tbes(False)
+    with pytest.raises(ValueError, match="prefetch_pipeline=True"):
+        m.prefetch(torch.tensor([1]), torch.tensor([0, 1, 1]), forward_stream=object())
+    m.prefetch(torch.tensor([1, 2]), torch.tensor([0, 1, 2, 2]))     # 3 bags for 2 features: VBE
+    assert m.cache.calls == [] and m._prefetched == []
+    m.prefetch(torch.tensor([99, 2]), torch.tensor([0, 1, 2]))       # out of range: read as row 0
+    assert m.cache.calls[0] == ("linearize", 2) and int(m.bounds_check_warning) == 0
+    m.reset_cache_states()
+    assert m._prefetched == [] and m.cache.calls[-1] == ("reset",)

@@ -202,7 +202,7 @@ def test_fused_params_to_tbe_kwargs():
 
 # What TorchRec's add_params_from_parameter_sharding puts in fused_params from a table's CacheParams
 # (algorithm, load_factor, reserved_memory, precision, prefetch_pipeline), plus FBGEMM's other cache keys.
-CACHE_KEYS = {"cache_algorithm": CacheAlgorithm.LFU, "cache_load_factor": 0.3, "cache_reserved_memory": 2.5,
+CACHE_KEYS = {"cache_algorithm": CacheAlgorithm.LRU, "cache_load_factor": 0.3, "cache_reserved_memory": 2.5,
               "prefetch_pipeline": True, "cache_sets": 7, "uvm_host_mapped": True,
               "gather_uvm_cache_stats": True}
 

@@ -26,7 +26,7 @@ from torch import nn
 from .fbgemm_enums import CacheAlgorithm
 from .kernels.triton_cache import (fill_warps, follow_config, state_cache_fill_kernel,
                                    state_cache_follow_kernel)
-from .placement import CACHE_ASSOC, CACHE_DIM_MULTIPLE, cache_slots
+from .placement import CACHE_ASSOC, CACHE_DIM_MULTIPLE, cache_slots, check_cache_options
 
 # FBGEMM's cache statistics, in the order its ops fill them.
 UVM_CACHE_STATS = ("num_calls", "num_requested_indices", "num_unique_indices", "num_unique_misses",
@@ -65,21 +65,19 @@ class RowCache(nn.Module):
         if bad:
             raise ValueError(f"fused_uvm_caching needs every table dim to be a multiple of 4 (FBGEMM's "
                              f"cache ops move rows 4 elements at a time), got dims {list(dims)}")
-        try:
-            algorithm = CacheAlgorithm(algorithm)
-        except ValueError:
-            raise ValueError(f"cache_algorithm must be CacheAlgorithm.LRU or LFU, got {algorithm!r}")
-        if lock_lines and algorithm != CacheAlgorithm.LRU:
-            raise ValueError("prefetch_pipeline=True needs cache_algorithm=CacheAlgorithm.LRU (FBGEMM "
-                             f"locks cache lines only for LRU), got {algorithm!r}")
+        algorithm = check_cache_options(load_factor if cache_sets == 0 else 1.0, cache_sets,
+                                        algorithm, lock_lines)
         total = int(sum(rows))
         max_d = int(max(dims))
         slots = cache_slots(total, load_factor, cache_sets)
         slot_bytes = max_d * (torch.empty(0, dtype=weights_dtype).element_size() + 8)
-        if device.type == "cuda":
+        if device.type == "cuda" and cache_sets == 0:   # FBGEMM shrinks only a computed size
             free = (torch.cuda.get_device_properties(device).total_memory
                     - torch.cuda.memory_reserved(device) - int(reserved_memory))
-            if slots * slot_bytes > free > 0:
+            if free <= 0:
+                raise ValueError(f"cache_reserved_memory={reserved_memory!r} leaves no free HBM for "
+                                 f"the cache on {device}")
+            if slots * slot_bytes > free:
                 slots = max(1, free // slot_bytes // CACHE_ASSOC) * CACHE_ASSOC
         sets = slots // CACHE_ASSOC
         self.algorithm = algorithm
@@ -194,9 +192,11 @@ class RowCache(nn.Module):
                      linear_state)
 
     def reset(self) -> None:
-        """Empty the cache without writing anything back (FBGEMM's ``reset_cache_states``)."""
+        """Empty the cache without writing anything back (FBGEMM's ``reset_cache_states``) and
+        release every locked line (call it between steps)."""
         self.lxu_cache_state.fill_(-1)
         self.lxu_state.zero_()
+        self.lxu_cache_locking_counter.zero_()
         self.timestep = 1
 
     def reset_states(self, initial_accumulator_value: float) -> None:

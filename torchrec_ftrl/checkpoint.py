@@ -136,6 +136,23 @@ def import_ftrl_tables(model: torch.nn.Module, path: str | os.PathLike) -> None:
             for offsets, local in _local_pieces(t):
                 sl = tuple(slice(o, o + s) for o, s in zip(offsets, local.shape))
                 local.copy_(src[sl].to(local.dtype))
+    # The writes went to the tables themselves (reading the state dicts above flushed every HBM
+    # cache): drop the cached copies, which hold the values from before the import.
+    for tbe in _ftrl_tbes(opt_root=getattr(model, "fused_optimizer", None)):
+        tbe.reset_cache_states()
+
+
+def _ftrl_tbes(opt_root) -> list:
+    """The FTRL TBEs behind a (nested) TorchRec ``CombinedOptimizer``: one per fused optimizer."""
+    from .tbe import FTRLTableBatchedEmbeddingBags
+    found, todo = {}, [opt_root]
+    while todo:
+        opt = todo.pop()
+        emb = getattr(opt, "_emb_module", None)
+        if isinstance(emb, FTRLTableBatchedEmbeddingBags):
+            found[id(emb)] = emb
+        todo.extend(sub for _, sub in getattr(opt, "_optims", ()))
+    return list(found.values())
 
 
 def _check_suffix(path: str) -> None:

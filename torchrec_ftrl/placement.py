@@ -20,7 +20,9 @@ these buffers from the functions below, so the plan and the allocation agree.
 
 from __future__ import annotations
 
-from .fbgemm_enums import EmbeddingLocation
+from typing import Any
+
+from .fbgemm_enums import CacheAlgorithm, EmbeddingLocation
 
 # FBGEMM's cache associativity on CUDA (``DEFAULT_ASSOC`` of its training TBE): rows per cache set.
 CACHE_ASSOC = 32
@@ -51,6 +53,32 @@ def cache_slots(cached_rows: int, load_factor: float, cache_sets: int = 0) -> in
     return cache_sets * CACHE_ASSOC
 
 
+def check_cache_options(load_factor: Any = 0.2, cache_sets: Any = 0,
+                        algorithm: Any = CacheAlgorithm.LRU, prefetch_pipeline: Any = False,
+                        where: str = "") -> CacheAlgorithm:
+    """Validate the ``MANAGED_CACHING`` cache settings; returns the ``CacheAlgorithm``.
+
+    Raises:
+        ValueError: ``load_factor`` not a number in ``(0, 1]``, ``cache_sets`` not an int >= 0,
+            ``algorithm`` not LRU / LFU, or ``prefetch_pipeline`` with LFU (FBGEMM locks cache lines
+            for LRU only); the message names the setting, its value and ``where`` it came from.
+    """
+    at = f" ({where})" if where else ""
+    if isinstance(load_factor, bool) or not isinstance(load_factor, (int, float)) \
+            or not 0.0 < float(load_factor) <= 1.0:
+        raise ValueError(f"cache_load_factor must be a number in (0, 1], got {load_factor!r}{at}")
+    if isinstance(cache_sets, bool) or not isinstance(cache_sets, int) or cache_sets < 0:
+        raise ValueError(f"cache_sets must be an int >= 0, got {cache_sets!r}{at}")
+    try:
+        algorithm = CacheAlgorithm(algorithm)
+    except ValueError:
+        raise ValueError(f"cache_algorithm must be CacheAlgorithm.LRU or LFU, got {algorithm!r}{at}")
+    if prefetch_pipeline and algorithm != CacheAlgorithm.LRU:
+        raise ValueError(f"prefetch_pipeline=True needs cache_algorithm=CacheAlgorithm.LRU (FBGEMM "
+                         f"locks cache lines only for LRU), got {algorithm!r}{at}")
+    return algorithm
+
+
 def table_bytes(rows: int, dim: int, weight_bytes: int, location: EmbeddingLocation) -> int:
     """Bytes of one table's weights and FTRL state where the table itself lives (every placement: the
     device for ``DEVICE`` / ``HOST``, unified host memory for ``MANAGED`` and ``MANAGED_CACHING``). The
@@ -59,12 +87,15 @@ def table_bytes(rows: int, dim: int, weight_bytes: int, location: EmbeddingLocat
 
 
 def cache_bytes(cached_rows: int, max_dim: int, slots: int, lfu: bool = False,
-                cache_weight_bytes: int = 4) -> int:
+                cache_weight_bytes: int = 4, lock_lines: bool = False) -> int:
     """HBM bytes of a ``MANAGED_CACHING`` TBE's cache: ``slots`` rows of ``max_dim`` weights
     (``cache_weight_bytes`` each: the cache precision) and ``2 x max_dim`` fp32 states, FBGEMM's
     per-slot state (``lxu_cache_state`` int64 and, for LRU, ``lru_state`` int64), the state cache's
-    per-slot int64 snapshot and claim stamp, and per-row arrays (``cache_index_table_map`` int32; for
-    LFU, the ``lfu_state`` int64 counters of every row)."""
-    per_slot = max_dim * (cache_weight_bytes + STATE_BYTES_PER_ELEMENT) + 24 + (0 if lfu else 8)
+    per-slot int64 snapshot and claim stamp, with ``lock_lines`` (``prefetch_pipeline``) FBGEMM's
+    int32 locking counter, and per-row arrays (``cache_index_table_map`` int32; for LFU, the
+    ``lfu_state`` int64 counters of every row). A TBE sizes one cache for all its tables, at the
+    largest dim ``max_dim``."""
+    per_slot = (max_dim * (cache_weight_bytes + STATE_BYTES_PER_ELEMENT) + 24 + (0 if lfu else 8)
+                + (4 if lock_lines else 0))
     per_row = 4 + (8 if lfu else 0)
     return slots * per_slot + cached_rows * per_row

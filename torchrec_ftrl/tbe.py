@@ -25,7 +25,7 @@ from .hyperparams import DEFAULT_LEARNING_RATE, FTRLHyperparams, parse_options
 from .kernels.backend import resolve_backend
 from .kernels.layout import TBEBatch
 from .optim_type import emb_optim_type
-from .placement import PLACEMENTS
+from .placement import CACHE_DIM_MULTIPLE, PLACEMENTS, check_cache_options
 
 __all__ = ["FTRLTableBatchedEmbeddingBags"]
 
@@ -87,6 +87,8 @@ class _FTRLLookupFunction(torch.autograd.Function):
                     if ctx.psw_needs_grad else None)
         backend.backward_update_(module.weights_dev, module.accum_dev, module.linear_dev, batch, bctx,
                                  grad_out, module._hp, module.nonfinite_grad_rows)
+        if ctx.cache_keys is not None:
+            module._after_cached_update(*ctx.cache_keys)
         module.iter += 1
         return None, None, None, grad_psw, None, None
 
@@ -185,7 +187,7 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
             raise ValueError("embedding_specs must name at least one table, got []")
         rows_dims, locations = [], set()
         for t, spec in enumerate(embedding_specs):
-            if len(spec) not in (2, 4):
+            if not isinstance(spec, (tuple, list)) or len(spec) not in (2, 4):
                 raise ValueError(f"embedding_specs[{t}] must be (rows, dim) or (rows, dim, location, "
                                  f"compute_device), got {spec!r}")
             rows, dim = spec[0], spec[1]
@@ -195,11 +197,10 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
                 raise ValueError(f"embedding_specs[{t}] dim must be an int >= 1, got {dim!r}")
             rows_dims.append((rows, dim))
             if len(spec) == 4:
-                try:
-                    locations.add(EmbeddingLocation(spec[2]))
-                except ValueError:
+                if not isinstance(spec[2], EmbeddingLocation):
                     raise ValueError(f"embedding_specs[{t}] location must be an EmbeddingLocation, "
                                      f"got {spec[2]!r}")
+                locations.add(spec[2])
         uvm_locations = locations & {EmbeddingLocation.MANAGED, EmbeddingLocation.MANAGED_CACHING}
         if not locations <= set(PLACEMENTS) or (uvm_locations and len(locations) > 1):
             raise ValueError(f"embedding_specs locations must be one of DEVICE/HOST, MANAGED or "
@@ -237,6 +238,15 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         if placement is not None and device.type != "cuda":
             raise ValueError(f"embedding_specs location {placement.name} (unified memory) needs a CUDA "
                              f"device, got device={device}")
+        if placement == EmbeddingLocation.MANAGED_CACHING:   # before anything is allocated
+            check_cache_options(cache_load_factor if cache_sets == 0 else 1.0, cache_sets,
+                                cache_algorithm, prefetch_pipeline, where="FTRLTableBatchedEmbeddingBags")
+            bad = [d for _, d in rows_dims if d % CACHE_DIM_MULTIPLE]
+            if bad:
+                raise ValueError(f"MANAGED_CACHING needs every table dim to be a multiple of "
+                                 f"{CACHE_DIM_MULTIPLE} (FBGEMM's cache ops move rows "
+                                 f"{CACHE_DIM_MULTIPLE} elements at a time), got dims "
+                                 f"{[d for _, d in rows_dims]}")
         self.weights_precision = _as_sparse_type("weights_precision", weights_precision)
         if placement == EmbeddingLocation.MANAGED_CACHING and cache_precision is not None and \
                 _as_sparse_type("cache_precision", cache_precision) != self.weights_precision:
@@ -347,14 +357,18 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         """Pooled (or sequence) lookup; see the class docstring for shapes. ``feature_requires_grad``
         is accepted for FBGEMM compatibility and ignored (every feature's table is trained)."""
         batch = self._make_batch(indices, offsets, per_sample_weights, batch_size_per_feature_per_rank)
-        cache_keys = None
-        if self.cache is not None:
-            batch, cache_keys = self._cached_batch(batch, batch_size_per_feature_per_rank)
+        cache_keys, release = None, None
         train = torch.is_grad_enabled() and self.placeholder_autograd_tensor.requires_grad
+        if self.cache is not None:
+            batch, keys, locked = self._cached_batch(batch, batch_size_per_feature_per_rank)
+            if train and self.training:
+                cache_keys = (keys, locked)     # the update releases the lines
+            else:                               # no update is expected: released after the lookup
+                cache_keys, release = ((keys, None) if train else None), locked
         out = _FTRLLookupFunction.apply(self.placeholder_autograd_tensor, self, batch, per_sample_weights,
                                         train, cache_keys)
-        if cache_keys is not None and not train:
-            self.cache.unlock(cache_keys[1])   # no update follows: release the batch's lines
+        if release is not None:
+            self.cache.unlock(release)
         if self.pooling_mode == PoolingMode.NONE:
             return out.view(-1, self.max_D)
         if batch_size_per_feature_per_rank is not None:
@@ -425,58 +439,86 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
             table_row_base=self._table_row_base, unchecked_counter=unchecked_counter)
 
     # ------------------------------------------------------------------ the UVM-caching placement
-    def _cached_batch(self, batch: TBEBatch, bsfpr) -> tuple[TBEBatch, tuple]:
-        """``batch`` with its rows' cache slots: the batch :meth:`prefetch` took first, else the cache
-        is populated for it now. Returns the batch and ``(row keys, slots)`` for the update."""
-        N = batch.indices.numel()
-        if self._prefetched and bsfpr is not None:
-            # TorchRec's pooled lookup prefetches without the variable batch sizes, so a prefetched
-            # VBE batch was linearised as F * B bags: release it and populate for the real layout.
-            self.cache.unlock(self._prefetched.pop(0)[1])
+    def _cached_batch(self, batch: TBEBatch, bsfpr) -> tuple[TBEBatch, torch.Tensor, torch.Tensor]:
+        """``batch`` with its rows' cache slots, the row keys, and the slots whose lines a populate
+        locked for it (``prefetch_pipeline``; released after its update).
+
+        Without a prefetched batch, the cache is populated for this one. With one, the oldest is
+        taken (its populate brought this batch's rows in) and this batch's rows are looked up: a
+        prefetched batch that is not this one (a prefetch left over from a training loop, or a VBE
+        batch TorchRec prefetched without its batch sizes) costs cache hits, never a wrong row."""
+        bags = self._bags_per_feature(bsfpr)
+        keys = self.cache.linearize(batch.indices, batch.offsets, bags)
         if self._prefetched:
-            if self._prefetched[0][0].numel() != N:
-                raise ValueError(f"forward got {N} indices but the oldest prefetch()ed batch has "
-                                 f"{self._prefetched[0][0].numel()}: prefetch() and forward() must see "
-                                 f"the same batches in the same order")
-            keys, slots = self._prefetched.pop(0)
+            _, locked = self._prefetched.pop(0)
             if self._prefetch_stream is not None:
                 torch.cuda.current_stream().wait_stream(self._prefetch_stream)
+            slots = self.cache.lookup(keys)
         else:
-            keys, slots = self._populate(batch, bsfpr)
+            slots = locked = self.cache.populate(keys, self.weights_dev, self.accum_dev, self.linear_dev)
         return dataclasses.replace(batch, cache_locations=slots,
                                    cache_weights=self.cache.lxu_cache_weights,
-                                   cache_states=self.cache.lxu_cache_states), (keys, slots)
+                                   cache_states=self.cache.lxu_cache_states), keys, locked
 
-    def _populate(self, batch: TBEBatch, bsfpr) -> tuple[torch.Tensor, torch.Tensor]:
-        bags = [sum(int(b) for b in per_rank) for per_rank in bsfpr] if bsfpr is not None else None
-        keys = self.cache.linearize(batch.indices, batch.offsets, bags)
-        return keys, self.cache.populate(keys, self.weights_dev, self.accum_dev, self.linear_dev)
+    @staticmethod
+    def _bags_per_feature(bsfpr) -> Optional[list[int]]:
+        return [sum(int(b) for b in per_rank) for per_rank in bsfpr] if bsfpr is not None else None
 
     def _relocate_cached_rows(self, batch: TBEBatch, keys: torch.Tensor,
-                              slots: torch.Tensor) -> TBEBatch:
-        """The batch for its update: the prefetch of a later batch is waited for, this batch's lines
-        are released, and its rows are looked up again (a row may have been evicted, and written
-        back, or cached since the forward), so the update reaches each row where it is now."""
+                              locked: Optional[torch.Tensor]) -> TBEBatch:
+        """The batch for its update: the prefetch of a later batch is waited for and the rows are
+        looked up again (a row may have been evicted, and written back, or cached since the
+        forward), so the update reaches each row where it is now."""
         if self._prefetch_stream is not None:
             torch.cuda.current_stream().wait_stream(self._prefetch_stream)
-        self.cache.unlock(slots)
         return dataclasses.replace(batch, cache_locations=self.cache.lookup(keys, count=False))
+
+    def _after_cached_update(self, keys: torch.Tensor, locked: Optional[torch.Tensor]) -> None:
+        """After a cached batch's update: release its lines, and make the prefetch stream wait for
+        the update (a later prefetch must not copy a row into the cache while it is updated)."""
+        if locked is not None:
+            self.cache.unlock(locked)
+        if self._prefetch_stream is not None:
+            self._prefetch_stream.wait_stream(torch.cuda.current_stream())
 
     def prefetch(self, indices: torch.Tensor, offsets: torch.Tensor,
                  forward_stream: Optional[torch.cuda.Stream] = None,
                  batch_size_per_feature_per_rank: Optional[Sequence[Sequence[int]]] = None) -> None:
         """Bring a batch's rows into the HBM cache ahead of its :meth:`forward` (FBGEMM's
         ``prefetch``; TorchRec's ``PrefetchTrainPipelineSparseDist`` calls it on its prefetch
-        stream). Batches are consumed by ``forward`` in the order they were prefetched. With
-        ``prefetch_pipeline=True`` their lines stay locked until their update. A no-op for the
-        other placements. Inputs as :meth:`forward`; bad input raises ``ValueError`` first."""
+        stream). Each forward takes the oldest prefetched batch. With ``prefetch_pipeline=True``
+        the batch's lines stay locked until its update. A no-op for the other placements.
+
+        The prefetch only warms the cache: out-of-range indices are read as row 0 here (the forward
+        checks its batch by ``bounds_check_mode``), and a batch whose bag count does not fit the
+        features (a VBE batch given without its batch sizes) is skipped.
+
+        Raises:
+            ValueError: ``forward_stream`` (a prefetch on its own stream, overlapping the forward of
+                the batch before) without ``prefetch_pipeline=True``, which keeps that batch's rows
+                from being evicted under it; indices / offsets that are not 1-D int tensors on the
+                tables' device.
+        """
         if self.cache is None:
             return
+        if forward_stream is not None and not self.prefetch_pipeline:
+            raise ValueError("prefetch(forward_stream=...) overlaps the previous batch's forward and "
+                             "needs prefetch_pipeline=True (LRU line locking); got "
+                             "prefetch_pipeline=False")
         if forward_stream is not None and self._prefetch_stream is None:
             self._prefetch_stream = torch.cuda.current_stream()
-        batch = self._make_batch(indices, offsets, None, batch_size_per_feature_per_rank,
-                                 warn_counter=torch.zeros_like(self.bounds_check_warning))
-        keys, slots = self._populate(batch, batch_size_per_feature_per_rank)
+        F = len(self.feature_table_map)
+        if batch_size_per_feature_per_rank is None and (offsets.numel() - 1) % F != 0:
+            return
+        mode, self.bounds_check_mode = self.bounds_check_mode, BoundsCheckMode.WARNING
+        try:
+            batch = self._make_batch(indices, offsets, None, batch_size_per_feature_per_rank,
+                                     warn_counter=torch.zeros_like(self.bounds_check_warning))
+        finally:
+            self.bounds_check_mode = mode
+        keys = self.cache.linearize(batch.indices, batch.offsets,
+                                    self._bags_per_feature(batch_size_per_feature_per_rank))
+        slots = self.cache.populate(keys, self.weights_dev, self.accum_dev, self.linear_dev)
         if forward_stream is not None:
             keys.record_stream(forward_stream)
             slots.record_stream(forward_stream)

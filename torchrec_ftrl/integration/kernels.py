@@ -34,8 +34,9 @@ from torchrec.distributed.types import ShardingEnv, ShardingType
 from torchrec.modules.embedding_configs import DataType, data_type_to_sparse_type
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from ..fbgemm_enums import BoundsCheckMode, PoolingMode, SparseType
+from ..fbgemm_enums import BoundsCheckMode, CacheAlgorithm, PoolingMode, SparseType
 from ..hyperparams import parse_options
+from ..placement import check_cache_options
 from ..tbe import FTRLTableBatchedEmbeddingBags
 
 # The compute kernels an FTRL table may be planned with (values of EmbeddingComputeKernel): the FTRL
@@ -99,6 +100,10 @@ def tbe_kwargs_from_fused_params(fused_params: Optional[dict[str, Any]],
     fp = dict(fused_params or {})
     kwargs: dict[str, Any] = parse_options(fp, where="fused_params").to_options()
     kwargs.update({k: fp[k] for k in _PASSED_THROUGH if k in fp and fp[k] is not None})
+    cache_sets = kwargs.get("cache_sets", 0)
+    check_cache_options(kwargs.get("cache_load_factor", 0.2) if cache_sets == 0 else 1.0, cache_sets,
+                        kwargs.get("cache_algorithm", CacheAlgorithm.LRU),
+                        kwargs.get("prefetch_pipeline", False), where="fused_params")
     if fp.get("enforce_hbm") and location == EmbeddingLocation.MANAGED_CACHING:
         raise ValueError("fused_params enforce_hbm=True asks for the fused_uvm_caching tables' backing "
                          "store in HBM; the FTRL TBE keeps it in unified memory. Plan the tables on "
@@ -176,6 +181,14 @@ class FTRLEmbeddingFusedOptimizer(EmbeddingFusedOptimizer):
     @state.setter
     def state(self, value) -> None:
         self.__dict__["_ftrl_state"] = value
+
+    def post_load_state_dict(self) -> None:
+        """After a ``load_state_dict`` (TorchRec's ``KeyedOptimizer`` / ``CombinedOptimizer`` call this
+        on every sub-optimizer): the loaded states went to the tables' unified memory, and reading
+        ``.state`` for the load flushed the cache, so the cache is emptied (its rows hold the states
+        from before the load)."""
+        super().post_load_state_dict()
+        self._emb_module.reset_cache_states()
 
 
 def _build_tbe(kernel, config: GroupedEmbeddingConfig, device, pooling) -> FTRLTableBatchedEmbeddingBags:

@@ -39,7 +39,7 @@ from torchrec.distributed.planner.utils import sharder_name
 from torchrec.distributed.types import ShardingType, compute_storage_usage
 
 from ..optim_type import is_ftrl
-from ..placement import CACHE_DIM_MULTIPLE, cache_bytes, cache_slots, table_bytes
+from ..placement import CACHE_DIM_MULTIPLE, cache_bytes, cache_slots, check_cache_options, table_bytes
 from .kernels import FTRL_COMPUTE_KERNELS
 
 _FUSED = EmbeddingComputeKernel.FUSED.value
@@ -50,7 +50,7 @@ _ACCELERATORS = ("cuda", "mtia")   # compute devices whose tensors TorchRec coun
 
 def ftrl_shard_storage(rows: int, cols: int, weight_bytes: int, compute_kernel: str, compute_device: str,
                        load_factor: float = UVM_CACHING_RATIO, lfu: bool = False,
-                       cache_sets: int = 0) -> tuple[int, int]:
+                       cache_sets: int = 0, lock_lines: bool = False) -> tuple[int, int]:
     """``(hbm, ddr)`` bytes of one FTRL shard of ``rows x cols`` (weights of ``weight_bytes`` bytes per
     element, ``accum``, ``linear`` and any cache), as :mod:`torchrec_ftrl.placement` sizes them:
 
@@ -78,7 +78,7 @@ def ftrl_shard_storage(rows: int, cols: int, weight_bytes: int, compute_kernel: 
     if compute_kernel == _UVM:
         return 0, table_bytes(rows, cols, weight_bytes, EmbeddingLocation.MANAGED)
     slots = cache_slots(rows, load_factor, cache_sets)
-    return (cache_bytes(rows, cols, slots, lfu, cache_weight_bytes=weight_bytes),
+    return (cache_bytes(rows, cols, slots, lfu, cache_weight_bytes=weight_bytes, lock_lines=lock_lines),
             table_bytes(rows, cols, weight_bytes, EmbeddingLocation.MANAGED_CACHING))
 
 
@@ -113,6 +113,13 @@ def _load_factor(option, fused_params: dict) -> float:
     sharder's ``fused_params["cache_load_factor"]``, else ``UVM_CACHING_RATIO`` (TorchRec's chain in
     ``EmbeddingStorageEstimator.estimate``)."""
     return option.cache_load_factor or fused_params.get("cache_load_factor") or UVM_CACHING_RATIO
+
+
+def _prefetch_pipeline(option, fused_params: dict) -> bool:
+    """Whether ``option``'s cache locks prefetched lines: its ``cache_params.prefetch_pipeline``, else
+    the sharder's ``fused_params["prefetch_pipeline"]``."""
+    value = getattr(getattr(option, "cache_params", None), "prefetch_pipeline", None)
+    return bool(fused_params.get("prefetch_pipeline") if value is None else value)
 
 
 def _is_lfu(option, fused_params: dict) -> bool:
@@ -190,12 +197,18 @@ class FTRLStorageEstimator(EmbeddingStorageEstimator):
         load_factor = _load_factor(option, fused_params)
         lfu = _is_lfu(option, fused_params)
         cache_sets = fused_params.get("cache_sets") or 0
+        lock_lines = _prefetch_pipeline(option, fused_params)
+        if option.compute_kernel == _UVM_CACHING:
+            check_cache_options(load_factor if cache_sets == 0 else 1.0, cache_sets,
+                                CacheAlgorithm.LFU if lfu else CacheAlgorithm.LRU, lock_lines,
+                                where=f"table {option.name!r}")
         stock = _stock_tensor_storage(option, entry, device, load_factor,
                                       getattr(self, "_is_inference", False))
         weight_bytes = option.tensor.element_size()
         for shard, (stock_hbm, stock_ddr) in zip(option.shards, stock):
             hbm, ddr = ftrl_shard_storage(shard.size[0], shard.size[1], weight_bytes,
-                                          option.compute_kernel, device, load_factor, lfu, cache_sets)
+                                          option.compute_kernel, device, load_factor, lfu, cache_sets,
+                                          lock_lines)
             shard.storage.hbm += hbm - stock_hbm
             shard.storage.ddr += ddr - stock_ddr
 

@@ -694,3 +694,23 @@ def test_prefetch_refuses_its_own_stream_without_locks_and_skips_what_it_cannot_
     assert m.cache.calls[0] == ("linearize", 2) and int(m.bounds_check_warning) == 0
     m.reset_cache_states()
     assert m._prefetched == [] and m.cache.calls[-1] == ("reset",)
+
+
+def test_cached_flow_populates_a_vbe_batch_again_and_releases_both():
+    """TorchRec prefetches a VBE batch without its batch sizes: the forward populates for the real
+    layout and the update releases the prefetch's lines and its own."""
+    ref, m = _cpu_tbes(True)
+    idx, off = torch.tensor([1, 2, 3, 4]), torch.tensor([0, 1, 3, 4, 4])
+    bsfpr = [[3], [1]]                                    # 3 bags of feature 0, 1 of feature 1
+    m.prefetch(idx, off)                                   # as TorchRec's pooled lookup does
+    m.cache.calls.clear()
+    g = torch.randn(3 * 8 + 1 * 8, generator=torch.Generator().manual_seed(1))
+    out = m(idx, off, batch_size_per_feature_per_rank=bsfpr)
+    out.backward(g)
+    want = ref(idx, off, batch_size_per_feature_per_rank=bsfpr)
+    want.backward(g)
+    assert torch.equal(out, want)
+    names = [c[0] for c in m.cache.calls]
+    assert names == ["linearize", "populate", "lookup", "unlock", "unlock"]
+    assert {m.cache.calls[3][1][0], m.cache.calls[4][1][0]} == {"populate"}
+    assert m.cache.calls[3][1] != m.cache.calls[4][1]      # the prefetch's slots, then the forward's

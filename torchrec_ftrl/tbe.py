@@ -364,11 +364,11 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
             if train and self.training:
                 cache_keys = (keys, locked)     # the update releases the lines
             else:                               # no update is expected: released after the lookup
-                cache_keys, release = ((keys, None) if train else None), locked
+                cache_keys, release = ((keys, []) if train else None), locked
         out = _FTRLLookupFunction.apply(self.placeholder_autograd_tensor, self, batch, per_sample_weights,
                                         train, cache_keys)
         if release is not None:
-            self.cache.unlock(release)
+            self._release(release)
         if self.pooling_mode == PoolingMode.NONE:
             return out.view(-1, self.max_D)
         if batch_size_per_feature_per_rank is not None:
@@ -439,23 +439,31 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
             table_row_base=self._table_row_base, unchecked_counter=unchecked_counter)
 
     # ------------------------------------------------------------------ the UVM-caching placement
-    def _cached_batch(self, batch: TBEBatch, bsfpr) -> tuple[TBEBatch, torch.Tensor, torch.Tensor]:
-        """``batch`` with its rows' cache slots, the row keys, and the slots whose lines a populate
-        locked for it (``prefetch_pipeline``; released after its update).
+    def _cached_batch(self, batch: TBEBatch, bsfpr) -> tuple[TBEBatch, torch.Tensor, list]:
+        """``batch`` with its rows' cache slots, the row keys, and the slot tensors whose lines
+        populates locked for it (``prefetch_pipeline``; released after its update).
 
         Without a prefetched batch, the cache is populated for this one. With one, the oldest is
-        taken (its populate brought this batch's rows in) and this batch's rows are looked up: a
-        prefetched batch that is not this one (a prefetch left over from a training loop, or a VBE
-        batch TorchRec prefetched without its batch sizes) costs cache hits, never a wrong row."""
+        taken (its populate brought this batch's rows in) and this batch's rows are looked up, so a
+        prefetched batch that is not this one (a prefetch left over from a training loop) costs
+        cache hits, never a wrong row. A VBE batch is populated again: TorchRec's pooled lookup
+        prefetches it without its batch sizes, so the prefetch cached other rows."""
         bags = self._bags_per_feature(bsfpr)
         keys = self.cache.linearize(batch.indices, batch.offsets, bags)
+        populate = functools.partial(self.cache.populate, keys, self.weights_dev, self.accum_dev,
+                                     self.linear_dev)
         if self._prefetched:
-            _, locked = self._prefetched.pop(0)
+            _, prefetched = self._prefetched.pop(0)
             if self._prefetch_stream is not None:
                 torch.cuda.current_stream().wait_stream(self._prefetch_stream)
-            slots = self.cache.lookup(keys)
+            if bsfpr is None:
+                slots, locked = self.cache.lookup(keys), [prefetched]
+            else:
+                slots = populate()
+                locked = [prefetched, slots]
         else:
-            slots = locked = self.cache.populate(keys, self.weights_dev, self.accum_dev, self.linear_dev)
+            slots = populate()
+            locked = [slots]
         return dataclasses.replace(batch, cache_locations=slots,
                                    cache_weights=self.cache.lxu_cache_weights,
                                    cache_states=self.cache.lxu_cache_states), keys, locked
@@ -464,8 +472,7 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
     def _bags_per_feature(bsfpr) -> Optional[list[int]]:
         return [sum(int(b) for b in per_rank) for per_rank in bsfpr] if bsfpr is not None else None
 
-    def _relocate_cached_rows(self, batch: TBEBatch, keys: torch.Tensor,
-                              locked: Optional[torch.Tensor]) -> TBEBatch:
+    def _relocate_cached_rows(self, batch: TBEBatch, keys: torch.Tensor, locked: list) -> TBEBatch:
         """The batch for its update: the prefetch of a later batch is waited for and the rows are
         looked up again (a row may have been evicted, and written back, or cached since the
         forward), so the update reaches each row where it is now."""
@@ -473,13 +480,16 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
             torch.cuda.current_stream().wait_stream(self._prefetch_stream)
         return dataclasses.replace(batch, cache_locations=self.cache.lookup(keys, count=False))
 
-    def _after_cached_update(self, keys: torch.Tensor, locked: Optional[torch.Tensor]) -> None:
+    def _after_cached_update(self, keys: torch.Tensor, locked: list) -> None:
         """After a cached batch's update: release its lines, and make the prefetch stream wait for
         the update (a later prefetch must not copy a row into the cache while it is updated)."""
-        if locked is not None:
-            self.cache.unlock(locked)
+        self._release(locked)
         if self._prefetch_stream is not None:
             self._prefetch_stream.wait_stream(torch.cuda.current_stream())
+
+    def _release(self, locked: list) -> None:
+        for slots in locked:
+            self.cache.unlock(slots)
 
     def prefetch(self, indices: torch.Tensor, offsets: torch.Tensor,
                  forward_stream: Optional[torch.cuda.Stream] = None,

@@ -2,11 +2,16 @@
 
 Modules: ``spec`` (column specs, presets), ``hashing`` (stable ids, log transform), ``reader``
 (streaming parse, malformed-row handling), ``split`` (train/validation), ``batching`` (rows -> torchrec
-``Batch``), ``synthetic`` (planted-signal generator), ``sources`` (rank-sharded batch streams).
+``Batch``), ``synthetic`` (planted-signal generator), ``sources`` (rank-sharded batch streams);
+TorchRec's binary Criteo layout: ``npy_layout`` (triplets and their checks), ``binary_source``
+(rank-sharded batches from it), ``npy_convert`` (one raw file -> one triplet), ``preprocess`` (the
+``python -m torchrec_ftrl.data.preprocess`` command).
 """
 
 from .batching import make_batch
+from .binary_source import BinarySource, BinaryStats
 from .hashing import hex_id, log_transform, string_id
+from .npy_layout import BinaryLayoutError
 from .reader import CTRFileReader, MalformedRowError, NoUsableRowsError, ReadStats, Row
 from .sources import FileSource, SyntheticSource
 from .spec import AVAZU_SPEC, CRITEO_SPEC, PRESETS, ColumnSpec, get_spec
@@ -14,7 +19,8 @@ from .split import Split
 from .synthetic import SyntheticCTR
 
 __all__ = [
-    "AVAZU_SPEC", "CRITEO_SPEC", "PRESETS", "CTRFileReader", "ColumnSpec", "FileSource",
-    "MalformedRowError", "NoUsableRowsError", "ReadStats", "Row", "Split", "SyntheticCTR", "SyntheticSource", "get_spec",
-    "hex_id", "log_transform", "make_batch", "string_id",
+    "AVAZU_SPEC", "BinaryLayoutError", "BinarySource", "BinaryStats", "CRITEO_SPEC", "PRESETS",
+    "CTRFileReader", "ColumnSpec", "FileSource", "MalformedRowError", "NoUsableRowsError", "ReadStats",
+    "Row", "Split", "SyntheticCTR", "SyntheticSource", "get_spec", "hex_id", "log_transform",
+    "make_batch", "string_id",
 ]

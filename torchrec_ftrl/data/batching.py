@@ -19,7 +19,9 @@ def make_batch(labels: np.ndarray, dense: np.ndarray, ids: np.ndarray, keys: Seq
 
     Returns:
         ``Batch`` whose ``sparse_features`` is a KJT with ``keys``, int64 ``values`` and int32
-        ``lengths`` of shape ``[F * B]`` (key-major: all samples of key 0, then key 1, ...).
+        ``lengths`` of shape ``[F * B]`` (key-major: all samples of key 0, then key 1, ...), stride
+        ``B`` and ``length_per_key`` / ``offset_per_key`` already set (as ``from_lengths_sync`` sets
+        them).
 
     Raises:
         ValueError: shapes that disagree (naming them).
@@ -37,10 +39,14 @@ def make_batch(labels: np.ndarray, dense: np.ndarray, ids: np.ndarray, keys: Seq
                          f"ids {ids.shape}, {len(keys)} keys")
     ids_t = np.ascontiguousarray(ids.T)  # [F, B], key-major like the KJT
     present = ids_t >= 0
-    kjt = KeyedJaggedTensor.from_lengths_sync(
+    per_key = present.sum(axis=1).tolist()  # what KJT.sync() computes, here without a torch reduction
+    kjt = KeyedJaggedTensor(
         keys=list(keys),
         values=torch.from_numpy(ids_t[present]),
         lengths=torch.from_numpy(present.reshape(-1).astype(np.int32)),
+        stride=b,
+        length_per_key=per_key,
+        offset_per_key=np.concatenate([[0], np.cumsum(per_key, dtype=np.int64)]).tolist(),
     )
     return Batch(dense_features=torch.from_numpy(dense),
                  sparse_features=kjt,

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+import math
+from typing import Optional, Tuple
+
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,8 +51,39 @@ class Split:
 
     def first_validation_index(self, n: int) -> int:
         """For ``tail``: index of the first validation row among ``n`` rows."""
-        import math
         return n - math.ceil(self.value * n)
+
+    def counts(self, n: int) -> Tuple[int, int]:
+        """``(training rows, validation rows)`` among ``n`` rows (the counts ``is_validation`` gives)."""
+        if self.mode == "every":
+            n_val = n // int(self.value)
+        elif self.mode == "tail":
+            n_val = n - self.first_validation_index(n)
+        else:
+            n_val = 0
+        return n - n_val, n_val
+
+    def train_index(self, t: np.ndarray, n: int) -> np.ndarray:
+        """Row positions (int64, same shape) of training rows ``t`` (0-based among the training rows
+        of ``n`` rows, each ``< counts(n)[0]``): the ``t``-th row ``i`` with ``not is_validation(i, n)``."""
+        t = np.asarray(t, dtype=np.int64)
+        if self.mode == "every":
+            k = int(self.value)
+            return (t // (k - 1)) * k + t % (k - 1)
+        return t  # tail: training rows come first; none: every row
+
+    def validation_index(self, v: np.ndarray, n: int) -> np.ndarray:
+        """Row positions (int64, same shape) of validation rows ``v`` (0-based among the validation
+        rows of ``n`` rows, each ``< counts(n)[1]``)."""
+        v = np.asarray(v, dtype=np.int64)
+        if self.mode == "every":
+            k = int(self.value)
+            return v * k + (k - 1)
+        if self.mode == "tail":
+            return v + self.first_validation_index(n)
+        if v.size:
+            raise ValueError("split 'none' has no validation rows")
+        return v
 
     def is_validation(self, i: int, n: Optional[int] = None) -> bool:
         if self.mode == "every":

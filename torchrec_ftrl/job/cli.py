@@ -24,8 +24,14 @@ def build_parser() -> argparse.ArgumentParser:
         description="DLRM CTR model whose embedding tables are trained with a fused sparse optimizer "
                     "(FTRL-Proximal by default), sharded with DistributedModelParallel.")
     d = p.add_argument_group("data")
-    d.add_argument("--data", nargs="+", default=None, metavar="FILE",
-                   help="delimited CTR log(s); default: the embedded synthetic Criteo-like generator")
+    d.add_argument("--data", nargs="+", default=None, metavar="PATH",
+                   help="delimited CTR log file(s), or one folder in TorchRec's binary Criteo layout "
+                        "(PREFIX_dense.npy / PREFIX_sparse.npy / PREFIX_labels.npy triplets, e.g. from "
+                        "python -m torchrec_ftrl.data.preprocess); default: the embedded synthetic "
+                        "Criteo-like generator")
+    d.add_argument("--binary-dense", choices=("text", "stored"), default="text",
+                   help="binary folder: 'text' feeds log(1 + max(x, 0)) of the integer features, as "
+                        "for text files; 'stored' feeds TorchRec's stored log(x - min + 2) unchanged")
     d.add_argument("--data-format", default="criteo",
                    help="'criteo' (raw TSV), 'avazu' (raw CSV) or a JSON column spec (inline or a .json "
                         "file) with keys label, dense, categorical, delimiter, header, ...")
@@ -104,6 +110,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error(f"--checkpoint-every must be >= 0, got {a.checkpoint_every}")
     if a.resume is not None and a.checkpoint_dir is None and a.resume == "latest":
         p.error("--resume without a path needs --checkpoint-dir")
+    if a.data is not None and len(a.data) > 1 and any(os.path.isdir(x) for x in a.data):
+        p.error(f"--data takes one binary folder or one or more files, got {a.data}")
     if a.epochs is not None and (a.data is None or a.epochs <= 0):
         p.error(f"--epochs needs --data and a value > 0, got {a.epochs}")
     if a.embedding_dim % 4:

@@ -1,34 +1,52 @@
-"""Flags -> data source (file reader with a column spec, or the synthetic generator)."""
+"""Flags -> data source (file reader with a column spec, a binary folder, or the synthetic generator)."""
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 
-from torchrec_ftrl.data import (CTRFileReader, FileSource, Split, SyntheticCTR, SyntheticSource,
-                                get_spec)
+from torchrec_ftrl.data import (BinarySource, CTRFileReader, FileSource, Split, SyntheticCTR,
+                                SyntheticSource, get_spec)
 
 
 def make_source(args: argparse.Namespace):
-    """Returns ``(source, description dict)``.
+    """Returns ``(source, description dict)``: no ``--data``: the synthetic generator; one folder:
+    :class:`BinarySource` (TorchRec's binary Criteo layout, dense values per ``--binary-dense``;
+    ``--data-format`` and ``--strict`` do not apply); files: :class:`FileSource` over a
+    :class:`CTRFileReader`.
 
     Raises:
-        FileNotFoundError: a ``--data`` path that does not exist.
-        ValueError: a bad column spec, split, or table-size list.
+        FileNotFoundError: a ``--data`` path that does not exist, or a binary folder with no
+            triplet or a triplet missing an array.
+        ValueError: a bad column spec, split, or table-size list; a bad binary layout
+            (``BinaryLayoutError``, naming the file).
     """
     ne = args.num_embeddings_list
+    ne_arg = ne[0] if len(ne) == 1 else ne
     if args.data is None:
-        gen = SyntheticCTR(ne[0] if len(ne) == 1 else ne, seed=args.seed, vocab=args.synthetic_vocab)
+        gen = SyntheticCTR(ne_arg, seed=args.seed, vocab=args.synthetic_vocab)
         return SyntheticSource(gen, val_batches=args.val_batches), {
             "kind": "synthetic", "seed": args.seed, "vocab": args.synthetic_vocab}
+    split = Split.parse(args.split)
+    if len(args.data) == 1 and os.path.isdir(args.data[0]):
+        src = BinarySource(args.data[0], ne_arg, split, max_val_rows=args.max_val_rows,
+                           dense=args.binary_dense)
+        return src, {"kind": "binary", "path": args.data[0], "dense": args.binary_dense,
+                     "prefixes": [t.prefix for t in src.triplets], "split": args.split}
     spec = get_spec(args.data_format)
-    reader = CTRFileReader(args.data, spec, ne[0] if len(ne) == 1 else ne, strict=args.strict)
-    src = FileSource(reader, Split.parse(args.split), max_val_rows=args.max_val_rows)
+    reader = CTRFileReader(args.data, spec, ne_arg, strict=args.strict)
+    src = FileSource(reader, split, max_val_rows=args.max_val_rows)
     return src, {"kind": "file", "paths": list(args.data), "format": args.data_format, "split": args.split}
 
 
-def steps_for_epochs(src: FileSource, epochs: float, world_size: int, batch_size: int) -> int:
-    """Steps for ``epochs`` passes: ``ceil(epochs * n_train / (world_size * batch_size))`` (>= 1)."""
-    n = src.reader.count_valid()
-    n_train = sum(1 for i in range(n) if not src.split.is_validation(i, n))
+def steps_for_epochs(src, epochs: float, world_size: int, batch_size: int) -> int:
+    """Steps for ``epochs`` passes: ``ceil(epochs * n_train / (world_size * batch_size))`` (>= 1),
+    ``n_train`` the training rows of one pass (a :class:`FileSource` counts them with one pass over
+    its files; a :class:`BinarySource` knows them from its headers)."""
+    if isinstance(src, BinarySource):
+        n_train = src.num_train_rows()
+    else:
+        n = src.reader.count_valid()
+        n_train = sum(1 for i in range(n) if not src.split.is_validation(i, n))
     return max(1, math.ceil(epochs * n_train / (world_size * batch_size)))

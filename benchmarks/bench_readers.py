@@ -1,16 +1,17 @@
 #!/usr/bin/env python3
 """Reader throughput, rows/s in one process: the binary layout through ``BinarySource.train_batches``
-against the raw TSV through ``FileSource.train_batches`` (the job's two file readers), and the
-TSV -> binary converter (``npy_convert.convert_file``, one preprocess worker).
+against the raw TSV through ``FileSource.train_batches`` (the job's two file readers; the TSV with
+``CTRFileReader``'s arrow parser and with its per-line Python parser), and the TSV -> binary
+converter (``npy_convert.convert_file``, one preprocess worker).
 
     python benchmarks/bench_readers.py [--data TSV] [--rows 1048576] [--tsv-rows 131072]
                                        [--batch-size 8192] [--binary-dense text|stored] [--json PATH]
 
 The Criteo sample (``$TORCHREC_FTRL_DATA/criteo/criteo_dac_combined.tsv`` by default) is repeated to
-``--rows`` rows for the binary layout and ``--tsv-rows`` rows for the TSV (its reader is ~40x slower)
-in a temporary folder; the split is the job's default ``every:10``; 26 tables of 10,000 rows. A
-timed pass reads every training row once (``ceil(n_train / batch)`` batches) after one warm-up
-batch; the figure is the best of ``--repeats`` passes. The files were just written, so they are in
+``--rows`` rows for the binary layout and ``--tsv-rows`` rows for the TSV in a temporary folder; the
+split is the job's default ``every:10``; 26 tables of 10,000 rows. A timed pass reads every training
+row once (``ceil(n_train / batch)`` batches) after one warm-up batch; the figure is the best of
+``--repeats`` passes (one pass for the per-line TSV parser). The files were just written, so they are in
 the page cache: this measures decoding and batch building, not the disk.
 """
 
@@ -89,8 +90,10 @@ def main(argv=None) -> dict:
         split = Split.parse("every:10")
         bin_src = BinarySource(binary, 10_000, split, dense=a.binary_dense)
         bin_rows_s, bin_batches = _time_source(bin_src, a.batch_size, a.repeats)
-        tsv_src = FileSource(CTRFileReader(tsv, CRITEO_SPEC, 10_000), split)
-        tsv_rows_s, tsv_batches = _time_source(tsv_src, a.batch_size, 1)
+        arrow_src = FileSource(CTRFileReader(tsv, CRITEO_SPEC, 10_000, parser="arrow"), split)
+        arrow_rows_s, tsv_batches = _time_source(arrow_src, a.batch_size, a.repeats)
+        tsv_src = FileSource(CTRFileReader(tsv, CRITEO_SPEC, 10_000, parser="python"), split)
+        tsv_rows_s, _ = _time_source(tsv_src, a.batch_size, 1)
 
     res = {
         "machine": f"{os.cpu_count()}-core CPU ({platform.processor() or platform.machine()}), "
@@ -98,13 +101,16 @@ def main(argv=None) -> dict:
         "batch_size": a.batch_size, "split": "every:10", "num_embeddings": 10_000,
         "binary": {"rows": a.rows, "batches_per_pass": bin_batches, "dense": a.binary_dense,
                    "rows_per_s": bin_rows_s},
-        "tsv": {"rows": a.tsv_rows, "batches_per_pass": tsv_batches, "rows_per_s": tsv_rows_s},
+        "tsv_arrow": {"rows": a.tsv_rows, "batches_per_pass": tsv_batches, "rows_per_s": arrow_rows_s},
+        "tsv": {"rows": a.tsv_rows, "batches_per_pass": tsv_batches, "rows_per_s": tsv_rows_s,
+                "parser": "python"},
         "convert_tsv_to_binary": {"rows": conv.rows, "rows_per_s": convert_rows_s},
     }
     print(f"| reader | rows | rows/s (one process) |\n| --- | --- | --- |\n"
           f"| binary layout, BinarySource.train_batches (dense={a.binary_dense}) | {a.rows:,} | "
           f"{bin_rows_s:,.0f} |\n"
-          f"| raw TSV, FileSource.train_batches | {a.tsv_rows:,} | {tsv_rows_s:,.0f} |\n"
+          f"| raw TSV, FileSource.train_batches (arrow parser) | {a.tsv_rows:,} | {arrow_rows_s:,.0f} |\n"
+          f"| raw TSV, FileSource.train_batches (per-line parser) | {a.tsv_rows:,} | {tsv_rows_s:,.0f} |\n"
           f"| TSV -> binary, npy_convert.convert_file (one worker) | {conv.rows:,} | "
           f"{convert_rows_s:,.0f} |")
     print(f"batch {a.batch_size}, split every:10, {res['machine']}")

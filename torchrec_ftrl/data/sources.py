@@ -5,7 +5,9 @@ number of steps, so training batches are always full (``batch_size`` rows; the s
 epochs) and validation batches are padded to ``batch_size`` with a count of real rows.
 
 * :class:`FileSource`: rows of a :class:`CTRFileReader`; training row ``t`` (``t``-th non-validation
-  row) goes to rank ``t % world_size``; validation rows ``v`` to rank ``v % world_size``.
+  row) goes to rank ``t % world_size``; validation rows ``v`` to rank ``v % world_size``. Every rank
+  parses every file (row positions, hence the split and the rank of a row, depend on the valid-row
+  counts of all earlier lines) and keeps its rows, chunk by chunk (``CTRFileReader.iter_chunks``).
 * :class:`SyntheticSource`: :class:`SyntheticCTR`; training step ``s`` of rank ``r`` is batch
   ``s * world_size + r``; validation batch ``i`` of rank ``r`` is batch ``i * world_size + r``.
 """
@@ -18,7 +20,7 @@ from typing import Iterator, List, Optional, Tuple
 import numpy as np
 
 from .batching import make_batch
-from .reader import CTRFileReader, NoUsableRowsError
+from .reader import CTRFileReader, NoUsableRowsError, RowChunk
 from .split import Split
 from .synthetic import SyntheticCTR
 
@@ -61,17 +63,19 @@ class FileSource:
     def num_embeddings(self) -> list:
         return list(self.reader.num_embeddings)
 
-    def _rows(self, want_validation: bool) -> Iterator:
-        for i, row in enumerate(self.reader):
-            if self.split.is_validation(i, self._n) == want_validation:
-                yield row
+    def _chunks(self, want_validation: bool) -> Iterator[RowChunk]:
+        """The training (or validation) rows of one pass, as chunks in row order."""
+        i0 = 0
+        for chunk in self.reader.iter_chunks():
+            n = chunk.num_rows
+            i = np.arange(i0, i0 + n, dtype=np.int64)  # row positions among the valid rows
+            i0 += n
+            val = np.broadcast_to(np.asarray(self.split.is_validation(i, self._n), dtype=bool), (n,))
+            yield chunk.take(np.flatnonzero(val == want_validation))
         self.pass_stats = self.reader.stats
 
-    def _to_batch(self, rows: List) -> object:
-        labels = np.fromiter((r.label for r in rows), dtype=np.int64, count=len(rows))
-        dense = np.asarray([r.dense for r in rows], dtype=np.float32).reshape(len(rows), -1)
-        ids = np.asarray([r.ids for r in rows], dtype=np.int64)
-        return make_batch(labels, dense, ids, self.categorical_names)
+    def _to_batch(self, rows: RowChunk) -> object:
+        return make_batch(rows.labels, rows.dense.astype(np.float32), rows.ids, self.categorical_names)
 
     def train_batches(self, rank: int, world_size: int, batch_size: int,
                       start_step: int = 0) -> Iterator:
@@ -83,21 +87,27 @@ class FileSource:
                 give some rank).
         """
         _check_rank(rank, world_size, batch_size)
-        buf: List = []
+        buf: List[RowChunk] = []  # this rank's rows not yet in a batch
+        buffered = 0
         step = 0
         self.epoch = 0
         while True:
             seen = 0
-            for t, row in enumerate(self._rows(False)):
-                seen += 1
-                if t % world_size != rank:
+            for chunk in self._chunks(False):
+                t = np.arange(seen, seen + chunk.num_rows, dtype=np.int64)  # training row positions
+                seen += chunk.num_rows
+                mine = chunk.take(np.flatnonzero(t % world_size == rank))
+                if not mine.num_rows:
                     continue
-                buf.append(row)
-                if len(buf) == batch_size:
+                buf.append(mine)
+                buffered += mine.num_rows
+                while buffered >= batch_size:
+                    rows = RowChunk.concat(buf)
                     if step >= start_step:
-                        yield self._to_batch(buf)
+                        yield self._to_batch(rows.take(slice(0, batch_size)))
                     step += 1
-                    buf = []
+                    rest = rows.take(slice(batch_size, None))
+                    buf, buffered = ([rest] if rest.num_rows else []), rest.num_rows
             if seen < world_size:
                 raise ValueError(f"only {seen} training rows for world_size={world_size}; "
                                  f"reader: {self.reader.stats.summary()}")
@@ -111,22 +121,24 @@ class FileSource:
             NoUsableRowsError: an empty validation split (a ValueError).
         """
         _check_rank(rank, world_size, batch_size)
-        rows = list(self._rows(True))
-        if self.max_val_rows is not None:
-            rows = rows[: self.max_val_rows]
-        if not rows:
+        chunks = [c for c in self._chunks(True) if c.num_rows]
+        rows = RowChunk.concat(chunks) if chunks else None
+        if rows is not None and self.max_val_rows is not None:
+            rows = rows.take(slice(0, self.max_val_rows))
+        if rows is None or not rows.num_rows:
             raise NoUsableRowsError(
                 f"the validation split {self.split} is empty; reader: {self.reader.stats.summary()}; "
                 f"if most rows are malformed, the file's layout is probably not the --data-format "
                 f"given (a preset or a JSON column spec)")
-        mine = rows[rank::world_size]
-        n_batches = math.ceil(math.ceil(len(rows) / world_size) / batch_size)
+        total = rows.num_rows
+        mine = rows.take(slice(rank, None, world_size))
+        n_batches = math.ceil(math.ceil(total / world_size) / batch_size)
         out = []
         for i in range(n_batches):
-            chunk = mine[i * batch_size:(i + 1) * batch_size]
-            n_real = len(chunk)
-            chunk = chunk + [rows[0]] * (batch_size - n_real)
-            out.append((self._to_batch(chunk), n_real))
+            chunk = mine.take(slice(i * batch_size, (i + 1) * batch_size))
+            n_real = chunk.num_rows
+            pad = np.zeros(batch_size - n_real, dtype=np.int64)  # pad rows repeat row 0
+            out.append((self._to_batch(RowChunk.concat([chunk, rows.take(pad)])), n_real))
         return out
 
 

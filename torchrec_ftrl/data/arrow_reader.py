@@ -26,7 +26,7 @@ import pyarrow.csv as pacsv
 
 from . import columns
 from .line_chunks import LineIndex, field_counts, index_lines, iter_byte_chunks
-from .reader import RowChunk, _Bad, parse_lines, record_bad, rows_to_chunks
+from .line_parser import RowChunk, _Bad, parse_lines, record_bad, rows_to_chunks
 
 _BOM = b"\xef\xbb\xbf"
 

@@ -38,7 +38,7 @@ import numpy as np
 
 from .hashing import hex_id
 from .npy_layout import array_path, complete_triplet
-from .reader import ReadStats, _Bad, _parse_int, _parse_label
+from .line_parser import ReadStats, _Bad, _parse_int, _parse_label
 
 NUM_DENSE, NUM_SPARSE = 13, 26
 CHUNK_ROWS = 16384

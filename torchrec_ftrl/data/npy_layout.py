@@ -25,7 +25,7 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
-from .reader import MalformedRowError
+from .line_parser import MalformedRowError
 
 ARRAYS = ("dense", "sparse", "labels")
 DENSE_DTYPES = (np.dtype(np.float32),)

@@ -4,6 +4,9 @@
   ``warn``, the bounds-check counter, when the fused WARNING check is on).
 * ``torch.ops.torchrec_ftrl.triton_tbe_backward_update_``: fused backward + FTRL update in place
   (mutates weights, accum, linear, nonfinite_rows), see :mod:`.triton_backward`.
+* ``torch.ops.torchrec_ftrl.triton_tbe_backward_update_cached_``: the same for a batch whose rows may
+  sit in the UVM-caching placement's HBM cache (:mod:`torchrec_ftrl.cache`; mutates the weight and
+  state caches too). The forward op reads such a batch's rows from the cache where they have a slot.
 * ``torch.ops.torchrec_ftrl.triton_tbe_linearize``: the training forward's linearize pass (row keys,
   gradient offsets, factors, tables; with the fused WARNING check also the offsets repair), mutates
   ``warn``.

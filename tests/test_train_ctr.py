@@ -121,6 +121,17 @@ def test_short_real_data_run(tmp_path, sample_data):
     assert s["fused_params"]["optimizer"] == "EXACT_ROWWISE_ADAGRAD"
 
 
+def test_split_none_trains_on_every_row_without_validation(tmp_path, sample_data):
+    """--split none: all 6,726 rows train (the epoch count follows from them), nothing is validated."""
+    criteo = sample_data("criteo", "criteo_dac_combined.tsv")
+    out = _run([*SMALL, "--data", criteo, "--split", "none", "--epochs", "1", "--output-dir",
+                str(tmp_path)])
+    s = _summary(tmp_path)
+    assert s["final_validation"] is None and s["validation_history"] == []
+    assert s["steps"] == -(-6726 // 128)        # ceil(all rows / batch): no row held out
+    assert "no validation (--split none)" in out
+
+
 def test_missing_data_file_fails_clearly(tmp_path):
     p = run_job(["--data", str(tmp_path / "none.tsv"), "--sparse-optimizer", "rowwise_adagrad",
                  "--output-dir", str(tmp_path)])

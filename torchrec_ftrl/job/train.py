@@ -105,7 +105,10 @@ def _run(args, env, fused_params, rank0) -> dict:
         if rank0:
             print(f"resumed from {path} at step {start_step}", flush=True)
 
-    val_batches = source.validation_batches(env.rank, env.world_size, args.batch_size)
+    # --split none: every row trains, nothing is validated.
+    no_split = getattr(getattr(source, "split", None), "mode", None) == "none"
+    val_batches = [] if no_split else source.validation_batches(env.rank, env.world_size,
+                                                                  args.batch_size)
     if rank0 and source.stats() is not None:
         print(f"data: {source.stats().summary()}", flush=True)
     train_iter = source.train_batches(env.rank, env.world_size, args.batch_size, start_step=start_step)
@@ -122,6 +125,8 @@ def _run(args, env, fused_params, rank0) -> dict:
         bar = tqdm(total=steps, initial=start_step, desc="train", mininterval=1.0, dynamic_ncols=True)
 
     def eval_now(step):
+        if not val_batches:
+            return
         m = evaluate.validate(dmp, val_batches, env.device, dense_of)
         m["step"] = step
         val_history.append(m)
@@ -191,7 +196,7 @@ def _run(args, env, fused_params, rank0) -> dict:
         "examples_per_s": done * args.batch_size * env.world_size / train_time if done else None,
         "train_time_s": train_time,
         "final_train_loss": loss_history[-1][1] if loss_history else None,
-        "final_validation": val_history[-1],
+        "final_validation": val_history[-1] if val_history else None,
         "validation_history": val_history,
         "loss_history": loss_history,
         "sparsity_overall": sparsity.overall(sp),
@@ -205,9 +210,11 @@ def _run(args, env, fused_params, rank0) -> dict:
         report.write_summary(out, summary)
         report.plot(png, loss_history, val_history, sp,
                     f"{args.run_name}: {args.sparse_optimizer}, {env.world_size} rank(s), {data_desc['kind']}")
-        fv, so = val_history[-1], summary["sparsity_overall"]
-        print(f"done: {steps} steps, final train loss {summary['final_train_loss']:.4f}, validation AUC "
-              f"{fv['auc']:.4f}, logloss {fv['logloss']:.4f}; of the {so['touched_rows']} embedding rows the "
+        fv, so = summary["final_validation"], summary["sparsity_overall"]
+        val = (f"validation AUC {fv['auc']:.4f}, logloss {fv['logloss']:.4f}" if fv is not None
+               else "no validation (--split none)")
+        print(f"done: {steps} steps, final train loss {summary['final_train_loss']:.4f}, {val}; "
+              f"of the {so['touched_rows']} embedding rows the "
               f"data touched: {so['zero_weight_share_touched']:.1%} of weights and "
               f"{so['zero_row_share_touched']:.1%} of rows are exactly zero (all rows: "
               f"{so['zero_weight_share']:.1%} / {so['zero_row_share']:.1%}); "

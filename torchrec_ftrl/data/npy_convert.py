@@ -38,7 +38,7 @@ import numpy as np
 
 from .hashing import hex_id
 from .npy_layout import array_path, complete_triplet
-from .line_parser import ReadStats, _Bad, _parse_int, _parse_label
+from .line_parser import MalformedRowError, ReadStats, _Bad, _parse_int, _parse_label, record_bad
 
 NUM_DENSE, NUM_SPARSE = 13, 26
 CHUNK_ROWS = 16384
@@ -294,13 +294,10 @@ def _write_rows(in_path, layout: Format, strict, stats: ReadStats, writers, prog
             try:
                 lab, d, s = parse_line(line, layout)
             except _Bad as bad:
-                where = f"{in_path}:{lineno}"
-                if strict:
-                    raise ConvertError(f"{where}: malformed row ({bad.kind}): {bad.detail}") from None
-                stats.malformed += 1
-                stats.reasons[bad.kind] += 1
-                if len(stats.examples) < 5:
-                    stats.examples.append(f"{where}: {bad.detail}")
+                try:
+                    record_bad(stats, strict, in_path, lineno, bad)
+                except MalformedRowError as e:   # strict: the same message, as this module's error
+                    raise ConvertError(str(e)) from None
                 continue
             stats.valid += 1
             labels.append(lab)

@@ -26,7 +26,7 @@ from torch import nn
 from .fbgemm_enums import CacheAlgorithm
 from .kernels.triton_cache import (fill_warps, follow_config, state_cache_fill_kernel,
                                    state_cache_follow_kernel)
-from .placement import CACHE_ASSOC, CACHE_DIM_MULTIPLE, cache_slots, check_cache_options
+from .placement import CACHE_ASSOC, cache_slots, check_cache_dims, check_cache_options
 
 # FBGEMM's cache statistics, in the order its ops fill them.
 UVM_CACHE_STATS = ("num_calls", "num_requested_indices", "num_unique_indices", "num_unique_misses",
@@ -61,11 +61,8 @@ class RowCache(nn.Module):
                  cache_sets: int, algorithm: CacheAlgorithm, lock_lines: bool,
                  reserved_memory: float, gather_stats: bool, device: torch.device) -> None:
         super().__init__()
-        bad = [d for d in dims if d % CACHE_DIM_MULTIPLE]
-        if bad:
-            raise ValueError(f"fused_uvm_caching needs every table dim to be a multiple of 4 (FBGEMM's "
-                             f"cache ops move rows 4 elements at a time), got dims {list(dims)}")
-        algorithm = check_cache_options(load_factor if cache_sets == 0 else 1.0, cache_sets,
+        check_cache_dims(dims)
+        algorithm = check_cache_options(load_factor, cache_sets,
                                         algorithm, lock_lines)
         total = int(sum(rows))
         max_d = int(max(dims))

@@ -40,15 +40,10 @@ def cache_slots(cached_rows: int, load_factor: float, cache_sets: int = 0) -> in
     1) unless given.
 
     Raises:
-        ValueError: ``load_factor`` not in ``(0, 1]`` (when ``cache_sets`` is not given) or a negative
-            ``cache_sets``.
+        ValueError: see :func:`check_cache_options`.
     """
-    if isinstance(cache_sets, bool) or not isinstance(cache_sets, int) or cache_sets < 0:
-        raise ValueError(f"cache_sets must be an int >= 0, got {cache_sets!r}")
+    check_cache_options(load_factor, cache_sets)
     if cache_sets == 0:
-        if isinstance(load_factor, bool) or not isinstance(load_factor, (int, float)) \
-                or not 0.0 < float(load_factor) <= 1.0:
-            raise ValueError(f"cache_load_factor must be in (0, 1], got {load_factor!r}")
         cache_sets = max(1, (int(cached_rows * float(load_factor)) + CACHE_ASSOC - 1) // CACHE_ASSOC)
     return cache_sets * CACHE_ASSOC
 
@@ -56,19 +51,20 @@ def cache_slots(cached_rows: int, load_factor: float, cache_sets: int = 0) -> in
 def check_cache_options(load_factor: Any = 0.2, cache_sets: Any = 0,
                         algorithm: Any = CacheAlgorithm.LRU, prefetch_pipeline: Any = False,
                         where: str = "") -> CacheAlgorithm:
-    """Validate the ``MANAGED_CACHING`` cache settings; returns the ``CacheAlgorithm``.
+    """Validate the ``MANAGED_CACHING`` cache settings; returns the ``CacheAlgorithm``. The load
+    factor only counts (and is only checked) when ``cache_sets`` is 0, as in FBGEMM.
 
     Raises:
-        ValueError: ``load_factor`` not a number in ``(0, 1]``, ``cache_sets`` not an int >= 0,
+        ValueError: ``cache_sets`` not an int >= 0, ``load_factor`` not a number in ``(0, 1]``,
             ``algorithm`` not LRU / LFU, or ``prefetch_pipeline`` with LFU (FBGEMM locks cache lines
             for LRU only); the message names the setting, its value and ``where`` it came from.
     """
     at = f" ({where})" if where else ""
-    if isinstance(load_factor, bool) or not isinstance(load_factor, (int, float)) \
-            or not 0.0 < float(load_factor) <= 1.0:
-        raise ValueError(f"cache_load_factor must be a number in (0, 1], got {load_factor!r}{at}")
     if isinstance(cache_sets, bool) or not isinstance(cache_sets, int) or cache_sets < 0:
         raise ValueError(f"cache_sets must be an int >= 0, got {cache_sets!r}{at}")
+    if cache_sets == 0 and (isinstance(load_factor, bool) or not isinstance(load_factor, (int, float))
+                            or not 0.0 < float(load_factor) <= 1.0):
+        raise ValueError(f"cache_load_factor must be a number in (0, 1], got {load_factor!r}{at}")
     try:
         algorithm = CacheAlgorithm(algorithm)
     except ValueError:
@@ -77,6 +73,15 @@ def check_cache_options(load_factor: Any = 0.2, cache_sets: Any = 0,
         raise ValueError(f"prefetch_pipeline=True needs cache_algorithm=CacheAlgorithm.LRU (FBGEMM "
                          f"locks cache lines only for LRU), got {algorithm!r}{at}")
     return algorithm
+
+
+def check_cache_dims(dims) -> None:
+    """Raises ValueError unless every dim is a multiple of :data:`CACHE_DIM_MULTIPLE` (FBGEMM's cache
+    ops move rows that many elements at a time), naming the dims."""
+    if any(int(d) % CACHE_DIM_MULTIPLE for d in dims):
+        raise ValueError(f"MANAGED_CACHING (fused_uvm_caching) needs every table dim to be a multiple "
+                         f"of {CACHE_DIM_MULTIPLE} (FBGEMM's cache ops move rows {CACHE_DIM_MULTIPLE} "
+                         f"elements at a time), got dims {[int(d) for d in dims]}")
 
 
 def table_bytes(rows: int, dim: int, weight_bytes: int, location: EmbeddingLocation) -> int:

@@ -25,7 +25,7 @@ from .hyperparams import DEFAULT_LEARNING_RATE, FTRLHyperparams, parse_options
 from .kernels.backend import resolve_backend
 from .kernels.layout import TBEBatch
 from .optim_type import emb_optim_type
-from .placement import CACHE_DIM_MULTIPLE, PLACEMENTS, check_cache_options
+from .placement import PLACEMENTS, check_cache_dims, check_cache_options
 
 __all__ = ["FTRLTableBatchedEmbeddingBags"]
 
@@ -239,14 +239,9 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
             raise ValueError(f"embedding_specs location {placement.name} (unified memory) needs a CUDA "
                              f"device, got device={device}")
         if placement == EmbeddingLocation.MANAGED_CACHING:   # before anything is allocated
-            check_cache_options(cache_load_factor if cache_sets == 0 else 1.0, cache_sets,
+            check_cache_options(cache_load_factor, cache_sets,
                                 cache_algorithm, prefetch_pipeline, where="FTRLTableBatchedEmbeddingBags")
-            bad = [d for _, d in rows_dims if d % CACHE_DIM_MULTIPLE]
-            if bad:
-                raise ValueError(f"MANAGED_CACHING needs every table dim to be a multiple of "
-                                 f"{CACHE_DIM_MULTIPLE} (FBGEMM's cache ops move rows "
-                                 f"{CACHE_DIM_MULTIPLE} elements at a time), got dims "
-                                 f"{[d for _, d in rows_dims]}")
+            check_cache_dims([d for _, d in rows_dims])
         self.weights_precision = _as_sparse_type("weights_precision", weights_precision)
         if placement == EmbeddingLocation.MANAGED_CACHING and cache_precision is not None and \
                 _as_sparse_type("cache_precision", cache_precision) != self.weights_precision:

@@ -100,8 +100,7 @@ def tbe_kwargs_from_fused_params(fused_params: Optional[dict[str, Any]],
     fp = dict(fused_params or {})
     kwargs: dict[str, Any] = parse_options(fp, where="fused_params").to_options()
     kwargs.update({k: fp[k] for k in _PASSED_THROUGH if k in fp and fp[k] is not None})
-    cache_sets = kwargs.get("cache_sets", 0)
-    check_cache_options(kwargs.get("cache_load_factor", 0.2) if cache_sets == 0 else 1.0, cache_sets,
+    check_cache_options(kwargs.get("cache_load_factor", 0.2), kwargs.get("cache_sets", 0),
                         kwargs.get("cache_algorithm", CacheAlgorithm.LRU),
                         kwargs.get("prefetch_pipeline", False), where="fused_params")
     if fp.get("enforce_hbm") and location == EmbeddingLocation.MANAGED_CACHING:

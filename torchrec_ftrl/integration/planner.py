@@ -199,7 +199,7 @@ class FTRLStorageEstimator(EmbeddingStorageEstimator):
         cache_sets = fused_params.get("cache_sets") or 0
         lock_lines = _prefetch_pipeline(option, fused_params)
         if option.compute_kernel == _UVM_CACHING:
-            check_cache_options(load_factor if cache_sets == 0 else 1.0, cache_sets,
+            check_cache_options(load_factor, cache_sets,
                                 CacheAlgorithm.LFU if lfu else CacheAlgorithm.LRU, lock_lines,
                                 where=f"table {option.name!r}")
         stock = _stock_tensor_storage(option, entry, device, load_factor,

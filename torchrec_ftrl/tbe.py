@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from typing import Any, Optional, Sequence
 
 import torch
@@ -134,6 +135,13 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
 
     NaN/Inf policy: a touched row whose summed gradient has a NaN or Inf is skipped (weight, accum
     and linear bit-for-bit unchanged) and counted in ``nonfinite_grad_rows``; other rows update.
+
+    CUDA graphs: with the Triton backend no kernel of a step waits on the host, so a training step
+    (forward and backward) whose ``indices`` / ``offsets`` keep their shapes can be captured with
+    ``torch.cuda.graph`` after one eager warm-up step, and replayed after copying each new batch into
+    the captured input tensors; replays are bitwise equal to eager steps. A replay uses the learning
+    rate and ``ftrl_*`` knobs of its capture. ``bounds_check_mode=FATAL``, ``MANAGED_CACHING`` and
+    VBE batches are refused (``RuntimeError``) under capture. See ``docs/performance.md``.
 
     ``MANAGED_CACHING``: each forward populates the cache with its batch's rows (or takes the batch
     :meth:`prefetch` brought in), reads every row where it is (cache or unified memory), and the
@@ -287,6 +295,7 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
             [sum(r for r, _ in rows_dims[:t]) for t in range(T)], **i64), persistent=False)
         self.register_buffer("_feature_table", torch.tensor(feature_table_map, **i64), persistent=False)
         self._plain_layout_cache = None   # ((B, device), bag_feature, bag_out_offset) of the last batch
+        self._captured_hp: Optional[FTRLHyperparams] = None   # knobs a CUDA graph captured (see forward)
         self.register_buffer("_feature_dim", torch.tensor(dims_f, **i64), persistent=False)
         self.register_buffer("_D_offsets", torch.tensor(self.D_offsets, **i64), persistent=False)
         total = sum(sizes)
@@ -351,6 +360,8 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
                 **unused: Any) -> torch.Tensor:
         """Pooled (or sequence) lookup; see the class docstring for shapes. ``feature_requires_grad``
         is accepted for FBGEMM compatibility and ignored (every feature's table is trained)."""
+        if self.weights_dev.is_cuda and torch.cuda.is_current_stream_capturing():
+            self._check_capturable(batch_size_per_feature_per_rank)
         batch = self._make_batch(indices, offsets, per_sample_weights, batch_size_per_feature_per_rank)
         cache_keys, release = None, None
         train = torch.is_grad_enabled() and self.placeholder_autograd_tensor.requires_grad
@@ -369,6 +380,37 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         if batch_size_per_feature_per_rank is not None:
             return out
         return out.view(-1, self.total_D)
+
+    def _check_capturable(self, bsfpr) -> None:
+        """Refuse, before any work, what a CUDA graph cannot replay; remember the knobs it captures.
+
+        A captured step replays its kernels with the learning rate and ``ftrl_*`` knobs of the
+        capture (they are kernel arguments), so :meth:`set_learning_rate` and
+        :meth:`update_hyper_parameters` warn after a capture.
+
+        Raises:
+            RuntimeError: ``bounds_check_mode=FATAL`` (it checks on the host), the
+                ``MANAGED_CACHING`` placement (FBGEMM's cache ops), a VBE batch (its layout is built
+                on the host), or a backend other than ``"triton"``.
+        """
+        why = None
+        if self.backend != "triton":
+            why = f"backend={self.backend!r} (only 'triton' is capturable)"
+        elif self.bounds_check_mode == BoundsCheckMode.FATAL:
+            why = "bounds_check_mode=FATAL (it checks on the host; use WARNING or IGNORE)"
+        elif self.cache is not None:
+            why = "the MANAGED_CACHING placement (fused_uvm_caching)"
+        elif bsfpr is not None:
+            why = "batch_size_per_feature_per_rank (VBE: the layout is built on the host)"
+        if why is not None:
+            raise RuntimeError(f"FTRLTableBatchedEmbeddingBags cannot be captured in a CUDA graph with {why}")
+        self._captured_hp = self._hp
+
+    def _warn_if_captured(self) -> None:
+        if self._captured_hp is not None and self._hp != self._captured_hp:
+            warnings.warn("FTRL hyper-parameters changed after a CUDA graph captured this TBE's step: "
+                          "graphs captured before replay the old values (learning rate and ftrl_* "
+                          "knobs are kernel arguments); capture the step again", stacklevel=3)
 
     def _make_batch(self, indices, offsets, per_sample_weights, bsfpr,
                     warn_counter: Optional[torch.Tensor] = None) -> TBEBatch:
@@ -649,6 +691,7 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
     def set_learning_rate(self, lr: float) -> None:
         """Raises ValueError (nothing changed) unless ``lr`` is finite and > 0."""
         self._hp = self._hp.with_learning_rate(lr)
+        self._warn_if_captured()
 
     def set_optimizer_step(self, step: int) -> None:
         self.iter.fill_(int(step))
@@ -664,6 +707,7 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
             raise ValueError("ftrl_initial_accumulator_value only applies when states are created; "
                              "use reset_optimizer_state() after constructing with the new value")
         self._hp = parse_options(params_dict, base=self._hp, strict=True, where="update_hyper_parameters")
+        self._warn_if_captured()
 
     def reset_optimizer_state(self) -> None:
         """accum := initial_accumulator_value, linear := 0."""

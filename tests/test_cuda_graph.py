@@ -1,0 +1,148 @@
+"""CUDA-graph capture of an FTRL TBE training step (Triton backend, CUDA only).
+
+A captured forward + backward, replayed on new batches copied into the captured inputs, must match
+the float64 reference step by step and end bitwise equal to the same steps run eagerly. Settings a
+graph cannot replay are refused at capture, before anything changes.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import cuda, needs_cuda, reference_update
+from reference import reference_knobs
+from torchrec_ftrl import FTRLTableBatchedEmbeddingBags
+from torchrec_ftrl.fbgemm_enums import BoundsCheckMode, ComputeDevice, EmbeddingLocation, PoolingMode
+
+pytestmark = [cuda, needs_cuda]
+
+SPECS = [(5000, 64), (800, 32), (300, 128)]
+FMAP = [0, 1, 2, 0]           # feature 3 shares table 0
+KNOBS = dict(learning_rate=0.1, ftrl_l1_reg=1e-3, ftrl_l2_reg=1e-3, ftrl_beta=0.5)
+B, L = 64, 6
+
+
+def _batch(seed):
+    """A fixed-shape batch (every bag has L ids; Zipf-like so rows repeat) and its output gradient."""
+    g = torch.Generator().manual_seed(seed)
+    cols = []
+    for f, t in enumerate(FMAP):
+        rows = SPECS[t][0]
+        ranks = torch.multinomial(torch.arange(1, rows + 1, dtype=torch.float64) ** -1.1, B * L,
+                                  replacement=True, generator=g)
+        cols.append(ranks)
+    idx = torch.cat(cols)
+    off = torch.arange(0, idx.numel() + 1, L, dtype=torch.int64)
+    grad = torch.randn(B, sum(SPECS[t][1] for t in FMAP), generator=g)
+    return idx, off, grad
+
+
+def _tbe(**kw):
+    torch.manual_seed(0)
+    m = FTRLTableBatchedEmbeddingBags(SPECS, feature_table_map=FMAP, device="cuda",
+                                      bounds_check_mode=kw.pop("bounds_check_mode", BoundsCheckMode.WARNING),
+                                      **KNOBS, **kw)
+    return m
+
+
+def _tables(m):
+    return ([w.detach().double().cpu() for w in m.split_embedding_weights()],
+            [(a.double().cpu(), z.double().cpu()) for a, z in m.split_optimizer_states()])
+
+
+def _capture(m, static):
+    """Warm up on a side stream, then capture one training step over the ``static`` tensors."""
+    idx, off, grad = static
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        m(idx, off).backward(grad)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = m(idx, off)
+        out.backward(grad)
+    return graph, out
+
+
+def test_replayed_steps_match_the_float64_reference_and_eager_steps_bitwise():
+    eager, graphed = _tbe(), _tbe()
+    warm = _batch(0)
+    static = tuple(t.cuda() for t in warm)
+    eager(static[0], static[1]).backward(static[2])            # the graphed module's warm-up step
+    graph, out = _capture(graphed, static)
+    for step in range(1, 6):
+        idx, off, grad = _batch(step)
+        W0, S0 = _tables(graphed)
+        for dst, src in zip(static, (idx, off, grad)):
+            dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = reference_update(W0, [a for a, _ in S0], [z for _, z in S0], FMAP, PoolingMode.SUM, idx,
+                               off, grad, reference_knobs(graphed.hyperparams))
+        np.testing.assert_allclose(out.detach().double().cpu().numpy().reshape(-1),
+                                   ref.out.numpy().reshape(-1), rtol=5e-5, atol=1e-5)
+        W1, S1 = _tables(graphed)
+        for t in range(len(SPECS)):
+            np.testing.assert_allclose(W1[t].numpy(), ref.w[t], rtol=5e-5, atol=2e-5)
+            np.testing.assert_allclose(S1[t][0].numpy(), ref.n[t], rtol=3e-5, atol=1e-6)
+            np.testing.assert_allclose(S1[t][1].numpy(), ref.z[t], rtol=5e-5, atol=1e-5)
+        eager(idx.cuda(), off.cuda()).backward(grad.cuda())
+    for name in ("weights_dev", "accum_dev", "linear_dev", "iter"):
+        assert torch.equal(getattr(eager, name), getattr(graphed, name)), name
+
+
+def test_warning_repairs_are_counted_on_replay():
+    m = _tbe()
+    idx, off, grad = _batch(0)
+    static = (idx.cuda(), off.cuda(), grad.cuda())
+    graph, _ = _capture(m, static)
+    before = int(m.bounds_check_warning)
+    bad = idx.clone()
+    bad[[3, 10]] = SPECS[0][0] + 7          # two ids past table 0's last row
+    static[0].copy_(bad)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert int(m.bounds_check_warning) - before == 2
+
+
+def test_changing_knobs_after_a_capture_warns():
+    m = _tbe()
+    static = tuple(t.cuda() for t in _batch(0))
+    _capture(m, static)
+    with pytest.warns(UserWarning, match="capture the step again"):
+        m.set_learning_rate(0.2)
+    with pytest.warns(UserWarning, match="capture the step again"):
+        m.update_hyper_parameters({"ftrl_l1_reg": 0.5})
+    fresh = _tbe()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fresh.set_learning_rate(0.2)       # never captured: no warning
+
+
+@pytest.mark.parametrize("kind", ["fatal", "caching", "vbe"])
+def test_uncapturable_settings_are_refused_before_any_change(kind):
+    kw = {}
+    if kind == "fatal":
+        kw["bounds_check_mode"] = BoundsCheckMode.FATAL
+    m = (FTRLTableBatchedEmbeddingBags([(r, d, EmbeddingLocation.MANAGED_CACHING, ComputeDevice.CUDA) for r, d in SPECS],
+                                       feature_table_map=FMAP, device="cuda", cache_load_factor=0.5,
+                                       bounds_check_mode=BoundsCheckMode.WARNING, **KNOBS)
+         if kind == "caching" else _tbe(**kw))
+    idx, off, grad = (t.cuda() for t in _batch(0))
+    bsfpr = [[B] for _ in FMAP] if kind == "vbe" else None
+    m(idx, off, batch_size_per_feature_per_rank=bsfpr).backward(grad.reshape(-1) if bsfpr else grad)
+    torch.cuda.synchronize()
+    before = [t.clone() for t in (m.weights_dev, m.accum_dev, m.linear_dev)]
+    graph = torch.cuda.CUDAGraph()
+    match = {"fatal": "FATAL", "caching": "MANAGED_CACHING", "vbe": "VBE"}[kind]
+    with pytest.raises(RuntimeError, match=match):
+        with torch.cuda.graph(graph):
+            m(idx, off, batch_size_per_feature_per_rank=bsfpr)
+    torch.cuda.synchronize()
+    for now, then in zip((m.weights_dev, m.accum_dev, m.linear_dev), before):
+        assert torch.equal(now, then)

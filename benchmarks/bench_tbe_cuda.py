@@ -12,7 +12,16 @@ permutation of each table's rows). Time: CUDA events around each step, median ov
 after ``--warmup``, cycling through ``--batches`` batches. Achieved bandwidth uses the bytes-moved model
 of ``benchmarks/README.md`` (``bytes_model`` below), against the measured device-to-device copy rate.
 
-Usage: python benchmarks/bench_tbe_cuda.py [--out DIR] [--tune] [--tune-forward] [--quick]
+``--suite production``: tables of 2M and 10M rows (``production_shapes()``: T=8 x E=2M at
+D=64/128/256 fp32 and D=128 fp16, T=2 x E=10M and T=2 x E=2M at D=128 fp32; B=16384, L=20 and 80;
+uniform, Zipf(1.05) and Zipf(1.2) ids). Each method's TBE is built alone and freed before the next
+(a shape whose estimated peak memory exceeds the free memory is skipped, with the reason logged);
+besides step and kernel time it reports the run-length histogram of the batch (the share of unique
+rows looked up once, 2-3, 4-31 and >= 32 times) and the kernel time per unique row. Writes
+``DIR/bench_tbe_cuda_production.md`` / ``.json``.
+
+Usage: python benchmarks/bench_tbe_cuda.py [--suite default|production] [--out DIR] [--tune]
+       [--tune-forward] [--quick]
 """
 
 from __future__ import annotations
@@ -247,23 +256,458 @@ def host_floor_ms(step, batches, n=50):
     return host
 
 
+# ======================================================================== --suite production
+
+PROD_B = 16384                       # bags per table per step
+PROD_METHODS = ("ours", "fbgemm_adam", "fbgemm_rowwise_adagrad", "fbgemm_sgd")
+RUN_BINS = ((1, 1, "1"), (2, 3, "2-3"), (4, 31, "4-31"), (32, None, ">=32"))
+# Per-lookup device scratch of one training step (row keys, sort keys and positions, sorted copies
+# of offsets / factors / tables, segment starts, CUB's temporary storage; FBGEMM's backward keeps
+# int64 linear indices, their sorted copy and run infos): a generous bound for the estimate.
+WORKSPACE_PER_LOOKUP = 128
+MEMORY_MARGIN = 2 << 30              # bytes left free beyond the estimate (allocator slack, context)
+
+
+def production_shapes():
+    """The production suite: a list of tables, each ``dict(name, T, E, D, precision, wbytes, B,
+    workloads)``; ``workloads`` is a list of ``dict(name, L, dist, zipf_a)`` run against the same
+    tables (each method's TBE is built once per table). Axes: D 64/128/256 and fp32/fp16 at T=8 x
+    E=2M; E 2M vs 10M at T=2 (same T, so N and U compare directly); L 20 vs 80; uniform, Zipf(1.05)
+    and Zipf(1.2) ids."""
+    M = 1_000_000
+
+    def table(T, E, D, precision, loads):
+        wl = [dict(name=f"L{L}_" + ("uniform" if a is None else f"zipf{a}"), L=L,
+                   dist="uniform" if a is None else "zipf", zipf_a=a) for L, a in loads]
+        return dict(name=f"T{T}_E{E // M}M_D{D}_{precision.lower()}", T=T, E=E, D=D, precision=precision,
+                    wbytes=2 if precision == "FP16" else 4, B=PROD_B, workloads=wl)
+
+    every = [(20, None), (20, 1.05), (20, 1.2), (80, None), (80, 1.05), (80, 1.2)]
+    return [
+        table(8, 2 * M, 128, "FP32", every),
+        table(8, 2 * M, 64, "FP32", [(20, None), (20, 1.2)]),
+        table(8, 2 * M, 256, "FP32", [(20, None), (20, 1.2)]),
+        table(8, 2 * M, 128, "FP16", [(20, None), (20, 1.2)]),
+        table(2, 10 * M, 128, "FP32", [(20, None), (20, 1.05), (80, None)]),
+        table(2, 2 * M, 128, "FP32", [(20, None), (20, 1.05), (80, None)]),
+    ]
+
+
+def state_bytes_per_row(method, D):
+    """Optimizer state bytes per row of ``method``: FTRL accum + linear and ADAM m + v (fp32, 8*D),
+    ADAM rbc's per-row step counter (+4), row-wise Adagrad's one fp32 (4), SGD none."""
+    return {"ours": 8 * D, "ours_ignore": 8 * D, "fbgemm_adam": 8 * D, "fbgemm_adam_rbc": 8 * D + 4,
+            "fbgemm_rowwise_adagrad": 4, "fbgemm_sgd": 0}[method]
+
+
+def table_bytes(method, T, E, D, wbytes):
+    """Device bytes of the weights and optimizer state of ``T`` tables of ``E`` x ``D``."""
+    return T * E * (D * wbytes + state_bytes_per_row(method, D))
+
+
+def workspace_bytes(T, B, L, D):
+    """Transient device bytes of one step: per-lookup scratch, and the pooled output, its gradient
+    and one more output-sized buffer (fp32)."""
+    return T * B * L * WORKSPACE_PER_LOOKUP + 3 * T * B * D * 4
+
+
+def batches_bytes(T, B, L, n):
+    """``n`` batches of int64 indices ``[T*B*L]`` and offsets ``[T*B+1]``."""
+    return n * 8 * (T * B * L + T * B + 1)
+
+
+def memory_estimate(tbl, methods, n_batches):
+    """Estimated device bytes of one production table: ``dict(batches, workspace, per_method,
+    peak)``. The methods are built one at a time, so the peak is every workload's batches (all are
+    kept while the table's methods run) plus the largest method's tables plus one step's workspace
+    at the largest L."""
+    T, E, D, B, wb = tbl["T"], tbl["E"], tbl["D"], tbl["B"], tbl["wbytes"]
+    batches = sum(batches_bytes(T, B, w["L"], n_batches) for w in tbl["workloads"])
+    work = max(workspace_bytes(T, B, w["L"], D) for w in tbl["workloads"])
+    per = {m: table_bytes(m, T, E, D, wb) for m in methods}
+    return dict(batches=batches, workspace=work, per_method=per, peak=batches + work + max(per.values()))
+
+
+def run_length_histogram(indices, T, E):
+    """How often each unique (table, row) of a batch is looked up. ``indices``: the batch's ids,
+    feature-major (table ``t`` owns the ``t``-th of ``T`` equal slices), each in ``[0, E)``; any
+    device (the counting runs where the tensor is, one host sync at the end). Returns
+    ``dict(lookups, unique_rows, max_run, rows_share, lookups_share)``: the shares keyed by run
+    length ``"1"``, ``"2-3"``, ``"4-31"``, ``">=32"``, of the unique rows and of the lookups."""
+    idx = indices.reshape(T, -1).to(torch.int64)
+    keys = idx + torch.arange(T, device=idx.device, dtype=torch.int64)[:, None] * E
+    _, counts = torch.unique(keys.reshape(-1), return_counts=True)
+    sums = []
+    for lo, hi, _ in RUN_BINS:
+        sel = counts >= lo if hi is None else (counts >= lo) & (counts <= hi)
+        sums += [sel.sum(), torch.where(sel, counts, 0).sum()]
+    vals = torch.stack(sums + [counts.max() if counts.numel() else counts.new_zeros(())]).tolist()
+    U, N = int(counts.numel()), int(idx.numel())
+    return dict(lookups=N, unique_rows=U, max_run=int(vals[-1]),
+                rows_share={name: vals[2 * i] / max(U, 1) for i, (_, _, name) in enumerate(RUN_BINS)},
+                lookups_share={name: vals[2 * i + 1] / max(N, 1) for i, (_, _, name) in enumerate(RUN_BINS)})
+
+
+def mean_histogram(hists):
+    """The mean of several ``run_length_histogram`` results (one per batch)."""
+    n = len(hists)
+    return dict(lookups=hists[0]["lookups"], unique_rows=sum(h["unique_rows"] for h in hists) / n,
+                max_run=max(h["max_run"] for h in hists),
+                rows_share={k: sum(h["rows_share"][k] for h in hists) / n for k in hists[0]["rows_share"]},
+                lookups_share={k: sum(h["lookups_share"][k] for h in hists) / n
+                               for k in hists[0]["lookups_share"]})
+
+
+def production_batches(T, E, B, L, zipf_a, n, seed=0):
+    """``n`` batches on the GPU (indices int64 [T*B*L], offsets int64 [T*B+1]), made on the device:
+    uniform ids (``zipf_a`` None) or Zipf(``zipf_a``) ranks by inverting the float64 CDF
+    (``searchsorted``), scattered by a random permutation of each table's rows."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    if zipf_a is not None:
+        cdf = torch.cumsum(torch.arange(1, E + 1, dtype=torch.float64, device="cuda") ** -zipf_a, 0)
+        cdf /= cdf[-1].clone()
+        perms = torch.stack([torch.randperm(E, device="cuda", generator=g) for _ in range(T)])
+    off = torch.arange(0, T * B * L + 1, L, dtype=torch.int64, device="cuda")
+    out = []
+    for _ in range(n):
+        if zipf_a is None:
+            idx = torch.randint(0, E, (T, B * L), device="cuda", generator=g)
+        else:
+            u = torch.rand(T * B * L, device="cuda", generator=g, dtype=torch.float64)
+            ranks = torch.searchsorted(cdf, u).clamp_(max=E - 1).view(T, B * L)
+            idx = torch.gather(perms, 1, ranks)
+            del u, ranks
+        out.append((idx.reshape(-1).contiguous(), off))
+    if zipf_a is not None:
+        del cdf, perms
+    return out
+
+
+def bw_share(method, row, ms, bw_copy):
+    """(bytes/s, share of the copy BW, share of 4.8 TB/s) of ``method``'s compulsory bytes in ``ms``."""
+    fb, bb = bytes_model(method, row["lookups"], row["unique_rows"], row["T"], row["B"], row["D"],
+                         row["wbytes"])
+    bw = (fb + bb) / (ms * 1e-3)
+    return bw, bw / bw_copy, bw / HBM_SPEC
+
+
+def _gib(x):
+    return x / 2 ** 30
+
+
+def production_markdown(meta, rows):
+    """The production suite's report: shapes and run lengths, step times, bandwidth shares, memory."""
+    md = [f"Production-size TBE training steps (fwd + bwd + fused update), {meta['device']}, torch "
+          f"{meta['torch']}, fbgemm_gpu {meta['fbgemm_gpu']}; B={PROD_B} bags per table, SUM pooling; "
+          f"median of {meta['iters']} steps after {meta['warmup']} warm-up steps, cycling through "
+          f"{meta['batches']} batches, CUDA events. Ours: Triton backend, bounds_check_mode WARNING. "
+          f"Measured copy bandwidth {meta['copy_bw'] / 1e12:.2f} TB/s.", "",
+          "Run lengths: the share of the batch's unique (table, row) pairs looked up once, 2-3, 4-31 "
+          "and >= 32 times (torch.unique counts on the device, mean over the batches); \"lookups in "
+          ">=32\" is the share of all lookups that fall in such long runs.", "",
+          "| table | L | ids | lookups N | unique rows U | U / N | once | 2-3 | 4-31 | >=32 | lookups in >=32 | max run |",
+          "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    done = [r for r in rows if not r.get("skipped")]
+    for r in done:
+        rs = r["rows_share"]
+        md.append(f"| {r['table']} | {r['L']} | {r['ids']} | {r['lookups']:,} | {r['unique_rows']:,.0f} | "
+                  f"{r['unique_rows'] / r['lookups']:.3f} | {100 * rs['1']:.1f}% | {100 * rs['2-3']:.1f}% | "
+                  f"{100 * rs['4-31']:.1f}% | {100 * rs['>=32']:.2f}% | "
+                  f"{100 * r['lookups_share']['>=32']:.1f}% | {r['max_run']:,} |")
+    md += ["", "Step time (ms). \"kernel ms\": ours' device time per step (torch.profiler, 3 steps); "
+           "\"ns / U\": that kernel time per unique row. \"vs X\" = X ms / ours ms; where plain ADAM "
+           "fails (fp16 weights in fbgemm_gpu 1.6.0) the ADAM column is ADAM with row-wise bias "
+           "correction (marked *).", "",
+           "| table | L | ids | ours ms | kernel ms | ns / U | FBGEMM ADAM ms | vs ADAM | ROWWISE_ADAGRAD ms | vs RW Adagrad | SGD ms | vs SGD |",
+           "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def cell(r, m, ratio=True):
+        o, x = r["ms"].get("ours"), r["ms"].get(m)
+        if x is None:
+            return "fails" if m in r["errors"] else "–"
+        if not ratio:
+            return f"{x:.3f}"
+        return f"{x / o:.2f}x" if o else "–"
+
+    for r in done:
+        adam = "fbgemm_adam" if "fbgemm_adam" in r["ms"] else (
+            "fbgemm_adam_rbc" if "fbgemm_adam_rbc" in r["ms"] else "fbgemm_adam")
+        star = "*" if adam == "fbgemm_adam_rbc" else ""
+        k = r["device_ms"].get("ours")
+        ours = f"{r['ms']['ours']:.3f}" if "ours" in r["ms"] else ("fails" if "ours" in r["errors"] else "–")
+        kern = f"{k:.3f}" if k else "–"
+        per_u = f"{k * 1e6 / r['unique_rows']:.2f}" if k else "–"
+        md.append(f"| {r['table']} | {r['L']} | {r['ids']} | {ours} | {kern} | {per_u} | "
+                  f"{cell(r, adam, False)}{star} | {cell(r, adam)}{star} | "
+                  f"{cell(r, 'fbgemm_rowwise_adagrad', False)} | {cell(r, 'fbgemm_rowwise_adagrad')} | "
+                  f"{cell(r, 'fbgemm_sgd', False)} | {cell(r, 'fbgemm_sgd')} |")
+    md += ["", "Compulsory traffic (benchmarks/README.md, `bytes_model()`) per time, as a share of the "
+           "measured copy bandwidth and (after the slash) of the H200's 4.8 TB/s; ours by kernel time "
+           "and by step time, the baselines by step time.", "",
+           "| table | L | ids | GB / step (ours) | ours, kernel | ours, step | FBGEMM ADAM | ROWWISE_ADAGRAD | SGD |",
+           "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+
+    def share(r, m, ms):
+        if ms is None:
+            return "–"
+        _, c, h = bw_share(m, r, ms, meta["copy_bw"])
+        return f"{100 * c:.0f}% / {100 * h:.0f}%"
+
+    for r in done:
+        fb, bb = bytes_model("ours", r["lookups"], r["unique_rows"], r["T"], r["B"], r["D"], r["wbytes"])
+        adam = "fbgemm_adam" if "fbgemm_adam" in r["ms"] else "fbgemm_adam_rbc"
+        md.append(f"| {r['table']} | {r['L']} | {r['ids']} | {(fb + bb) / 1e9:.2f} | "
+                  f"{share(r, 'ours', r['device_ms'].get('ours'))} | {share(r, 'ours', r['ms'].get('ours'))} | "
+                  f"{share(r, adam, r['ms'].get(adam))} | "
+                  f"{share(r, 'fbgemm_rowwise_adagrad', r['ms'].get('fbgemm_rowwise_adagrad'))} | "
+                  f"{share(r, 'fbgemm_sgd', r['ms'].get('fbgemm_sgd'))} |")
+    md += ["", "Device memory per table (GiB): the estimate (every workload's batches + the largest "
+           "method's weights and state + one step's workspace) and the measured peak allocated while "
+           "each method ran (batches included).", ""]
+    shown = list(PROD_METHODS) + (["fbgemm_adam_rbc"] if any("fbgemm_adam_rbc" in t.get("peak_gib", {})
+                                                            for t in meta["tables"]) else [])
+    md += ["| table | estimate | free at start | " + " | ".join(LABELS[m] for m in shown) + " | note |",
+           "|---|---:|---:|" + "---:|" * len(shown) + "---|"]
+    for t in meta["tables"]:
+        peaks = " | ".join(f"{t['peak_gib'][m]:.1f}" if m in t.get("peak_gib", {}) else "–" for m in shown)
+        md.append(f"| {t['name']} | {t['estimate_gib']:.1f} | {t['free_gib']:.1f} | {peaks} | "
+                  f"{t.get('skipped') or ''} |")
+    md += ["", "Host time per step with B=64 (GPU work negligible), D=64: " + ", ".join(
+        f"{LABELS[m]} {v:.3f} ms" for m, v in meta["host_floor_ms"].items()) + ".", "",
+        "Wall time of the phases (s): " + ", ".join(f"{k} {v:.1f}" for k, v in meta["phases_s"].items()) + "."]
+    return "\n".join(md)
+
+
+def run_production(args) -> None:
+    """``--suite production`` (see the module docstring)."""
+    import fbgemm_gpu
+    fbgemm_version = getattr(fbgemm_gpu, "__version__", "?")
+    t_start = time.perf_counter()
+    lines_log, rows, tables_meta, phases = [], [], [], {}
+
+    def log(s):
+        print(s, flush=True)
+        lines_log.append(s)
+
+    def phase(name, t0):
+        phases[name] = phases.get(name, 0.0) + time.perf_counter() - t0
+
+    warmup, iters, n_batches = args.warmup, args.iters, args.batches
+    props = torch.cuda.get_device_properties(0)
+    t0 = time.perf_counter()
+    bw_copy = copy_bandwidth()
+    phase("copy bandwidth", t0)
+    log(f"device {props.name}, torch {torch.__version__}, fbgemm_gpu {fbgemm_version}, "
+        f"copy bandwidth {bw_copy / 1e12:.2f} TB/s; warmup {warmup}, iters {iters}, batches {n_batches}")
+    t0 = time.perf_counter()
+    tiny = make_batches(8, 100_000, 64, 20, "zipf", n_batches)
+    tiny_grad = torch.randn(64, 8 * 64, device="cuda")
+    host_floor = {}
+    for m in ("ours", "fbgemm_adam", "fbgemm_sgd"):
+        mod = build_ours(8, 100_000, 64, SparseType.FP32) if m == "ours" else \
+            build_fbgemm(8, 100_000, 64, SparseType.FP32, m)
+        host_floor[m] = host_floor_ms(tbe_step(mod, tiny_grad), tiny)
+        del mod
+    del tiny, tiny_grad
+    phase("host floor", t0)
+    log("host time per step with B=64 (GPU work negligible), D=64: " +
+        ", ".join(f"{LABELS[m]} {v:.3f} ms" for m, v in host_floor.items()))
+
+    shapes = production_shapes()
+    if args.shapes:
+        want = [s.strip() for s in args.shapes.split(",") if s.strip()]
+        for t in shapes:
+            t["workloads"] = [w for w in t["workloads"]
+                              if any(x in f"{t['name']}/{w['name']}" for x in want)]
+        shapes = [t for t in shapes if t["workloads"]]
+    if args.quick:
+        shapes = [dict(shapes[0], workloads=shapes[0]["workloads"][:1])]
+    meta = dict(device=props.name, torch=torch.__version__, fbgemm_gpu=fbgemm_version,
+                copy_bw=bw_copy, warmup=warmup, iters=iters, batches=n_batches, B=PROD_B,
+                host_floor_ms=host_floor, tuning=triton_backend.TUNING, tables=tables_meta, phases_s=phases)
+    os.makedirs(args.out, exist_ok=True)
+
+    def write():   # after every table: a run cut short keeps what it measured
+        meta["total_s"] = time.perf_counter() - t_start
+        text = production_markdown(meta, rows)
+        with open(os.path.join(args.out, "bench_tbe_cuda_production.md"), "w") as f:
+            f.write(text + "\n\n```\n" + "\n".join(lines_log) + "\n```\n")
+        with open(os.path.join(args.out, "bench_tbe_cuda_production.json"), "w") as f:
+            json.dump(dict(meta, results=rows), f, indent=1, default=str)
+        return text
+
+    for tbl in shapes:
+        T, E, D, B, wb = tbl["T"], tbl["E"], tbl["D"], tbl["B"], tbl["wbytes"]
+        prec = getattr(SparseType, tbl["precision"])
+        gc.collect()
+        torch.cuda.empty_cache()
+        free = torch.cuda.mem_get_info()[0]
+        est = memory_estimate(tbl, PROD_METHODS, n_batches)
+        tmeta = dict(name=tbl["name"], T=T, E=E, D=D, precision=tbl["precision"],
+                     estimate_gib=_gib(est["peak"]), free_gib=_gib(free),
+                     estimate_parts_gib=dict(batches=_gib(est["batches"]), workspace=_gib(est["workspace"]),
+                                             **{m: _gib(v) for m, v in est["per_method"].items()}),
+                     peak_gib={}, phases_s={})
+        tables_meta.append(tmeta)
+        log(f"[{tbl['name']}] T={T} E={E:,} D={D} {tbl['precision']} B={B}; workloads "
+            f"{', '.join(w['name'] for w in tbl['workloads'])}; estimated peak {_gib(est['peak']):.1f} GiB "
+            f"(largest method's tables {_gib(max(est['per_method'].values())):.1f}, batches "
+            f"{_gib(est['batches']):.1f}, workspace {_gib(est['workspace']):.1f}), free {_gib(free):.1f} GiB")
+        if est["peak"] + MEMORY_MARGIN > free:
+            reason = (f"skipped: estimated peak {_gib(est['peak']):.1f} GiB + {_gib(MEMORY_MARGIN):.0f} GiB "
+                      f"margin exceeds the free {_gib(free):.1f} GiB")
+            log(f"  {reason}")
+            tmeta["skipped"] = reason
+            rows.extend(dict(table=tbl["name"], workload=w["name"], skipped=reason) for w in tbl["workloads"])
+            write()
+            continue
+        t0 = time.perf_counter()
+        loads = []
+        for i, w in enumerate(tbl["workloads"]):
+            batches = production_batches(T, E, B, w["L"], w["zipf_a"], n_batches, seed=i)
+            hist = mean_histogram([run_length_histogram(idx, T, E) for idx, _ in batches])
+            row = dict(table=tbl["name"], workload=w["name"], T=T, E=E, B=B, L=w["L"], D=D,
+                       precision=tbl["precision"], wbytes=wb, dist=w["dist"], zipf_a=w["zipf_a"],
+                       ids="uniform" if w["zipf_a"] is None else f"Zipf({w['zipf_a']})",
+                       **hist, ms={}, fwd_ms={}, device_ms={}, errors={})
+            rs = row["rows_share"]
+            log(f"  {w['name']}: N={row['lookups']:,} U={row['unique_rows']:,.0f}; runs of unique rows: "
+                f"1 {100 * rs['1']:.1f}%, 2-3 {100 * rs['2-3']:.1f}%, 4-31 {100 * rs['4-31']:.1f}%, "
+                f">=32 {100 * rs['>=32']:.2f}% (max {row['max_run']:,})")
+            loads.append((w, batches, row))
+            rows.append(row)
+        torch.cuda.synchronize()
+        tmeta["phases_s"]["batches + histograms"] = time.perf_counter() - t0
+        phase("batches + histograms", t0)
+        methods = list(PROD_METHODS)
+        while methods:
+            m = methods.pop(0)
+            gc.collect()
+            torch.cuda.empty_cache()
+            need = table_bytes(m, T, E, D, wb) + est["workspace"]
+            free_now = torch.cuda.mem_get_info()[0]
+            if need + MEMORY_MARGIN > free_now:
+                reason = (f"skipped: tables + workspace {_gib(need):.1f} GiB + margin exceed the free "
+                          f"{_gib(free_now):.1f} GiB")
+                log(f"  {m}: {reason}")
+                for _, _, row in loads:
+                    row["errors"][m] = reason
+                continue
+            torch.cuda.reset_peak_memory_stats()
+            mod = step = None
+            try:
+                t0 = time.perf_counter()
+                mod = build_ours(T, E, D, prec) if m == "ours" else build_fbgemm(T, E, D, prec, m)
+                torch.cuda.synchronize()
+                dt = time.perf_counter() - t0
+                tmeta["phases_s"][f"build {m}"] = dt
+                phase("build", t0)
+                t0 = time.perf_counter()
+                for w, batches, row in loads:
+                    grad = torch.randn(B, T * D, device="cuda")
+                    step = tbe_step(mod, grad)
+                    try:
+                        ms = time_steps(step, batches, warmup, iters)
+                        with torch.no_grad():
+                            fwd_ms = time_steps(lambda i, o: mod(i, o), batches, 1, args.fwd_iters)
+                    except Exception as exc:  # noqa: BLE001 - a failing baseline is reported
+                        err = f"{type(exc).__name__}: {exc}"[:400]
+                        for _, _, r in loads:   # this workload and the ones not run after it
+                            if m not in r["ms"]:
+                                r["errors"][m] = err
+                        log(f"    {w['name']:16s} {m} FAILED: {err}")
+                        if m == "fbgemm_adam" and prec == SparseType.FP16 and "fbgemm_adam_rbc" not in methods:
+                            methods.insert(0, "fbgemm_adam_rbc")
+                            log("    plain ADAM fails with fp16 weights: ADAM with row-wise bias "
+                                "correction stands in for it")
+                        break
+                    row["ms"][m], row["fwd_ms"][m] = ms, fwd_ms
+                    _, c, h = bw_share(m, row, ms, bw_copy)
+                    msg = (f"    {w['name']:16s} {m:24s} step {ms:8.3f} ms  fwd {fwd_ms:7.3f} ms  "
+                           f"traffic {100 * c:.0f}% of copy BW, {100 * h:.0f}% of 4.8 TB/s")
+                    if m == "ours":
+                        tp = time.perf_counter()
+                        try:   # a profiler failure costs the kernel time, not the step time
+                            k = device_ms(step, batches)
+                            row["device_ms"][m] = k
+                            _, kc, kh = bw_share(m, row, k, bw_copy)
+                            msg += (f"; kernel {k:.3f} ms ({k * 1e6 / row['unique_rows']:.2f} ns per "
+                                    f"unique row, {100 * kc:.0f}% of copy BW, {100 * kh:.0f}% of 4.8 TB/s)")
+                            if max(kc, kh) > 1.0:
+                                msg += "  [kernel share above 100%: the bytes model or the timing is wrong]"
+                            if args.profile and tbl["name"] == "T8_E2M_D128_fp32" and \
+                                    w["name"] in ("L20_uniform", "L20_zipf1.2"):
+                                log(f"    {w['name']}:")
+                                profile_step(step, batches, log)
+                        except Exception as exc:  # noqa: BLE001
+                            msg += f"; profiler FAILED: {type(exc).__name__}: {exc}"[:300]
+                        phase("profiler", tp)
+                    if max(c, h) > 1.0:
+                        msg += "  [above 100%: the bytes model or the timing is wrong]"
+                    log(msg)
+                    del grad, step
+                    step = None
+                torch.cuda.synchronize()
+                tmeta["phases_s"][f"measure {m}"] = time.perf_counter() - t0
+                phase("measure", t0)
+                tmeta["peak_gib"][m] = _gib(torch.cuda.max_memory_allocated())
+                ran = sum(m in r["ms"] for _, _, r in loads)
+                log(f"  {m}: built in {dt:.1f} s, {ran} of {len(loads)} workloads measured in "
+                    f"{tmeta['phases_s'][f'measure {m}']:.1f} s, peak allocated {tmeta['peak_gib'][m]:.1f} GiB "
+                    f"(estimate {_gib(est['batches'] + need):.1f} GiB)")
+            except Exception as exc:  # noqa: BLE001 - e.g. out of memory while building
+                log(f"  {m} FAILED: {type(exc).__name__}: {exc}"[:500])
+                traceback.print_exc()
+                for _, _, row in loads:
+                    row["errors"].setdefault(m, f"{type(exc).__name__}: {exc}"[:400])
+            del mod, step
+            gc.collect()
+            torch.cuda.empty_cache()
+        del loads, batches
+        write()
+    text = write()
+    print(text)
+    log(f"total {time.perf_counter() - t_start:.1f} s")
+    write()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--T", type=int, default=32)
     ap.add_argument("--E", type=int, default=100_000)
     ap.add_argument("--B", type=int, default=8192)
     ap.add_argument("--L", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--suite", choices=("default", "production"), default="default",
+                    help="default: T=32 tables of 100k rows (--T --E --B --L); production: 2M- and "
+                         "10M-row tables (production_shapes()), run-length histograms, one "
+                         "method's tables on the device at a time")
+    ap.add_argument("--warmup", type=int, default=None, help="default 5 (production: 3)")
+    ap.add_argument("--iters", type=int, default=None, help="default 20 (production: 10)")
     ap.add_argument("--batches", type=int, default=3)
+    ap.add_argument("--fwd-iters", type=int, default=5, help="production: forward-only calls timed")
+    ap.add_argument("--shapes", default=None,
+                    help="production: only the workloads whose 'TABLE/WORKLOAD' name contains one of "
+                         "these comma-separated strings (e.g. T8_E2M_D128_fp32/L20_uniform,E10M)")
     ap.add_argument("--tune", action="store_true", help="sweep the backward launch knobs first")
     ap.add_argument("--tune-forward", action="store_true",
                     help="sweep the forward launch table, log the fastest settings, then exit")
-    ap.add_argument("--profile", action="store_true", help="kernel time table of ours, first shape")
-    ap.add_argument("--quick", action="store_true", help="first shape only")
+    ap.add_argument("--profile", action="store_true",
+                    help="kernel time table of ours, first shape (production: T8_E2M_D128_fp32 "
+                         "L20_uniform and L20_zipf1.2)")
+    ap.add_argument("--quick", action="store_true", help="first shape only (production: first workload)")
     ap.add_argument("--no-eager", action="store_true", help="skip the (slow) eager baseline")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
+    production = args.suite == "production"
+    if args.warmup is None:
+        args.warmup = 3 if production else 5
+    if args.iters is None:
+        args.iters = 10 if production else 20
+    if production:
+        if args.tune or args.tune_forward:
+            ap.error("--tune / --tune-forward run with the default suite")
+        run_production(args)
+        return
     T, E, B, L = args.T, args.E, args.B, args.L
     N = T * B * L
     lines_log = []

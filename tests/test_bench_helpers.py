@@ -1,0 +1,303 @@
+"""The pure-Python parts of the GPU benchmarks, on CPU: ``benchmarks/bench_tbe_cuda.py``'s production
+shapes, memory estimate, run-length histogram and bytes model; ``benchmarks/bench_dmp.py``'s profile
+attribution; ``benchmarks/bench_job.py``'s tiling of the binary folder and summary reading; and
+(slow) CPU smoke runs of bench_dmp and bench_job."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(REPO, "benchmarks")
+if BENCH not in sys.path:
+    sys.path.insert(0, BENCH)
+
+GiB = 2 ** 30
+
+
+@pytest.fixture(scope="module")
+def tbe_bench():
+    pytest.importorskip("triton")
+    import bench_tbe_cuda
+    return bench_tbe_cuda
+
+
+# ------------------------------------------------------------------------- bench_tbe_cuda.py
+
+
+def test_production_shapes_cover_every_axis(tbe_bench):
+    shapes = tbe_bench.production_shapes()
+    names = [t["name"] for t in shapes]
+    assert len(set(names)) == len(names)
+    loads = [(t, w) for t in shapes for w in t["workloads"]]
+    assert all(t["E"] >= 1_000_000 and t["B"] == 16384 for t, _ in loads)
+    # D and dtype at T=8 x E=2M; E 2M vs 10M at the same T; L 20 vs 80; the three id distributions
+    assert {t["D"] for t in shapes if (t["T"], t["E"]) == (8, 2_000_000)} == {64, 128, 256}
+    assert {t["precision"] for t in shapes if (t["T"], t["E"], t["D"]) == (8, 2_000_000, 128)} == {"FP32", "FP16"}
+    assert {t["E"] for t in shapes if t["T"] == 2} == {2_000_000, 10_000_000}
+    assert {w["L"] for _, w in loads} == {20, 80}
+    assert {w["zipf_a"] for _, w in loads} == {None, 1.05, 1.2}
+    big = [t for t in shapes if t["E"] == 10_000_000][0]
+    assert {w["L"] for w in big["workloads"]} == {20, 80}
+    for t, w in loads:
+        assert w["name"] == f"L{w['L']}_" + ("uniform" if w["zipf_a"] is None else f"zipf{w['zipf_a']}")
+        assert t["wbytes"] == (2 if t["precision"] == "FP16" else 4)
+    # every table fits one H200 (139 GiB) by the estimate, with the margin
+    for t in shapes:
+        est = tbe_bench.memory_estimate(t, tbe_bench.PROD_METHODS, 3)
+        assert est["peak"] + tbe_bench.MEMORY_MARGIN < 139 * GiB, t["name"]
+
+
+def test_memory_estimate_by_hand(tbe_bench):
+    t = dict(name="x", T=2, E=1000, D=16, precision="FP32", wbytes=4, B=8,
+             workloads=[dict(name="a", L=3, dist="uniform", zipf_a=None),
+                        dict(name="b", L=5, dist="uniform", zipf_a=None)])
+    est = tbe_bench.memory_estimate(t, ("ours", "fbgemm_rowwise_adagrad", "fbgemm_sgd"), 2)
+    # weights 2*1000*16*4 = 128000 B; FTRL state 2*1000*16*8 = 256000; row-wise Adagrad 2*1000*4
+    assert est["per_method"] == {"ours": 384000, "fbgemm_rowwise_adagrad": 136000, "fbgemm_sgd": 128000}
+    # two batches per workload: 8 B x (indices T*B*L + offsets T*B+1)
+    assert est["batches"] == 2 * 8 * (48 + 17) + 2 * 8 * (80 + 17)
+    # the largest L: 80 lookups x 128 B + 3 x (T*B*D*4 = 1024 B)
+    assert est["workspace"] == 80 * tbe_bench.WORKSPACE_PER_LOOKUP + 3 * 1024
+    assert est["peak"] == est["batches"] + est["workspace"] + 384000
+    assert tbe_bench.table_bytes("fbgemm_adam_rbc", 2, 1000, 16, 2) == 2 * 1000 * (32 + 128 + 4)
+
+
+def test_run_length_histogram_by_hand(tbe_bench):
+    # T=2 tables of E=10 rows, 6 lookups each (feature-major):
+    # table 0: row 0 x2, row 1 x1, row 2 x3; table 1: row 0 x1, row 3 x5 (row 0 of both tables differ)
+    idx = torch.tensor([0, 0, 1, 2, 2, 2, 0, 3, 3, 3, 3, 3])
+    h = tbe_bench.run_length_histogram(idx, 2, 10)
+    assert h["lookups"] == 12 and h["unique_rows"] == 5 and h["max_run"] == 5
+    assert h["rows_share"] == pytest.approx({"1": 2 / 5, "2-3": 2 / 5, "4-31": 1 / 5, ">=32": 0.0})
+    assert h["lookups_share"] == pytest.approx({"1": 2 / 12, "2-3": 5 / 12, "4-31": 5 / 12, ">=32": 0.0})
+    # one row looked up 40 times, one 31 times, one 4 times
+    idx = torch.tensor([7] * 40 + [1] * 31 + [2] * 4)
+    h = tbe_bench.run_length_histogram(idx, 1, 10)
+    assert h["rows_share"] == pytest.approx({"1": 0.0, "2-3": 0.0, "4-31": 2 / 3, ">=32": 1 / 3})
+    assert h["lookups_share"][">=32"] == pytest.approx(40 / 75) and h["max_run"] == 40
+
+
+def test_run_length_histogram_matches_counter(tbe_bench):
+    g = torch.Generator().manual_seed(0)
+    T, E = 3, 50
+    idx = torch.randint(0, E, (T * 200,), generator=g)
+    h = tbe_bench.run_length_histogram(idx, T, E)
+    counts = collections.Counter((t, int(r)) for t in range(T) for r in idx.view(T, -1)[t])
+    U = len(counts)
+    assert h["unique_rows"] == U and h["lookups"] == T * 200
+    for name, lo, hi in (("1", 1, 1), ("2-3", 2, 3), ("4-31", 4, 31), (">=32", 32, 10 ** 9)):
+        sel = [c for c in counts.values() if lo <= c <= hi]
+        assert h["rows_share"][name] == pytest.approx(len(sel) / U)
+        assert h["lookups_share"][name] == pytest.approx(sum(sel) / (T * 200))
+    m = tbe_bench.mean_histogram([h, h])
+    assert m["unique_rows"] == U and m["rows_share"] == pytest.approx(h["rows_share"])
+
+
+def test_bytes_model_readme_case(tbe_bench):
+    # benchmarks/README.md: D=128 fp32 uniform, N = 5,242,880, U = 2,578,456 -> 1.50 GB forward,
+    # 8.06 GB backward, 9.55 GB per step
+    fwd, bwd = tbe_bench.bytes_model("ours", 5_242_880, 2_578_456, 32, 8192, 128, 4)
+    assert round(fwd / 1e9, 2) == 1.50 and round(bwd / 1e9, 2) == 8.06 and round((fwd + bwd) / 1e9, 2) == 9.55
+    assert tbe_bench.bytes_model("fbgemm_adam", 10, 5, 1, 2, 4, 4) == tbe_bench.bytes_model("ours", 10, 5, 1, 2, 4, 4)
+    f_sgd, b_sgd = tbe_bench.bytes_model("fbgemm_sgd", 10, 5, 1, 2, 4, 2)
+    assert (f_sgd, b_sgd) == (10 * 8 + 5 * 4 * 2 + 2 * 4 * 4, 2 * 4 * 4 + 5 * 2 * 4 * 2)
+    row = dict(lookups=5_242_880, unique_rows=2_578_456, T=32, B=8192, D=128, wbytes=4)
+    bw, c, h = tbe_bench.bw_share("ours", row, 2.25, 4.25e12)
+    assert bw == pytest.approx((fwd + bwd) / 2.25e-3) and c == pytest.approx(bw / 4.25e12)
+    assert h == pytest.approx(bw / 4.8e12)
+
+
+def test_bench_tbe_cuda_help():
+    p = subprocess.run([sys.executable, os.path.join(BENCH, "bench_tbe_cuda.py"), "--help"],
+                       capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "--suite {default,production}" in p.stdout and "--shapes" in p.stdout
+
+
+def test_production_markdown_renders(tbe_bench):
+    row = dict(table="T8_E2M_D128_fp32", workload="L20_uniform", T=8, E=2_000_000, B=16384, L=20, D=128,
+               precision="FP32", wbytes=4, dist="uniform", zipf_a=None, ids="uniform", lookups=2_621_440,
+               unique_rows=2.2e6, max_run=6, rows_share={"1": 0.8, "2-3": 0.19, "4-31": 0.01, ">=32": 0.0},
+               lookups_share={"1": 0.6, "2-3": 0.35, "4-31": 0.05, ">=32": 0.0},
+               ms={"ours": 3.0, "fbgemm_adam_rbc": 4.5, "fbgemm_sgd": 2.0}, fwd_ms={}, device_ms={"ours": 2.9},
+               errors={"fbgemm_adam": "RuntimeError: dtype"})
+    meta = dict(device="H200", torch="2.x", fbgemm_gpu="1.6.0", copy_bw=4.25e12, warmup=3, iters=10, batches=3,
+                host_floor_ms={"ours": 1.0}, phases_s={"build": 1.0},
+                tables=[dict(name="T8_E2M_D128_fp32", estimate_gib=25.2, free_gib=130.0, peak_gib={"ours": 24.0})])
+    md = tbe_bench.production_markdown(meta, [row, dict(table="T2_x", workload="L20_uniform", skipped="skipped: x")])
+    assert "| T8_E2M_D128_fp32 | 20 | uniform | 2,621,440 |" in md
+    assert "4.500*" in md and "1.50x*" in md and "| fails |" not in md.split("Compulsory")[0].split("ROWWISE")[0]
+    assert f"{2.9e6 / 2.2e6:.2f}" in md   # ns per unique row
+
+
+# -------------------------------------------------------------------------------- bench_dmp.py
+
+
+def _ev(name, start, end, parent=None, kernels=(), device=False, cpu_total=None, cpu_self=None):
+    from torch.autograd import DeviceType
+    return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end), cpu_parent=parent,
+                           kernels=[SimpleNamespace(name=k, duration=d) for k, d in kernels],
+                           device_type=DeviceType.CUDA if device else DeviceType.CPU,
+                           cpu_time_total=cpu_total if cpu_total is not None else end - start,
+                           self_cpu_time_total=cpu_self if cpu_self is not None else end - start)
+
+
+def test_dmp_classify_kernel():
+    import bench_dmp as b
+    assert b.classify_kernel("void at::native::elementwise", ["aten::add", "_FTRLLookupFunction"], "ours") == "tbe"
+    assert b.classify_kernel("segment_update_kernel", [], "ours") == "tbe"
+    assert b.classify_kernel("DeviceRadixSortOnesweepKernel", [], "fbgemm") == "tbe"
+    assert b.classify_kernel("k", ["fbgemm::split_embedding_codegen_lookup_adam_function_pt2"], "fbgemm") == "tbe"
+    assert b.classify_kernel("k", ["torch::autograd::CppNode<SplitLookupFunction_adam_Op_pt2>"], "fbgemm") == "tbe"
+    # ours' names do not count as TBE for a FBGEMM config, nor FBGEMM's for ours
+    assert b.classify_kernel("k", ["_FTRLLookupFunction"], "fbgemm") == "torchrec_other"
+    assert b.classify_kernel("ncclDevKernel_SendRecv", ["nccl:all_to_all"], "ours") == "all_to_all"
+    assert b.classify_kernel("k", ["fbgemm::block_bucketize_sparse_features", "bench_dmp.forward"],
+                             "ours") == "permute_kjt"
+    assert b.classify_kernel("k", ["aten::pow", "bench_dmp.loss"], "ours") == "loss"
+    assert b.classify_kernel("k", ["autograd::engine::evaluate_function: MeanBackward0"], "ours") == "loss"
+    assert b.classify_kernel("k", ["aten::cat", "bench_dmp.forward"], "ours") == "torchrec_other"
+    assert b._union_us([(0, 2), (1, 3), (5, 6)]) == 4
+
+
+def test_dmp_breakdown_fake_profile():
+    import bench_dmp as b
+    # two steps of 100 us. Linked to CPU ops: ours' forward launches a Triton kernel (20 us), TorchRec's
+    # permute one (5 us), the loss one (1 us), ours' backward one (30 us); one NCCL kernel (10 us) is
+    # linked to no op (classified by its name). Device busy: [10, 35) + [60, 61) in step 1,
+    # [110, 150) in step 2: 66 of 200 us.
+    s1, s2 = _ev("bench_dmp.step", 0, 100), _ev("bench_dmp.step", 100, 200)
+    fwd = _ev("bench_dmp.forward", 1, 50, s1, cpu_total=49)
+    ours = _ev("_FTRLLookupFunction", 5, 25, fwd, kernels=[("tbe_forward_kernel", 20)], cpu_total=20, cpu_self=15)
+    perm = _ev("fbgemm::permute_2D_sparse_data", 2, 4, fwd, kernels=[("permute_kernel", 5)])
+    loss = _ev("aten::pow", 51, 52, _ev("bench_dmp.loss", 50, 53, s1), kernels=[("vectorized_elementwise", 1)])
+    bwd = _ev("_FTRLLookupFunctionBackward", 120, 150, _ev("autograd::engine::evaluate_function: "
+                                                           "_FTRLLookupFunctionBackward", 119, 151),
+              kernels=[("segment_update_kernel", 30)], cpu_total=30, cpu_self=10)
+    dev = [_ev("tbe_forward_kernel", 10, 30, device=True), _ev("permute_kernel", 30, 35, device=True),
+           _ev("vectorized_elementwise", 60, 61, device=True), _ev("segment_update_kernel", 110, 140, device=True),
+           _ev("ncclDevKernel_SendRecv", 140, 150, device=True)]
+    # record_function ranges projected onto the GPU timeline count as no device work
+    a2a = _ev("## all2all_data:kjt splits ##", 2, 3, fwd, kernels=[("## all2all_data:kjt splits ##", 40)])
+    a2a.is_user_annotation = True
+    fwd.kernels = [SimpleNamespace(name="bench_dmp.forward", duration=60)]
+    dev += [_ev("bench_dmp.step", 0, 100, device=True), _ev("## all2all_data:kjt splits ##", 2, 42, device=True)]
+    r = b.breakdown([s1, s2, fwd, ours, perm, loss, bwd, a2a] + dev, 2, "ours")
+    assert r["step_ms"] == pytest.approx(0.1)
+    assert r["device_ms"] == pytest.approx({"tbe": 0.025, "permute_kjt": 0.0025, "loss": 0.0005,
+                                            "all_to_all": 0.005})
+    assert r["device_total_ms"] == pytest.approx(0.033) and r["linked_share"] == pytest.approx(56 / 66)
+    assert r["gpu_busy_ms"] == pytest.approx(0.033) and r["gpu_idle_ms"] == pytest.approx(0.067)
+    h = r["host_ms"]
+    assert h["tbe_forward"] == pytest.approx(0.01) and h["tbe_forward_self"] == pytest.approx(0.0075)
+    assert h["tbe_backward"] == pytest.approx(0.015) and h["tbe_backward_self"] == pytest.approx(0.005)
+    assert h["torchrec_forward"] == pytest.approx((49 - 20) / 2 / 1e3)
+    assert r["top_kernels"]["tbe"][0][0] == "segment_update_kernel"
+    # FBGEMM's names, for a baseline config
+    fb = _ev("fbgemm::split_embedding_codegen_lookup_adam_function_pt2", 5, 25, fwd,
+             kernels=[("split_embedding_codegen_forward_unweighted_kernel", 20)], cpu_total=20)
+    node = _ev("autograd::engine::evaluate_function: torch::autograd::CppNode<SplitLookupFunction_adam_Op_pt2>",
+               119, 151, kernels=[("split_embedding_backward_codegen_adam_unweighted_kernel_warp_per_row_1", 30)])
+    inner = _ev("torch::autograd::CppNode<SplitLookupFunction_adam_Op_pt2>", 120, 150, node, cpu_total=30)
+    r = b.breakdown([s1, s2, fwd, fb, node, inner], 2, "fbgemm")
+    assert r["device_ms"] == pytest.approx({"tbe": 0.025}) and r["gpu_idle_ms"] is None
+    assert r["host_ms"]["tbe_forward"] == pytest.approx(0.01)
+    assert r["host_ms"]["tbe_backward"] == pytest.approx(0.016)   # the outer node range only
+
+
+def test_dmp_parse_and_skips():
+    import bench_dmp as b
+    a = b.parse(["--device", "cpu", "--optimizers", "ftrl,sgd", "--sharding", "table_wise"])
+    assert a.optimizer_list == ["ftrl", "sgd"] and a.sharding_list == ["table_wise"] and a.batch == 8192
+    with pytest.raises(SystemExit):
+        b.parse(["--optimizers", "adagrad"])
+    sh = [SimpleNamespace(sharding_types=lambda dev: ["table_wise"] + (["row_wise"] if dev == "cuda" else []))]
+    assert "no ADAM" in b.skip_reason("adam", "table_wise", torch.device("cpu"), sh)
+    assert "row_wise" in b.skip_reason("sgd", "row_wise", torch.device("cpu"), sh)
+    assert b.skip_reason("sgd", "row_wise", torch.device("cuda"), sh) is None
+
+
+@pytest.mark.slow
+def test_dmp_cpu_smoke(tmp_path):
+    out = tmp_path / "dmp"
+    p = subprocess.run([sys.executable, os.path.join(BENCH, "bench_dmp.py"), "--device", "cpu", "--tables", "2",
+                        "--rows", "1000", "--dim", "16", "--batch", "64", "--warmup", "1", "--steps", "3",
+                        "--latency-steps", "3", "--profile", "--profile-steps", "2", "--out", str(out)],
+                       capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads((out / "bench_dmp.json").read_text())
+    by = {(r["optimizer"], r["sharding"]): r for r in res["results"]}
+    assert len(by) == 8
+    for opt in ("ftrl", "rowwise_adagrad", "sgd"):
+        r = by[(opt, "table_wise")]
+        assert r["throughput_ms"] > 0 and r["latency_ms_median"] > 0 and r["examples_per_s"] > 0
+        assert r["profile"]["host_ms"]["tbe_forward"] > 0
+    assert "no ADAM" in by[("adam", "table_wise")]["skipped"]
+    assert all("skipped" in by[(o, "row_wise")] for o in ("ftrl", "adam", "rowwise_adagrad", "sgd"))
+    assert "| torchrec_ftrl FTRL (ours) | table_wise |" in (out / "bench_dmp.md").read_text()
+
+
+# -------------------------------------------------------------------------------- bench_job.py
+
+
+def test_job_tile_plan_and_arrays(tmp_path):
+    import bench_job as b
+    assert b.tile_plan(6726, 10_000_000, 4) == (372, 372 * 6726, 4 * 372 * 6726)
+    assert b.tile_plan(6726, 20_000, 4) == (1, 6726, 4 * 6726)
+    assert b.tile_plan(100, 1000, 3) == (4, 400, 1200)
+    rng = np.random.default_rng(0)
+    arrays = dict(dense=rng.random((5, 13), dtype=np.float32), sparse=rng.integers(1, 1 << 30, (5, 26)),
+                  labels=rng.integers(0, 2, (5, 1)).astype(np.int32))
+    assert b.tile_arrays(arrays, str(tmp_path), 3, 2) == 30
+    for k in range(2):
+        for kind in b.ARRAYS:
+            got = np.load(tmp_path / f"day_{k}_{kind}.npy")
+            assert got.dtype == arrays[kind].dtype and got.shape == (15, arrays[kind].shape[1])
+            assert np.array_equal(got, np.concatenate([arrays[kind]] * 3))
+    assert not [f for f in os.listdir(tmp_path) if f.startswith(".")]   # no temporary left
+    from torchrec_ftrl.data.npy_layout import complete_triplet
+    assert complete_triplet(str(tmp_path), "day_1").rows == 15
+
+
+def test_job_summary_reading():
+    import bench_job as b
+    assert b.read_profile({}) is None and b.read_profile({"step_profile": None}) is None
+    sp = b.read_profile({"step_profile": {"steps": 5, "host_ms": {"data": 1.0}, "device_ms": None,
+                                          "host_step_ms": 9.0}})
+    assert sp == {"steps": 5, "host_ms": {"data": 1.0}, "device_ms": {}, "host_step_ms": 9.0}
+    res = [dict(optimizer="ftrl", source="synthetic", examples_per_s=100.0),
+           dict(optimizer="ftrl", source="binary", examples_per_s=80.0),
+           dict(optimizer="rowwise_adagrad", source="binary", examples_per_s=50.0)]
+    assert b.data_path_cost(res) == pytest.approx({"ftrl": 0.2})
+    argv = b.job_argv(b.parse(["--device", "cpu"]), "binary", "ftrl", "/d", "n", 7, 5, "/o")
+    assert argv[argv.index("--data") + 1] == "/d" and argv[argv.index("--profile-steps") + 1] == "5"
+    assert argv[argv.index("--steps") + 1] == "7" and argv[argv.index("--batch-size") + 1] == "8192"
+    assert b.job_has_flag("--batch-size") and not b.job_has_flag("--no-such-flag")
+
+
+@pytest.mark.slow
+def test_job_cpu_smoke(tmp_path):
+    import bench_job as b
+    if b.default_tsv() is None:
+        pytest.skip("the Criteo sample is not present")
+    out = tmp_path / "job"
+    p = subprocess.run([sys.executable, os.path.join(BENCH, "bench_job.py"), "--device", "cpu", "--rows", "20000",
+                        "--steps", "5", "--batch", "256", "--optimizers", "ftrl", "--out", str(out),
+                        "--work-dir", str(tmp_path / "work")],
+                       capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads((out / "bench_job.json").read_text())
+    assert res["binary"]["rows"] == 4 * 6726 and not res["binary"]["reused"]
+    assert {r["source"] for r in res["results"]} == {"synthetic", "binary"}
+    assert all(r["examples_per_s"] > 0 for r in res["results"])
+    assert "ftrl" in res["data_path_cost"]

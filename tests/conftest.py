@@ -251,6 +251,9 @@ def _entry(rank: int, world_size: int, port: int, fn, args) -> None:
                             world_size=world_size, timeout=datetime.timedelta(minutes=10))
     try:
         fn(rank, world_size, *args)
+        # No rank closes its gloo connections while a peer may still be sending on them (a rank
+        # torn down mid-transfer aborts the peer: "terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

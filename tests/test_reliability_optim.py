@@ -68,9 +68,12 @@ def _trained(seed=0, **kw):
 @given(knobs=st.dictionaries(st.sampled_from(KNOBS), ANY_VALUE, min_size=1, max_size=3))
 def test_constructor_knobs_valid_or_clear_error(knobs):
     p = torch.nn.Parameter(torch.zeros(2))
-    opt = assert_valid_or_named_error(lambda **kw: FTRL([p], **kw), knobs)
+    default_lr = "lr" in knobs and knobs["lr"] is None     # FTRL(lr=None): the documented default
+    rules = {k: v for k, v in knobs.items() if not (k == "lr" and default_lr)}
+    opt = assert_valid_or_named_error(lambda **kw: FTRL([p], **({"lr": None} if default_lr else {}), **kw),
+                                      rules)
     if opt is not None:
-        assert opt.param_groups[0]["lr"] == float(knobs.get("lr", 0.01))
+        assert opt.param_groups[0]["lr"] == float(rules.get("lr", 0.01))
 
 
 @SETTINGS

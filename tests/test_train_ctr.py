@@ -1,21 +1,27 @@
 """The CTR job end to end (``torchrec_ftrl.job``, run through examples/train_ctr.py and ``python -m
 torchrec_ftrl.job``): one-process runs on synthetic and real Criteo data, summary JSON + PNG, DCP
 checkpoint / exact resume, flag -> fused_params mapping, the torchx component (which launches the
-installed module, not a checkout path) and a 2-process torchx launch (slow). (That the library never
-imports the job: tests/test_layers.py.)
+installed module, not a checkout path) and a 2-process torchx launch (slow); the training loop under
+TorchRec's ``TrainPipelineSparseDist`` (the default) against the plain loop (``--pipeline none``), and
+``--profile-steps``. (That the library never imports the job: tests/test_layers.py.)
 
 Independent checks: sparsity counts are recomputed from the DCP checkpoint files (converted with
 ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``); a resumed run must reproduce the
-uninterrupted run's losses and validation metrics exactly (same data order, restored optimizer state).
+uninterrupted run's losses and validation metrics exactly and its final checkpoint bit for bit (same
+data order, restored optimizer state); the pipelined and the plain loop write bitwise equal
+checkpoints; profile phase times are recomputed from the written chrome trace, and the phase
+attribution from hand-built events.
 """
 
 import json
 import os
+import re
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from conftest import run_job, run_torchx
+from conftest import bits, run_job, run_torchx
 
 SMALL = ["--num-embeddings", "2000", "--no-progress", "--batch-size", "128"]
 
@@ -29,6 +35,34 @@ def _run(args):
 def _summary(out_dir, name="train_ctr"):
     with open(os.path.join(out_dir, f"{name}_summary.json")) as f:
         return json.load(f)
+
+
+def _checkpoint_tensors(step_dir, tmp):
+    """Every tensor of a DCP checkpoint as ``{dotted key: tensor}``, read with DCP's own converter."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    out = os.path.join(str(tmp), f"flat-{abs(hash(str(step_dir)))}.pt")
+    dcp_to_torch_save(str(step_dir), out)
+    flat = {}
+
+    def walk(prefix, obj):
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        elif isinstance(obj, torch.Tensor):
+            flat[prefix] = obj
+    walk("", torch.load(out, weights_only=False))
+    return flat
+
+
+def _assert_same_checkpoint(a_dir, b_dir, tmp):
+    a, b = _checkpoint_tensors(a_dir, tmp), _checkpoint_tensors(b_dir, tmp)
+    assert sorted(a) == sorted(b)
+    # the weights of all 26 tables, optimizer state (sparse and dense) and the touched-row masks
+    assert sum(".embedding_bags." in k and k.endswith(".weight") for k in a if k.startswith("model.")) == 26
+    assert any(k.startswith("optim.") for k in a) and any(k.startswith("extra.") for k in a)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        assert torch.equal(bits(a[k]), bits(b[k])), k
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +89,10 @@ def test_synthetic_run_writes_summary_and_png(synthetic_run):
     with open(d / "out" / "train_ctr.png", "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert "validation AUC" in stdout and "wrote" in stdout
+    assert s["pipeline"] == "sparse_dist" and s["step_profile"] is None
     if s["ftrl_registered"] and s["sparse_optimizer"] == "ftrl":
-        assert s["fused_params"]["ftrl_l1_reg"] == 0.001
+        # per-example --ftrl-l1 over the examples of one row gradient (128 rows, one rank)
+        assert s["fused_params"]["ftrl_l1_reg"] == pytest.approx(s["args"]["ftrl_l1"] / 128, rel=1e-15)
 
 
 def test_checkpoints_are_complete_and_sparsity_matches_them(synthetic_run):
@@ -104,6 +140,121 @@ def test_resume_continues_exactly(synthetic_run, tmp_path):
     assert resumed["loss_history"] == full["loss_history"]
     assert resumed["final_validation"] == full["final_validation"]
     assert resumed["sparsity"] == full["sparsity"]
+    # the pipeline read ahead of step 10 before the checkpoint; the resumed run starts at batch 11
+    _assert_same_checkpoint(d / "ckpt" / "step_00000020", tmp_path / "ckpt" / "step_00000020", tmp_path)
+
+
+def test_plain_loop_gives_bitwise_the_same_model(synthetic_run, tmp_path):
+    """``--pipeline none`` (one batch at a time) against the pipelined fixture run: the same losses,
+    validation metrics (validation at step 10 runs between pipelined steps) and checkpoints."""
+    d, args, _ = synthetic_run
+    args = [a if a != str(d / "ckpt") else str(tmp_path / "ckpt") for a in args]
+    _run([*args, "--pipeline", "none", "--output-dir", str(tmp_path)])
+    plain, piped = _summary(tmp_path), _summary(d / "out")
+    assert plain["pipeline"] == "none" and piped["pipeline"] == "sparse_dist"
+    assert plain["loss_history"] == piped["loss_history"]
+    assert plain["validation_history"] == piped["validation_history"]
+    for step in ("step_00000010", "step_00000020"):
+        _assert_same_checkpoint(d / "ckpt" / step, tmp_path / "ckpt" / step, tmp_path)
+
+
+PHASES = ("data", "input_dist", "sparse", "dense", "optimizer", "metrics")
+
+
+def _outermost_ms(trace_events, pattern):
+    """Total ms of the ranges matching ``pattern`` that lie in no other matching range."""
+    rx = re.compile(pattern)
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in trace_events if rx.search(e["name"]))
+    total, end = 0.0, float("-inf")
+    for a, b in spans:
+        if a >= end:
+            total += b - a
+            end = b
+    return total / 1e3
+
+
+@pytest.mark.parametrize("pipeline", ["sparse_dist", "none"])
+def test_profile_steps_records_every_phase_and_a_trace(tmp_path, pipeline):
+    _run(["--num-embeddings", "200", "--embedding-dim", "4", "--batch-size", "32", "--steps", "8",
+          "--eval-every", "100", "--no-progress", "--sharding-types", "table_wise,row_wise",
+          "--pipeline", pipeline, "--profile-steps", "2", "--output-dir", str(tmp_path)])
+    prof = _summary(tmp_path)["step_profile"]
+    assert prof["steps"] == 2 and prof["warmup_steps"] == 3
+    assert tuple(prof["host_ms"]) == PHASES and prof["device_ms"] == {}      # CPU: no device time
+    # the pipeline's input all-to-all runs in TorchRec's ranges; the plain loop's inside the
+    # sharded module, where TorchRec labels only its KJT all-to-all awaitables
+    assert all(prof["host_ms"][p] > 0 for p in PHASES), prof["host_ms"]
+    assert sum(prof["host_ms"].values()) <= prof["host_step_ms"] * (1 + 1e-9)
+    trace = tmp_path / "train_ctr_trace.json"
+    assert prof["trace"] == str(trace)
+    with open(trace) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    steps = [e for e in events if e["name"].startswith("ProfilerStep#")]
+    assert len(steps) == 2
+    main = [e for e in events if e.get("tid") == steps[0]["tid"]
+            and any(s["ts"] <= e["ts"] <= s["ts"] + s["dur"] for s in steps)]
+    # phases whose ranges hold no range of another phase, summed from the trace file itself
+    for phase, pattern in (("optimizer", r"^## (zero_grad|optimizer)\b"),
+                           ("metrics", r"^## ctr:(metrics|touch_tracker) ##"),
+                           ("data", r"^## (next_batch|copy_batch_to_gpu|wait_for_batch)\b")):
+        assert prof["host_ms"][phase] == pytest.approx(_outermost_ms(main, pattern) / 2, abs=2e-3), phase
+    assert any(e["name"].startswith("## forward") for e in main)
+
+
+def _ev(name, start, end, thread=1, kernels=()):
+    return SimpleNamespace(name=name, thread=thread, time_range=SimpleNamespace(start=start, end=end),
+                           device_type=torch.autograd.DeviceType.CPU,
+                           kernels=[SimpleNamespace(name=k, device=0, duration=d) for k, d in kernels])
+
+
+def test_phase_attribution_of_hand_built_events():
+    from torchrec_ftrl.job import profile
+
+    node = "autograd::engine::evaluate_function: "
+    events = [
+        _ev("ProfilerStep*", 0, 100),
+        _ev("## next_batch ##", 0, 10, kernels=[("Memcpy HtoD (Pageable -> Device)", 2)]),
+        _ev("## forward 1 ##", 10, 50),
+        _ev("aten::mm", 12, 14, kernels=[("sm90_xmma_gemm", 3)]),
+        _ev("## ctr:sparse_arch ##", 20, 30),
+        _ev("aten::embedding_op", 24, 26, kernels=[("tbe_forward_kernel", 7)]),
+        _ev("## runtime_forward_assemble_KJT ##", 21, 23),
+        _ev("## backward 1 ##", 50, 80),
+        _ev(node + "_FTRLLookupFunctionBackward", 55, 60),
+        _ev(node + "AddmmBackward0", 60, 70),
+        _ev("## optimizer 1 ##", 80, 90, kernels=[("multi_tensor_apply_kernel", 1)]),
+        _ev("## ctr:metrics ##", 90, 95),
+        _ev("aten::item", 91, 92, kernels=[("## ctr:metrics ##", 50)]),   # a range's GPU shadow
+        _ev("## ctr:excluded validation ##", 95, 99),
+        _ev("## forward ##", 96, 97, kernels=[("gemm", 100)]),            # inside the validation
+        _ev("aten::to", 99.5, 99.7, kernels=[("ncclDevKernel_AllToAll", 4)]),   # in no range
+        # the autograd engine's device thread: nodes and the kernels they launch
+        _ev(node + "SplitLookupFunction_ftrl_Op", 60, 66, thread=2),
+        _ev("aten::triton_launch", 61, 62, thread=2, kernels=[("_ftrl_backward_kernel", 5)]),
+        _ev(node + "torch::autograd::AccumulateGrad", 66, 84, thread=2,
+            kernels=[("ncclDevKernel_AllReduce", 6)]),
+    ]
+    got = profile.attribute(events)
+    # main thread: backward 30 us = 5 sparse node + 10 dense node + 15 bare, split by the other
+    # thread's node time (sparse 6, dense 18: a quarter sparse); 4 us excluded, 1 us in no range
+    want_host = {"data": 10, "input_dist": 2, "sparse": 8 + 5 + 15 * 0.25, "dense": 30 + 10 + 15 * 0.75,
+                 "optimizer": 10, "metrics": 5}
+    assert got["steps"] == 1
+    assert got["host_ms"] == pytest.approx({k: v / 1e3 for k, v in want_host.items()}, abs=1e-12)
+    assert got["host_step_ms"] == pytest.approx(96 / 1e3)
+    want_dev = {"data": 2, "input_dist": 4, "sparse": 7 + 5, "dense": 3 + 6, "optimizer": 1, "metrics": 0}
+    assert got["device_ms"] == pytest.approx({k: v / 1e3 for k, v in want_dev.items()}, abs=1e-12)
+    assert profile.attribute([e for e in events if not e.kernels])["device_ms"] == {}
+    with pytest.raises(ValueError, match="no ProfilerStep"):
+        profile.attribute(events[1:])
+
+
+def test_profile_plan_warmup_and_active_steps():
+    from torchrec_ftrl.job.profile import plan
+
+    assert plan(200, 0) == (0, 0) and plan(0, 5) == (0, 0)
+    assert plan(200, 5) == (3, 5)       # three warm-up steps, then five profiled
+    assert plan(6, 5) == (1, 5) and plan(4, 5) == (0, 4)
 
 
 def test_short_real_data_run(tmp_path, sample_data):
@@ -168,7 +319,8 @@ def test_flags_map_to_fused_params():
     assert cli.sparse_fused_params(a) == {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
                                           "learning_rate": 0.3, "eps": 1e-8}
     a = cli.parse_args(["--sparse-lr", "0.2", "--ftrl-l1", "0.5", "--ftrl-l2", "0.25", "--ftrl-beta", "2",
-                        "--ftrl-lr-power", "-0.25", "--ftrl-l2-convention", "mcmahan"])
+                        "--ftrl-lr-power", "-0.25", "--ftrl-l2-convention", "mcmahan",
+                        "--ftrl-reg-scale", "raw"])
     import torchrec_ftrl  # noqa: F401
     if getattr(EmbOptimType, "FTRL", None) is None:
         with pytest.raises(RuntimeError, match="EmbOptimType.FTRL is not registered"):
@@ -181,6 +333,21 @@ def test_flags_map_to_fused_params():
                                                                           "mcmahan")
     with pytest.raises(SystemExit):
         cli.parse_args(["--steps", "0"])
+
+
+def test_pipeline_and_profile_flags(capsys):
+    from torchrec_ftrl.job import cli
+
+    a = cli.parse_args([])
+    assert (a.pipeline, a.profile_steps) == ("sparse_dist", 0)
+    a = cli.parse_args(["--pipeline", "none", "--profile-steps", "7"])
+    assert (a.pipeline, a.profile_steps) == ("none", 7)
+    for argv, text in ((["--pipeline", "fast"], "argument --pipeline: invalid choice: 'fast'"),
+                       (["--profile-steps", "-1"], "argument --profile-steps: must be >= 0, got -1"),
+                       (["--profile-steps", "two"], "argument --profile-steps: expected an integer")):
+        with pytest.raises(SystemExit) as e:
+            cli.parse_args(argv)
+        assert e.value.code == 2 and text in capsys.readouterr().err
 
 
 def test_torchx_component_builds_ddp_appdef():

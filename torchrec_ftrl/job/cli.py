@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from typing import Any, Optional, Sequence
 
 SPARSE_OPTIMIZERS = ("ftrl", "rowwise_adagrad")
+FTRL_REG_SCALES = ("per_example", "raw")
+# Per-example FTRL defaults of the job (scaled by the global batch size, see sparse_fused_params).
+DEFAULT_FTRL_L1 = 0.1
+DEFAULT_FTRL_L2 = 0.0
+DEFAULT_FTRL_BETA = 1.0
+# The smallest and largest fp32 normal magnitudes; FTRLHyperparams refuses non-zero knobs outside them.
+_FP32_MIN_NORMAL = 1.1754943508222875e-38
+_FP32_MAX = 3.4028234663852886e38
 
 
 def _prog() -> str:
@@ -16,6 +25,17 @@ def _prog() -> str:
     have whichever way the job was started."""
     name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
     return "train_ctr.py" if name in ("", "__main__.py", "-c") else name
+
+
+def _non_negative_int(text: str) -> int:
+    """argparse type: an int >= 0 (argparse names the flag and the value when this raises)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,15 +81,33 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--batch-size", type=int, default=256, help="per-rank batch size")
     o.add_argument("--sparse-optimizer", choices=SPARSE_OPTIMIZERS, default="ftrl")
     o.add_argument("--sparse-lr", type=float, default=None,
-                   help="fused learning_rate (default 0.05 for ftrl, 0.05 for rowwise_adagrad)")
-    o.add_argument("--ftrl-l1", type=float, default=0.001,
-                   help="ftrl_l1_reg (lambda1; gradients are of the batch-mean loss, so ~1/batch-size of a per-example L1)")
-    o.add_argument("--ftrl-l2", type=float, default=0.0, help="ftrl_l2_reg (lambda2)")
-    o.add_argument("--ftrl-beta", type=float, default=1.0, help="ftrl_beta")
-    o.add_argument("--ftrl-lr-power", type=float, default=-0.5, help="ftrl_learning_rate_power")
-    o.add_argument("--ftrl-l2-shrinkage", type=float, default=0.0, help="ftrl_l2_shrinkage")
+                   help="fused learning_rate (default 0.05 for ftrl, 0.05 for rowwise_adagrad); ftrl with "
+                        "--ftrl-reg-scale per_example: learning_rate = LR * S^(1 + 2 * lr_power), "
+                        "which is LR itself for the default lr_power -0.5")
+    o.add_argument("--ftrl-reg-scale", choices=FTRL_REG_SCALES, default="per_example",
+                   help="per_example (default): --ftrl-l1/-l2/-l2-shrinkage/-beta/-initial-accumulator "
+                        "are per-example values and the job scales them by S, the number of examples "
+                        "whose gradients each embedding-row gradient averages (the global batch: "
+                        "--batch-size x world size, as TorchRec divides sharded gradients by the world "
+                        "size): ftrl_l1_reg = L1 / S, ftrl_l2_reg = L2 / S, ftrl_l2_shrinkage = "
+                        "SHRINK / S, ftrl_beta = BETA * S^(2 * lr_power), "
+                        "ftrl_initial_accumulator_value = ACC / S^2; the updates are then those of FTRL "
+                        "with the flag values on the gradient of the batch-sum loss, whatever the batch "
+                        "size. raw: the flags are passed to fused_params unchanged (they act on "
+                        "gradients of the batch-mean loss)")
+    o.add_argument("--ftrl-l1", type=float, default=DEFAULT_FTRL_L1,
+                   help=f"L1 strength per example (ftrl_l1_reg = L1 / S; see --ftrl-reg-scale); "
+                        f"default {DEFAULT_FTRL_L1}")
+    o.add_argument("--ftrl-l2", type=float, default=DEFAULT_FTRL_L2,
+                   help=f"L2 strength per example (ftrl_l2_reg = L2 / S); default {DEFAULT_FTRL_L2}")
+    o.add_argument("--ftrl-beta", type=float, default=DEFAULT_FTRL_BETA,
+                   help=f"beta per example (ftrl_beta = BETA * S^(2 * lr_power), BETA / S for lr_power "
+                        f"-0.5); default {DEFAULT_FTRL_BETA}")
+    o.add_argument("--ftrl-lr-power", type=float, default=-0.5, help="ftrl_learning_rate_power (<= 0)")
+    o.add_argument("--ftrl-l2-shrinkage", type=float, default=0.0,
+                   help="l2 shrinkage per example (ftrl_l2_shrinkage = SHRINK / S)")
     o.add_argument("--ftrl-initial-accumulator", type=float, default=0.0,
-                   help="ftrl_initial_accumulator_value")
+                   help="initial accumulator per example (ftrl_initial_accumulator_value = ACC / S^2)")
     o.add_argument("--ftrl-l2-convention", choices=("tensorflow", "mcmahan"), default="tensorflow")
     o.add_argument("--adagrad-eps", type=float, default=1e-8, help="eps of row-wise Adagrad")
     o.add_argument("--dense-optimizer", choices=("adagrad", "adam", "sgd"), default="adagrad")
@@ -92,6 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--cpu-threads", type=int, default=1,
                    help="torch intra-op threads per process on CPU (1 avoids oversubscription when "
                         "several ranks share few cores)")
+    r.add_argument("--pipeline", choices=("sparse_dist", "none"), default="sparse_dist",
+                   help="sparse_dist: TorchRec's TrainPipelineSparseDist (batch i+1's input all-to-all "
+                        "and batch i+2's copy overlap batch i's compute); none: one batch at a time")
+    r.add_argument("--profile-steps", type=_non_negative_int, default=0, metavar="K",
+                   help="record K training steps with torch.profiler after a few warm-up steps: "
+                        "per-phase host/device ms in the summary JSON ('step_profile') and a chrome "
+                        "trace <output-dir>/<run-name>_trace.json (0: off)")
     return p
 
 
@@ -126,11 +171,105 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error(f"--num-embeddings entries must be >= 1, got {a.num_embeddings}")
     if a.sparse_lr is None:
         a.sparse_lr = 0.05
+    _check_optimizer_flags(p, a)
     return a
 
 
-def sparse_fused_params(args: argparse.Namespace) -> dict[str, Any]:
+def _check_optimizer_flags(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """Sign and range checks of the sparse-optimizer flags (argparse errors naming flag and value)."""
+    def bad(flag: str, value: float, rule: str) -> None:
+        p.error(f"{flag} must be {rule}, got {value!r}")
+
+    if not (math.isfinite(a.sparse_lr) and a.sparse_lr > 0):
+        bad("--sparse-lr", a.sparse_lr, "a finite number > 0")
+    for flag in ("--ftrl-l1", "--ftrl-l2", "--ftrl-beta", "--ftrl-l2-shrinkage",
+                 "--ftrl-initial-accumulator", "--adagrad-eps"):
+        v = getattr(a, flag[2:].replace("-", "_"))
+        if not (math.isfinite(v) and v >= 0):
+            bad(flag, v, "a finite number >= 0")
+    if not (math.isfinite(a.ftrl_lr_power) and a.ftrl_lr_power <= 0):
+        bad("--ftrl-lr-power", a.ftrl_lr_power, "a finite number <= 0")
+    if a.sparse_optimizer != "ftrl":
+        return
+    # Every kernel computes in fp32: a scaled knob must stay a normal fp32 magnitude.
+    knobs = ftrl_fused_knobs(a)
+    where = ("" if a.ftrl_reg_scale == "raw"
+             else f" (scaled for {examples_per_row_gradient(a.batch_size)} examples per row gradient)")
+    for flag, key in _FLAG_OF_KNOB:
+        v = knobs[key]
+        if v != 0 and not (_FP32_MIN_NORMAL <= abs(v) <= _FP32_MAX):
+            p.error(f"{flag} {getattr(a, flag[2:].replace('-', '_'))!r} gives {key} = {v!r}{where}, "
+                    f"outside fp32's normal range")
+
+
+_FLAG_OF_KNOB = (("--sparse-lr", "learning_rate"), ("--ftrl-l1", "ftrl_l1_reg"),
+                 ("--ftrl-l2", "ftrl_l2_reg"), ("--ftrl-beta", "ftrl_beta"),
+                 ("--ftrl-l2-shrinkage", "ftrl_l2_shrinkage"),
+                 ("--ftrl-initial-accumulator", "ftrl_initial_accumulator_value"))
+
+
+def examples_per_row_gradient(batch_size: int, world_size: Optional[int] = None) -> int:
+    """``S``, the number of examples whose per-example gradients an embedding row's gradient averages.
+
+    The loss is each rank's batch mean, and TorchRec's sharded embedding collectives divide the
+    gradients they return by the world size (``torchrec.distributed.comm_ops.get_gradient_division()``,
+    True by default), so a row's gradient is ``(1 / S) * sum`` of per-example gradients over the global
+    batch with ``S = batch_size * world_size`` (``batch_size`` alone when gradient division is off).
+    ``world_size`` defaults to the ``WORLD_SIZE`` environment variable (torchrun / torchx), else 1.
+    """
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world_size > 1:
+        try:
+            from torchrec.distributed.comm_ops import get_gradient_division
+        except ImportError:  # pragma: no cover - torchrec is a dependency of the job
+            def get_gradient_division() -> bool:
+                return True
+        if not get_gradient_division():
+            world_size = 1
+    return batch_size * world_size
+
+
+def ftrl_fused_knobs(args: argparse.Namespace, world_size: Optional[int] = None) -> dict[str, float]:
+    """The FTRL knobs that go into ``fused_params``, from the flags.
+
+    ``--ftrl-reg-scale per_example`` (the default): with ``S = examples_per_row_gradient(...)`` and
+    ``p = --ftrl-lr-power``::
+
+        learning_rate                  = sparse_lr * S ** (1 + 2 p)   (= sparse_lr for p = -0.5)
+        ftrl_l1_reg                    = ftrl_l1 / S
+        ftrl_l2_reg                    = ftrl_l2 / S                  (either l2 convention)
+        ftrl_l2_shrinkage              = ftrl_l2_shrinkage / S
+        ftrl_beta                      = ftrl_beta * S ** (2 p)       (= ftrl_beta / S for p = -0.5)
+        ftrl_initial_accumulator_value = ftrl_initial_accumulator / S ** 2
+
+    The row gradient the kernel sees is ``g / S`` with ``g`` the per-example gradients summed, and
+    under this scaling FTRL's state is ``z / S``, ``n / S**2`` and its weights are exactly those of
+    FTRL with the flag values fed ``g``: the flags mean the same at every batch size. ``raw``: the
+    flag values unchanged.
+    """
+    if args.ftrl_reg_scale == "raw":
+        s, lr_s, beta_s = 1.0, 1.0, 1.0
+    else:
+        s = float(examples_per_row_gradient(args.batch_size, world_size))
+        p = args.ftrl_lr_power
+        lr_s, beta_s = s ** (1.0 + 2.0 * p), s ** (2.0 * p)
+    return {
+        "learning_rate": args.sparse_lr * lr_s,
+        "ftrl_l1_reg": args.ftrl_l1 / s,
+        "ftrl_l2_reg": args.ftrl_l2 / s,
+        "ftrl_beta": args.ftrl_beta * beta_s,
+        "ftrl_l2_shrinkage": args.ftrl_l2_shrinkage / s,
+        "ftrl_initial_accumulator_value": args.ftrl_initial_accumulator / (s * s),
+    }
+
+
+def sparse_fused_params(args: argparse.Namespace, world_size: Optional[int] = None) -> dict[str, Any]:
     """``fused_params`` for the sharders: optimizer, learning_rate and the optimizer's knobs.
+
+    FTRL's knobs come from ``ftrl_fused_knobs(args, world_size)``: by default the flags are
+    per-example values scaled by the global batch size ``S`` (``ftrl_l1_reg = --ftrl-l1 / S``, ...;
+    see there). Row-wise Adagrad takes ``--sparse-lr`` and ``--adagrad-eps`` unchanged.
 
     FTRL: ``{"optimizer": EmbOptimType.FTRL, "learning_rate", "ftrl_l1_reg", "ftrl_l2_reg",
     "ftrl_beta", "ftrl_learning_rate_power", "ftrl_l2_shrinkage", "ftrl_initial_accumulator_value",
@@ -151,14 +290,15 @@ def sparse_fused_params(args: argparse.Namespace) -> dict[str, Any]:
     if ftrl is None:
         raise RuntimeError("EmbOptimType.FTRL is not registered after `import torchrec_ftrl` (the "
                            "TorchRec integration is missing); use --sparse-optimizer rowwise_adagrad")
+    knobs = ftrl_fused_knobs(args, world_size)
     return {
         "optimizer": ftrl,
-        "learning_rate": args.sparse_lr,
-        "ftrl_l1_reg": args.ftrl_l1,
-        "ftrl_l2_reg": args.ftrl_l2,
-        "ftrl_beta": args.ftrl_beta,
+        "learning_rate": knobs["learning_rate"],
+        "ftrl_l1_reg": knobs["ftrl_l1_reg"],
+        "ftrl_l2_reg": knobs["ftrl_l2_reg"],
+        "ftrl_beta": knobs["ftrl_beta"],
         "ftrl_learning_rate_power": args.ftrl_lr_power,
-        "ftrl_l2_shrinkage": args.ftrl_l2_shrinkage,
-        "ftrl_initial_accumulator_value": args.ftrl_initial_accumulator,
+        "ftrl_l2_shrinkage": knobs["ftrl_l2_shrinkage"],
+        "ftrl_initial_accumulator_value": knobs["ftrl_initial_accumulator_value"],
         "ftrl_l2_convention": args.ftrl_l2_convention,
     }

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Callable, List, Tuple
+from typing import List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -30,19 +30,22 @@ def binary_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict:
 
 
 @torch.no_grad()
-def validate(model: torch.nn.Module, batches: List[Tuple[object, int]], device: torch.device,
-             dense_of: Callable) -> dict:
+def validate(model: torch.nn.Module, batches: List[Tuple[object, int]], device: torch.device) -> dict:
     """Metrics over the union of every rank's validation rows (padding rows dropped).
 
+    ``model(batch)`` returns ``(loss, (loss, logits [B], labels [B]))`` (``model.CTRTrain`` under
+    DMP); it runs in eval mode and is put back in its previous mode. Under a train pipeline, detach
+    the model from the pipeline first (its sharded modules' forward reads the pipeline's batches).
     ``batches``: ``[(Batch, n_real)]`` with the same length and batch size on every rank (DMP's
-    all-to-all needs it). ``dense_of(batch)`` gives the model's dense input.
+    all-to-all needs it). A collective: every rank must call it.
     """
     was_training = model.training
     model.eval()
     logits, labels, mask = [], [], []
     for batch, n_real in batches:
         b = batch.to(device)
-        out = model(dense_of(b), b.sparse_features).reshape(-1)
+        _, (_, out, _) = model(b)
+        out = out.reshape(-1)
         logits.append(out.float())
         labels.append(b.labels.float())
         mask.append(torch.arange(out.numel(), device=device) < n_real)

@@ -1,4 +1,5 @@
-"""DLRM with one embedding table per categorical feature, sharded by DMP with fused sparse optimizer."""
+"""DLRM with one embedding table per categorical feature, sharded by DMP with fused sparse optimizer;
+its forward takes a batch and returns ``(loss, output)`` (what TorchRec's train pipelines call)."""
 
 from __future__ import annotations
 
@@ -6,17 +7,47 @@ from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
+from torchrec.models.dlrm import DLRM
+
+
+class CTRTrain(DLRM):
+    """TorchRec's ``DLRM`` with the forward a train pipeline calls: ``forward(batch) -> (loss,
+    (loss, logits, labels))``, as ``torchrec.models.dlrm.DLRMTrain`` returns it, for a
+    ``torchrec.datasets.utils.Batch`` (``dense_features [B, num_dense]`` float32, KJT
+    ``sparse_features``, ``labels [B]`` float32). ``loss`` is the 0-d float32 batch-mean binary
+    cross-entropy of the logits; ``logits`` ``[B]`` float32 (detached); ``labels`` the batch's.
+
+    Unlike ``DLRMTrain``, which holds the DLRM as ``.model``, it *is* the DLRM: parameter and
+    state_dict names are DLRM's (``sparse_arch.embedding_bag_collection.embedding_bags.t_C1.weight``,
+    ...). With ``num_dense == 0`` the dense input is a constant ``ones [B, 1]`` (the bottom MLP then
+    learns a bias), which ``DLRMTrain`` cannot express.
+    """
+
+    def __init__(self, num_dense: int, **dlrm_kwargs) -> None:
+        super().__init__(**dlrm_kwargs)
+        self.num_dense = int(num_dense)
+
+    def forward(self, batch):  # documented on the class
+        dense = (batch.dense_features if self.num_dense > 0
+                 else torch.ones_like(batch.labels).unsqueeze(1))
+        logits = super().forward(dense, batch.sparse_features).squeeze(-1)
+        loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
+        return loss, (loss.detach(), logits.detach(), batch.labels)
 
 
 def build_dlrm(feature_names: Sequence[str], num_embeddings: Sequence[int], embedding_dim: int,
                num_dense: int, dense_arch: Sequence[int], over_arch: Sequence[int],
                dense_device: torch.device) -> nn.Module:
-    """Unsharded DLRM: ``EmbeddingBagCollection`` on the meta device (DMP materialises it), one
-    sum-pooled table ``t_{feature}`` per feature, bottom MLP ``dense_arch + [embedding_dim]``, top MLP
-    ``over_arch + [1]``. Forward: ``(dense [B, max(num_dense, 1)] float32, KJT) -> logits [B, 1]``.
+    """Unsharded ``CTRTrain`` (a TorchRec ``DLRM``): ``EmbeddingBagCollection`` on the meta device
+    (DMP materialises it), one sum-pooled table ``t_{feature}`` per feature, bottom MLP
+    ``dense_arch + [embedding_dim]`` over ``max(num_dense, 1)`` inputs, top MLP ``over_arch + [1]``.
+    Forward: ``Batch -> (loss 0-d, (loss, logits [B], labels [B]))`` (see ``CTRTrain``).
+
+    Raises:
+        ValueError: ``feature_names`` and ``num_embeddings`` of different lengths.
     """
-    from torchrec.models.dlrm import DLRM
     from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
@@ -26,9 +57,9 @@ def build_dlrm(feature_names: Sequence[str], num_embeddings: Sequence[int], embe
                                  feature_names=[f], pooling=PoolingType.SUM)
               for f, n in zip(feature_names, num_embeddings)]
     ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
-    return DLRM(embedding_bag_collection=ebc, dense_in_features=max(num_dense, 1),
-                dense_arch_layer_sizes=[*dense_arch, embedding_dim],
-                over_arch_layer_sizes=[*over_arch, 1], dense_device=dense_device)
+    return CTRTrain(num_dense, embedding_bag_collection=ebc, dense_in_features=max(num_dense, 1),
+                    dense_arch_layer_sizes=[*dense_arch, embedding_dim],
+                    over_arch_layer_sizes=[*over_arch, 1], dense_device=dense_device)
 
 
 def shard(model: nn.Module, table_names: Sequence[str], sharders: list, device: torch.device,

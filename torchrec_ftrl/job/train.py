@@ -7,8 +7,12 @@ One process:  python -m torchrec_ftrl.job                  (gloo, world size 1, 
 Several:      torchx run -s local_cwd torchrec_ftrl/components.py:train_ctr --nproc 2 [-- FLAGS]
 Real data:    python -m torchrec_ftrl.job --data DATA/criteo/criteo_dac_combined.tsv
 
-Prints a tqdm bar on rank 0 (step, loss, examples/s), validation AUC / log loss every --eval-every
-steps, and at the end writes ``<output-dir>/<run-name>_summary.json`` and ``<run-name>.png``.
+Each step runs under TorchRec's ``TrainPipelineSparseDist`` (``--pipeline none``: one batch at a time;
+``pipeline.py``); ``--profile-steps K`` profiles K steps (``profile.py``).
+
+Prints a tqdm bar on rank 0 (step, the cross-rank mean loss of the last --log-every steps,
+examples/s), validation AUC / log loss every --eval-every steps, and at the end writes ``<output-dir>/<run-name>_summary.json`` and ``<run-name>.png`` (and with
+``--profile-steps`` the chrome trace ``<run-name>_trace.json``).
 """
 
 from __future__ import annotations
@@ -21,10 +25,13 @@ import warnings
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from torch.autograd.profiler import record_function
 
-from . import checkpoint, cli, dist_env, evaluate, faults, model as model_lib, report, sparsity
+from . import (checkpoint, cli, dist_env, evaluate, faults, model as model_lib, pipeline,
+               profile as profile_lib, report, sparsity)
 from .source import make_source, steps_for_epochs
+
+METRICS_LABEL = "## ctr:metrics ##"
 
 
 def _mean_over_ranks(x: float, device: torch.device) -> float:
@@ -79,11 +86,6 @@ def _run(args, env, fused_params, rank0) -> dict:
     features, sizes = source.categorical_names, source.num_embeddings
     num_dense = len(source.dense_names)
 
-    def dense_of(b):
-        if num_dense == 0:
-            return torch.ones(b.labels.shape[0], 1, device=b.labels.device)
-        return b.dense_features
-
     net = model_lib.build_dlrm(features, sizes, args.embedding_dim, num_dense, args.dense_arch_list,
                                args.over_arch_list, env.device)
     sharders = torchrec_ftrl.sharders(fused_params)
@@ -127,7 +129,8 @@ def _run(args, env, fused_params, rank0) -> dict:
     def eval_now(step):
         if not val_batches:
             return
-        m = evaluate.validate(dmp, val_batches, env.device, dense_of)
+        with record_function(f"{profile_lib.EXCLUDED_PREFIX} validation ##"), loop.paused() as model:
+            m = evaluate.validate(model, val_batches, env.device)
         m["step"] = step
         val_history.append(m)
         if rank0:
@@ -137,45 +140,54 @@ def _run(args, env, fused_params, rank0) -> dict:
 
     def save_ckpt(step):
         meta = {"loss_history": loss_history, "val_history": val_history, "args": vars(args)}
-        tracker.reduce(env.device)
-        path = checkpoint.save(args.checkpoint_dir, step, dmp, opt, meta, keep=args.keep_checkpoints,
-                               extra=tracker.state_dict())
+        with record_function(f"{profile_lib.EXCLUDED_PREFIX} checkpoint ##"):
+            tracker.reduce(env.device)
+            path = checkpoint.save(args.checkpoint_dir, step, dmp, opt, meta,
+                                   keep=args.keep_checkpoints, extra=tracker.state_dict())
         if rank0:
             msg = f"step {step}: checkpoint {path}"
             (bar.write(msg) if bar else print(msg, flush=True))
 
     dmp.train()
+    loop = pipeline.make(args.pipeline, dmp, opt, env.device, train_iter, steps - start_step,
+                         tracker.update)
+    prof = None
+    warmup, active = profile_lib.plan(steps - start_step, args.profile_steps)
+    if active:
+        trace = os.path.join(args.output_dir, f"{args.run_name}_trace.json" if rank0
+                             else f"{args.run_name}_trace.rank{env.rank}.json")
+        prof = profile_lib.StepProfiler(active, warmup, env.device, trace, module=dmp.module)
     t0 = time.perf_counter()
-    window_loss, window_n = 0.0, 0
-    loss_val = float("nan")
+    # The window's loss sum stays on the device (float64, the step losses in order) and is read
+    # back every --log-every steps, so the host does not wait for each step's kernels.
+    window_loss, window_n = None, 0
+    shown = {}
     for step in range(start_step + 1, steps + 1):
-        batch = next(train_iter)
-        tracker.update(batch.sparse_features)
-        batch = batch.to(env.device)
-        logits = dmp(dense_of(batch), batch.sparse_features).reshape(-1)
-        loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        loss = loop.step()
         faults.maybe_fail(env.rank, step, "step")
-        loss_val = float(loss.detach())
-        window_loss += loss_val
-        window_n += 1
-        if step % args.log_every == 0 or step == steps:
-            loss_history.append([step, _mean_over_ranks(window_loss / window_n, env.device)])
-            window_loss, window_n = 0.0, 0
-        if bar is not None:
-            done = step - start_step
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss_val:.4f}",
-                            ex_s=f"{done * args.batch_size * env.world_size / (time.perf_counter() - t0):.0f}",
-                            refresh=False)
+        with record_function(METRICS_LABEL):
+            window_loss = loss.double() if window_loss is None else window_loss + loss.double()
+            window_n += 1
+            if step % args.log_every == 0 or step == steps:
+                loss_history.append([step, _mean_over_ranks(float(window_loss) / window_n, env.device)])
+                window_loss, window_n = None, 0
+                shown = {"loss": f"{loss_history[-1][1]:.4f}"}
+            if bar is not None:
+                rate = (step - start_step) * args.batch_size * env.world_size / (time.perf_counter() - t0)
+                bar.update(1)
+                bar.set_postfix(**shown, ex_s=f"{rate:.0f}", refresh=False)
         if step % args.eval_every == 0 and step != steps:
             eval_now(step)
         if args.checkpoint_dir and args.checkpoint_every and step % args.checkpoint_every == 0 \
                 and step != steps:
             save_ckpt(step)
+        if prof is not None:
+            prof.step()
+    if env.device.type == "cuda":
+        torch.cuda.synchronize(env.device)   # the last steps' kernels belong to the training time
     train_time = time.perf_counter() - t0
+    if prof is not None:
+        prof.close()
     if bar is not None:
         bar.close()
     if not val_history or val_history[-1]["step"] != steps:
@@ -202,6 +214,8 @@ def _run(args, env, fused_params, rank0) -> dict:
         "sparsity_overall": sparsity.overall(sp),
         "sparsity": sp,
         "plan": model_lib.plan_summary(plan),
+        "pipeline": args.pipeline,
+        "step_profile": prof.result if prof is not None else None,
         "args": vars(args),
     }
     if rank0:
@@ -221,6 +235,12 @@ def _run(args, env, fused_params, rank0) -> dict:
               f"{summary['examples_per_s'] or 0:.0f} examples/s",
               flush=True)
         print(f"wrote {out} and {png}", flush=True)
+        ps = summary["step_profile"]
+        if ps is not None:
+            host = ", ".join(f"{k} {v:.2f}" for k, v in ps["host_ms"].items())
+            dev = ", ".join(f"{k} {v:.2f}" for k, v in ps["device_ms"].items()) or "none (CPU)"
+            print(f"profile of {ps['steps']} steps (rank 0, ms per step): host {host} (step "
+                  f"{ps['host_step_ms']:.2f}); device {dev}; trace {ps['trace']}", flush=True)
     return summary
 
 

@@ -258,6 +258,24 @@ def _entry(rank: int, world_size: int, port: int, fn, args) -> None:
         dist.destroy_process_group()
 
 
+def flat_checkpoint(step_dir, tmp) -> dict:
+    """Every tensor of a DCP checkpoint as ``{dotted key: tensor}``, read by an independent reader:
+    DCP's own format converter (``dcp_to_torch_save`` into ``tmp``), not the job's loading code."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    out = os.path.join(str(tmp), f"flat-{os.path.basename(str(step_dir))}-{abs(hash(str(step_dir)))}.pt")
+    dcp_to_torch_save(str(step_dir), out)
+    flat = {}
+
+    def walk(prefix, obj):
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        elif isinstance(obj, torch.Tensor):
+            flat[prefix] = obj
+    walk("", torch.load(out, weights_only=False))
+    return flat
+
+
 def run_distributed(fn, world_size: int, *args) -> None:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes (gloo, or NCCL with
     FTRL_TEST_DEVICE=cuda); re-raises a worker's error. ``fn`` must be importable by name (a worker

@@ -122,13 +122,24 @@ def test_changing_knobs_after_a_capture_warns():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         fresh.set_learning_rate(0.2)       # never captured: no warning
+    eval_only = _tbe()
+    idx, off, _ = static
+    eval_only(idx, off)                    # warm-up
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        eval_only(idx, off)                # a captured lookup replays no update
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        eval_only.set_learning_rate(0.2)
 
 
-@pytest.mark.parametrize("kind", ["fatal", "caching", "vbe"])
+@pytest.mark.parametrize("kind", ["fatal", "caching", "vbe", "torch_backend"])
 def test_uncapturable_settings_are_refused_before_any_change(kind):
     kw = {}
     if kind == "fatal":
         kw["bounds_check_mode"] = BoundsCheckMode.FATAL
+    if kind == "torch_backend":
+        kw["backend"] = "torch"
     m = (FTRLTableBatchedEmbeddingBags([(r, d, EmbeddingLocation.MANAGED_CACHING, ComputeDevice.CUDA) for r, d in SPECS],
                                        feature_table_map=FMAP, device="cuda", cache_load_factor=0.5,
                                        bounds_check_mode=BoundsCheckMode.WARNING, **KNOBS)
@@ -139,7 +150,7 @@ def test_uncapturable_settings_are_refused_before_any_change(kind):
     torch.cuda.synchronize()
     before = [t.clone() for t in (m.weights_dev, m.accum_dev, m.linear_dev)]
     graph = torch.cuda.CUDAGraph()
-    match = {"fatal": "FATAL", "caching": "MANAGED_CACHING", "vbe": "VBE"}[kind]
+    match = {"fatal": "FATAL", "caching": "MANAGED_CACHING", "vbe": "VBE", "torch_backend": "backend='torch'"}[kind]
     with pytest.raises(RuntimeError, match=match):
         with torch.cuda.graph(graph):
             m(idx, off, batch_size_per_feature_per_rank=bsfpr)

@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 
-from conftest import bits, run_job, run_torchx
+from conftest import bits, flat_checkpoint, run_job, run_torchx
 
 # Small: 26 tables of 200 x 4, 32 rows per rank per step, 8 steps, checkpoints at 3 and 6 (and 8).
 # Row-wise next to table-wise sharding so both ranks hold pieces of sharded tables.
@@ -34,25 +34,6 @@ def _torchx(args, fault=None):
     t0 = time.monotonic()
     p = run_torchx(args, fault=fault, timeout=LAUNCH_TIMEOUT_S)
     return p, time.monotonic() - t0
-
-
-def _flat_checkpoint(step_dir, tmp):
-    """Every tensor of a DCP checkpoint as ``{dotted key: tensor}`` (independent reader: DCP's own
-    format converter, not the job's loading code)."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    out = os.path.join(tmp, os.path.basename(step_dir) + f"-{abs(hash(step_dir))}.pt")
-    dcp_to_torch_save(step_dir, out)
-    sd = torch.load(out, weights_only=False)
-    flat = {}
-
-    def walk(prefix, obj):
-        if isinstance(obj, dict):
-            for k, v in obj.items():
-                walk(f"{prefix}.{k}" if prefix else str(k), v)
-        elif isinstance(obj, torch.Tensor):
-            flat[prefix] = obj
-    walk("", sd)
-    return flat
 
 
 def _assert_bitwise_equal(a, b):
@@ -74,7 +55,7 @@ def uninterrupted(tmp_path_factory):
     d = tmp_path_factory.mktemp("full")
     p, _ = _torchx([*JOB, "--checkpoint-dir", str(d / "ckpt"), "--output-dir", str(d / "out")])
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
-    return d, _flat_checkpoint(str(d / "ckpt" / "step_00000008"), str(d))
+    return d, flat_checkpoint(str(d / "ckpt" / "step_00000008"), str(d))
 
 
 @pytest.mark.slow
@@ -100,7 +81,7 @@ def test_killed_rank_fails_cleanly_and_resume_is_bitwise_exact(uninterrupted, tm
     p, wall = _torchx([*JOB, "--checkpoint-dir", ckpt, "--output-dir", out, "--resume"])
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     assert f"resumed from {os.path.join(ckpt, last_good)} at step 3" in p.stdout + p.stderr
-    _assert_bitwise_equal(_flat_checkpoint(os.path.join(ckpt, "step_00000008"), str(tmp_path)), full)
+    _assert_bitwise_equal(flat_checkpoint(os.path.join(ckpt, "step_00000008"), str(tmp_path)), full)
     with open(os.path.join(out, "train_ctr_summary.json")) as f, \
             open(full_dir / "out" / "train_ctr_summary.json") as g:
         resumed, ref = json.load(f), json.load(g)
@@ -125,8 +106,8 @@ def test_pipelined_and_plain_loops_are_bitwise_equal_on_two_ranks(uninterrupted,
         p, _ = _torchx([*job, "--pipeline", kind, "--checkpoint-dir", ckpt, "--output-dir", out])
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
         for step in ("step_00000003", "step_00000006", "step_00000008"):
-            _assert_bitwise_equal(_flat_checkpoint(os.path.join(ckpt, step), str(tmp_path)),
-                                  _flat_checkpoint(str(full_dir / "ckpt" / step), str(tmp_path)))
+            _assert_bitwise_equal(flat_checkpoint(os.path.join(ckpt, step), str(tmp_path)),
+                                  flat_checkpoint(str(full_dir / "ckpt" / step), str(tmp_path)))
         with open(os.path.join(out, "train_ctr_summary.json")) as f:
             runs[kind] = json.load(f)
     assert runs["sparse_dist"]["pipeline"] == "sparse_dist" and runs["none"]["pipeline"] == "none"

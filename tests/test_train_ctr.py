@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import bits, run_job, run_torchx
+from conftest import bits, flat_checkpoint, run_job, run_torchx
 
 SMALL = ["--num-embeddings", "2000", "--no-progress", "--batch-size", "128"]
 
@@ -37,25 +37,8 @@ def _summary(out_dir, name="train_ctr"):
         return json.load(f)
 
 
-def _checkpoint_tensors(step_dir, tmp):
-    """Every tensor of a DCP checkpoint as ``{dotted key: tensor}``, read with DCP's own converter."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    out = os.path.join(str(tmp), f"flat-{abs(hash(str(step_dir)))}.pt")
-    dcp_to_torch_save(str(step_dir), out)
-    flat = {}
-
-    def walk(prefix, obj):
-        if isinstance(obj, dict):
-            for k, v in obj.items():
-                walk(f"{prefix}.{k}" if prefix else str(k), v)
-        elif isinstance(obj, torch.Tensor):
-            flat[prefix] = obj
-    walk("", torch.load(out, weights_only=False))
-    return flat
-
-
 def _assert_same_checkpoint(a_dir, b_dir, tmp):
-    a, b = _checkpoint_tensors(a_dir, tmp), _checkpoint_tensors(b_dir, tmp)
+    a, b = flat_checkpoint(a_dir, tmp), flat_checkpoint(b_dir, tmp)
     assert sorted(a) == sorted(b)
     # the weights of all 26 tables, optimizer state (sparse and dense) and the touched-row masks
     assert sum(".embedding_bags." in k and k.endswith(".weight") for k in a if k.startswith("model.")) == 26
@@ -142,6 +125,31 @@ def test_resume_continues_exactly(synthetic_run, tmp_path):
     assert resumed["sparsity"] == full["sparsity"]
     # the pipeline read ahead of step 10 before the checkpoint; the resumed run starts at batch 11
     _assert_same_checkpoint(d / "ckpt" / "step_00000020", tmp_path / "ckpt" / "step_00000020", tmp_path)
+
+
+def test_resume_inside_a_log_window_logs_the_same_losses(tmp_path):
+    """A checkpoint inside a --log-every window (checkpoint every 3 steps, loss logged every 4):
+    the resumed runs log the uninterrupted run's window means exactly (the open window's loss sums
+    travel in the checkpoint)."""
+    args = [*SMALL, "--steps", "9", "--log-every", "4", "--eval-every", "100",
+            "--checkpoint-every", "3", "--keep-checkpoints", "3"]
+    _run([*args, "--checkpoint-dir", str(tmp_path / "full"), "--output-dir", str(tmp_path / "full")])
+    full = _summary(tmp_path / "full")
+    assert [s for s, _ in full["loss_history"]] == [4, 8, 9]
+    for step in (3, 6):
+        out = tmp_path / f"from{step}"
+        _run([*args, "--checkpoint-dir", str(out), "--output-dir", str(out),
+              "--resume", str(tmp_path / "full" / f"step_{step:08d}")])
+        assert _summary(out)["loss_history"] == full["loss_history"], step
+
+
+def test_resume_past_the_last_step_fails_in_one_line(synthetic_run, tmp_path):
+    d, _, _ = synthetic_run
+    p = run_job([*SMALL, "--steps", "5", "--resume", str(d / "ckpt" / "step_00000010"),
+                 "--output-dir", str(tmp_path)])
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert "train_ctr: error: --resume: the run ends at step 5" in p.stderr
+    assert "step_00000010 (10)" in p.stderr and "Traceback" not in p.stderr
 
 
 def test_plain_loop_gives_bitwise_the_same_model(synthetic_run, tmp_path):

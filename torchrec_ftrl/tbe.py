@@ -360,11 +360,14 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
                 **unused: Any) -> torch.Tensor:
         """Pooled (or sequence) lookup; see the class docstring for shapes. ``feature_requires_grad``
         is accepted for FBGEMM compatibility and ignored (every feature's table is trained)."""
-        if self.weights_dev.is_cuda and torch.cuda.is_current_stream_capturing():
+        capturing = self.weights_dev.is_cuda and torch.cuda.is_current_stream_capturing()
+        if capturing:
             self._check_capturable(batch_size_per_feature_per_rank)
         batch = self._make_batch(indices, offsets, per_sample_weights, batch_size_per_feature_per_rank)
         cache_keys, release = None, None
         train = torch.is_grad_enabled() and self.placeholder_autograd_tensor.requires_grad
+        if capturing and train:
+            self._captured_hp = self._hp     # the knobs the captured update will replay
         if self.cache is not None:
             batch, keys, locked = self._cached_batch(batch, batch_size_per_feature_per_rank)
             if train and self.training:
@@ -382,11 +385,11 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         return out.view(-1, self.total_D)
 
     def _check_capturable(self, bsfpr) -> None:
-        """Refuse, before any work, what a CUDA graph cannot replay; remember the knobs it captures.
+        """Refuse, before any work, what a CUDA graph cannot replay.
 
-        A captured step replays its kernels with the learning rate and ``ftrl_*`` knobs of the
-        capture (they are kernel arguments), so :meth:`set_learning_rate` and
-        :meth:`update_hyper_parameters` warn after a capture.
+        A captured training step replays its kernels with the learning rate and ``ftrl_*`` knobs of
+        the capture (they are kernel arguments), so the forward remembers them and
+        :meth:`set_learning_rate` and :meth:`update_hyper_parameters` warn after such a capture.
 
         Raises:
             RuntimeError: ``bounds_check_mode=FATAL`` (it checks on the host), the
@@ -404,7 +407,6 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
             why = "batch_size_per_feature_per_rank (VBE: the layout is built on the host)"
         if why is not None:
             raise RuntimeError(f"FTRLTableBatchedEmbeddingBags cannot be captured in a CUDA graph with {why}")
-        self._captured_hp = self._hp
 
     def _warn_if_captured(self) -> None:
         if self._captured_hp is not None and self._hp != self._captured_hp:

@@ -8,6 +8,8 @@ import os
 import sys
 from typing import Any, Optional, Sequence
 
+from .pipeline import PIPELINES
+
 SPARSE_OPTIMIZERS = ("ftrl", "rowwise_adagrad")
 FTRL_REG_SCALES = ("per_example", "raw")
 # Per-example FTRL defaults of the job (scaled by the global batch size, see sparse_fused_params).
@@ -130,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--cpu-threads", type=int, default=1,
                    help="torch intra-op threads per process on CPU (1 avoids oversubscription when "
                         "several ranks share few cores)")
-    r.add_argument("--pipeline", choices=("sparse_dist", "none"), default="sparse_dist",
+    r.add_argument("--pipeline", choices=PIPELINES, default="sparse_dist",
                    help="sparse_dist: TorchRec's TrainPipelineSparseDist (batch i+1's input all-to-all "
                         "and batch i+2's copy overlap batch i's compute); none: one batch at a time")
     r.add_argument("--profile-steps", type=_non_negative_int, default=0, metavar="K",
@@ -196,10 +198,10 @@ def _check_optimizer_flags(p: argparse.ArgumentParser, a: argparse.Namespace) ->
     where = ("" if a.ftrl_reg_scale == "raw"
              else f" (scaled for {examples_per_row_gradient(a.batch_size)} examples per row gradient)")
     for flag, key in _FLAG_OF_KNOB:
-        v = knobs[key]
-        if v != 0 and not (_FP32_MIN_NORMAL <= abs(v) <= _FP32_MAX):
-            p.error(f"{flag} {getattr(a, flag[2:].replace('-', '_'))!r} gives {key} = {v!r}{where}, "
-                    f"outside fp32's normal range")
+        given, v = getattr(a, flag[2:].replace('-', '_')), knobs[key]
+        # A knob set to 0 stays 0; any other value must scale to a normal fp32 magnitude (not 0).
+        if given != 0 and not (_FP32_MIN_NORMAL <= abs(v) <= _FP32_MAX):
+            p.error(f"{flag} {given!r} gives {key} = {v!r}{where}, outside fp32's normal range")
 
 
 _FLAG_OF_KNOB = (("--sparse-lr", "learning_rate"), ("--ftrl-l1", "ftrl_l1_reg"),
@@ -290,15 +292,6 @@ def sparse_fused_params(args: argparse.Namespace, world_size: Optional[int] = No
     if ftrl is None:
         raise RuntimeError("EmbOptimType.FTRL is not registered after `import torchrec_ftrl` (the "
                            "TorchRec integration is missing); use --sparse-optimizer rowwise_adagrad")
-    knobs = ftrl_fused_knobs(args, world_size)
-    return {
-        "optimizer": ftrl,
-        "learning_rate": knobs["learning_rate"],
-        "ftrl_l1_reg": knobs["ftrl_l1_reg"],
-        "ftrl_l2_reg": knobs["ftrl_l2_reg"],
-        "ftrl_beta": knobs["ftrl_beta"],
-        "ftrl_learning_rate_power": args.ftrl_lr_power,
-        "ftrl_l2_shrinkage": knobs["ftrl_l2_shrinkage"],
-        "ftrl_initial_accumulator_value": knobs["ftrl_initial_accumulator_value"],
-        "ftrl_l2_convention": args.ftrl_l2_convention,
-    }
+    return {"optimizer": ftrl, **ftrl_fused_knobs(args, world_size),
+            "ftrl_learning_rate_power": args.ftrl_lr_power,
+            "ftrl_l2_convention": args.ftrl_l2_convention}

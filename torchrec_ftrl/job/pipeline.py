@@ -26,8 +26,9 @@ from typing import Callable, Iterator
 import torch
 from torch.autograd.profiler import record_function
 
+from .profile import TRACKER_LABEL
+
 PIPELINES = ("sparse_dist", "none")
-TRACKER_LABEL = "## ctr:touch_tracker ##"
 
 
 class PlainLoop:

@@ -43,6 +43,8 @@ import torch
 
 PHASES = ("data", "input_dist", "sparse", "dense", "optimizer", "metrics")
 SPARSE_LABEL = "## ctr:sparse_arch ##"
+METRICS_LABEL = "## ctr:metrics ##"          # the loop's loss bookkeeping and progress bar
+TRACKER_LABEL = "## ctr:touch_tracker ##"    # the touched-row masks of a finished step
 EXCLUDED_PREFIX = "## ctr:excluded"  # + " <what> ##": a range that counts in no phase
 BACKWARD = "backward"   # a host phase that is split into sparse / dense (see the module docstring)
 EXCLUDED = "excluded"
@@ -60,7 +62,7 @@ HOST_RULES = tuple((re.compile(p), phase) for p, phase in (
     (r"^## forward\b", "dense"),
     (r"^## backward\b", BACKWARD),
     (r"^## (zero_grad|optimizer)\b", "optimizer"),
-    (r"^## ctr:(metrics|touch_tracker) ##", "metrics"),
+    ("^(" + re.escape(METRICS_LABEL) + "|" + re.escape(TRACKER_LABEL) + ")", "metrics"),
 ))
 # An autograd node of the sharded embedding module: the TBE lookups (fbgemm's SplitLookupFunction_*,
 # torchrec_ftrl's _FTRLLookupFunction) and TorchRec's output dist (comm_ops.All2All_Pooled_*,

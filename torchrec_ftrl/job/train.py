@@ -31,8 +31,6 @@ from . import (checkpoint, cli, dist_env, evaluate, faults, model as model_lib, 
                profile as profile_lib, report, sparsity)
 from .source import make_source, steps_for_epochs
 
-METRICS_LABEL = "## ctr:metrics ##"
-
 
 def _mean_over_ranks(x: float, device: torch.device) -> float:
     t = torch.tensor([x], dtype=torch.float64, device=device)
@@ -97,13 +95,19 @@ def _run(args, env, fused_params, rank0) -> dict:
 
     tracker = sparsity.TouchTracker(features, sizes)
     start_step, loss_history, val_history = 0, [], []
+    resumed_window = None
     if args.resume is not None:
         path = checkpoint.resolve(args.resume, args.checkpoint_dir)
         extra = tracker.state_dict()
         meta = checkpoint.load(path, dmp, opt, extra=extra)
         tracker.load_state_dict(extra)
         start_step = int(meta["step"])
+        if start_step > steps:
+            raise checkpoint.CheckpointError(
+                f"--resume: the run ends at step {steps} (--steps / --epochs), before the step of the "
+                f"checkpoint {path} ({start_step})")
         loss_history, val_history = meta.get("loss_history", []), meta.get("val_history", [])
+        resumed_window = meta.get("loss_window")
         if rank0:
             print(f"resumed from {path} at step {start_step}", flush=True)
 
@@ -139,7 +143,11 @@ def _run(args, env, fused_params, rank0) -> dict:
             (bar.write(msg) if bar else print(msg, flush=True))
 
     def save_ckpt(step):
-        meta = {"loss_history": loss_history, "val_history": val_history, "args": vars(args)}
+        # The open --log-every window (each rank's loss sum so far): a resumed run logs the same means.
+        sums = [None] * env.world_size
+        dist.all_gather_object(sums, float(window_loss) if window_loss is not None else 0.0)
+        meta = {"loss_history": loss_history, "val_history": val_history, "args": vars(args),
+                "loss_window": {"n": window_n, "sums": sums}}
         with record_function(f"{profile_lib.EXCLUDED_PREFIX} checkpoint ##"):
             tracker.reduce(env.device)
             path = checkpoint.save(args.checkpoint_dir, step, dmp, opt, meta,
@@ -161,11 +169,14 @@ def _run(args, env, fused_params, rank0) -> dict:
     # The window's loss sum stays on the device (float64, the step losses in order) and is read
     # back every --log-every steps, so the host does not wait for each step's kernels.
     window_loss, window_n = None, 0
+    if resumed_window and resumed_window.get("n") and len(resumed_window.get("sums", ())) == env.world_size:
+        window_n = int(resumed_window["n"])
+        window_loss = torch.tensor(resumed_window["sums"][env.rank], dtype=torch.float64, device=env.device)
     shown = {}
     for step in range(start_step + 1, steps + 1):
         loss = loop.step()
         faults.maybe_fail(env.rank, step, "step")
-        with record_function(METRICS_LABEL):
+        with record_function(profile_lib.METRICS_LABEL):
             window_loss = loss.double() if window_loss is None else window_loss + loss.double()
             window_n += 1
             if step % args.log_every == 0 or step == steps:

@@ -11,8 +11,9 @@ Each step runs under TorchRec's ``TrainPipelineSparseDist`` (``--pipeline none``
 ``pipeline.py``); ``--profile-steps K`` profiles K steps (``profile.py``).
 
 Prints a tqdm bar on rank 0 (step, the cross-rank mean loss of the last --log-every steps,
-examples/s), validation AUC / log loss every --eval-every steps, and at the end writes ``<output-dir>/<run-name>_summary.json`` and ``<run-name>.png`` (and with
-``--profile-steps`` the chrome trace ``<run-name>_trace.json``).
+examples/s), validation AUC / log loss every --eval-every steps, and at the end writes
+``<output-dir>/<run-name>_summary.json`` and ``<run-name>.png`` (and with ``--profile-steps`` the
+chrome trace ``<run-name>_trace.json``).
 """
 
 from __future__ import annotations

@@ -109,10 +109,16 @@ def bytes_model(method, N, U, T, B, D, wbytes):
     fp32 outputs written. Backward: the T*B fp32 output gradients read once; per unique row its
     weight read again and written, and its optimizer state read and written."""
     fwd = N * 8 + U * D * wbytes + T * B * D * 4
-    state = {"ours": 16 * D, "ours_ignore": 16 * D, "fbgemm_adam": 16 * D, "eager": 16 * D,
-             "fbgemm_adam_rbc": 16 * D + 8, "fbgemm_rowwise_adagrad": 8, "fbgemm_sgd": 0}[method]
-    bwd = T * B * D * 4 + U * (2 * D * wbytes + state)
+    bwd = T * B * D * 4 + U * (2 * D * wbytes + 2 * state_bytes_per_row(method, D))  # state read + written
     return fwd, bwd
+
+
+def state_bytes_per_row(method, D):
+    """Optimizer state bytes per row of ``method``: FTRL accum + linear (ours, and the eager
+    baseline) and ADAM m + v (fp32, 8*D), ADAM rbc's per-row step counter (+4), row-wise Adagrad's
+    one fp32 (4), SGD none."""
+    return {"ours": 8 * D, "ours_ignore": 8 * D, "eager": 8 * D, "fbgemm_adam": 8 * D,
+            "fbgemm_adam_rbc": 8 * D + 4, "fbgemm_rowwise_adagrad": 4, "fbgemm_sgd": 0}[method]
 
 
 def build_ours(T, E, D, precision, bounds=BoundsCheckMode.WARNING):
@@ -291,13 +297,6 @@ def production_shapes():
         table(2, 10 * M, 128, "FP32", [(20, None), (20, 1.05), (80, None)]),
         table(2, 2 * M, 128, "FP32", [(20, None), (20, 1.05), (80, None)]),
     ]
-
-
-def state_bytes_per_row(method, D):
-    """Optimizer state bytes per row of ``method``: FTRL accum + linear and ADAM m + v (fp32, 8*D),
-    ADAM rbc's per-row step counter (+4), row-wise Adagrad's one fp32 (4), SGD none."""
-    return {"ours": 8 * D, "ours_ignore": 8 * D, "fbgemm_adam": 8 * D, "fbgemm_adam_rbc": 8 * D + 4,
-            "fbgemm_rowwise_adagrad": 4, "fbgemm_sgd": 0}[method]
 
 
 def table_bytes(method, T, E, D, wbytes):

@@ -47,10 +47,11 @@ import time
 
 import numpy as np
 
+from torchrec_ftrl.job.profile import PHASES   # the job's step-profile phases, in its order
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLE = os.path.join("criteo", "criteo_dac_combined.tsv")
 ARRAYS = ("dense", "sparse", "labels")
-PHASES = ("data", "input_dist", "sparse", "dense", "optimizer", "metrics")
 
 
 def default_tsv():

@@ -38,10 +38,11 @@ def run_job(flags: list[str], out_dir: str, name: str) -> dict:
     return {"flags": flags, "wall_s": time.perf_counter() - t0, "steps": s["steps"],
             "batch_size_per_rank": s["batch_size_per_rank"], "fused_params": s["fused_params"],
             "auc": fv["auc"], "logloss": fv["logloss"], "val_rows": fv["rows"],
-            "zero_weight_share_touched": so["zero_weight_share_touched"],
-            "zero_row_share_touched": so["zero_row_share_touched"],
-            "zero_weight_share": so["zero_weight_share"], "touched_rows": so["touched_rows"],
-            "rows": so["rows"]}
+            # --zch runs count no touched rows (their batches hold raw ids, not rows)
+            "zero_weight_share_touched": so.get("zero_weight_share_touched"),
+            "zero_row_share_touched": so.get("zero_row_share_touched"),
+            "zero_weight_share": so["zero_weight_share"], "touched_rows": so.get("touched_rows"),
+            "rows": so["rows"], "zch": s.get("zch")}
 
 
 def plot(result: dict, png: str) -> None:

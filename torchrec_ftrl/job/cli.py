@@ -67,6 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rows per table: one int, or a comma list with one entry per categorical column")
     d.add_argument("--synthetic-vocab", type=int, default=2000, help="distinct values per synthetic feature")
     d.add_argument("--val-batches", type=int, default=8, help="validation batches per rank (synthetic)")
+    d.add_argument("--zch", action="store_true",
+                   help="managed collision (zero-collision hashing): features keep their raw ids "
+                        "(Criteo's hex values as they are, other strings hashed to 62 bits; no "
+                        "vocabulary, no modulo) and each table is a ZCH table of --num-embeddings "
+                        "slots (TorchRec's MCHManagedCollisionModule, DistanceLFU eviction), sharded "
+                        "row-wise (--sharding-types does not apply)")
+    d.add_argument("--zch-eviction-interval", type=int, default=1,
+                   help="--zch: training forwards between eviction passes")
 
     m = p.add_argument_group("model")
     m.add_argument("--embedding-dim", type=int, default=16)
@@ -150,7 +158,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """
     p = build_parser()
     a = p.parse_args(argv)
-    for name in ("steps", "batch_size", "embedding_dim", "eval_every", "log_every", "val_batches"):
+    for name in ("steps", "batch_size", "embedding_dim", "eval_every", "log_every", "val_batches",
+                 "zch_eviction_interval"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
     if a.checkpoint_every < 0:
@@ -173,8 +182,17 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error(f"--num-embeddings entries must be >= 1, got {a.num_embeddings}")
     if a.sparse_lr is None:
         a.sparse_lr = 0.05
+    if a.zch and a.sparse_optimizer == "rowwise_adagrad" and not _cuda_run(a.device):
+        p.error("--zch with --sparse-optimizer rowwise_adagrad needs --device cuda: FBGEMM resets "
+                "evicted rows with a CUDA-only op (fbgemm::reset_weight_momentum)")
     _check_optimizer_flags(p, a)
     return a
+
+
+def _cuda_run(device: str) -> bool:
+    """Whether ``--device`` puts the run on CUDA (``auto``: when CUDA is present)."""
+    import torch
+    return device == "cuda" or (device == "auto" and torch.cuda.is_available())
 
 
 def _check_optimizer_flags(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:

@@ -8,13 +8,15 @@ import os
 
 from torchrec_ftrl.data import (BinarySource, CTRFileReader, FileSource, Split, SyntheticCTR,
                                 SyntheticSource, get_spec)
+from .zch import RAW_ID_SPACE
 
 
 def make_source(args: argparse.Namespace):
     """Returns ``(source, description dict)``: no ``--data``: the synthetic generator; one folder:
     :class:`BinarySource` (TorchRec's binary Criteo layout, dense values per ``--binary-dense``;
     ``--data-format`` and ``--strict`` do not apply); files: :class:`FileSource` over a
-    :class:`CTRFileReader`.
+    :class:`CTRFileReader`. With ``--zch`` every source yields raw ids in ``[0, RAW_ID_SPACE)``
+    (:mod:`.zch`) instead of ids modulo ``--num-embeddings``.
 
     Raises:
         FileNotFoundError: a ``--data`` path that does not exist, or a binary folder with no
@@ -23,7 +25,8 @@ def make_source(args: argparse.Namespace):
             (``BinaryLayoutError``, naming the file).
     """
     ne = args.num_embeddings_list
-    ne_arg = ne[0] if len(ne) == 1 else ne
+    # --zch: raw ids (the tables' slots are --num-embeddings; TorchRec's MC modules map ids to them).
+    ne_arg = RAW_ID_SPACE if args.zch else ne[0] if len(ne) == 1 else ne
     if args.data is None:
         gen = SyntheticCTR(ne_arg, seed=args.seed, vocab=args.synthetic_vocab)
         return SyntheticSource(gen, val_batches=args.val_batches), {

@@ -29,15 +29,19 @@ import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
 from . import (checkpoint, cli, dist_env, evaluate, faults, model as model_lib, pipeline,
-               profile as profile_lib, report, sparsity)
+               profile as profile_lib, report, sparsity, zch)
 from .source import make_source, steps_for_epochs
 
 
-def _mean_over_ranks(x: float, device: torch.device) -> float:
+def _sum_over_ranks(x: float, device: torch.device) -> float:
     t = torch.tensor([x], dtype=torch.float64, device=device)
     if dist.get_world_size() > 1:
         dist.all_reduce(t)
-    return float(t) / dist.get_world_size()
+    return float(t)
+
+
+def _mean_over_ranks(x: float, device: torch.device) -> float:
+    return _sum_over_ranks(x, device) / dist.get_world_size()
 
 
 def _quiet() -> None:
@@ -82,19 +86,30 @@ def _run(args, env, fused_params, rank0) -> dict:
     steps = args.steps
     if args.epochs is not None:
         steps = steps_for_epochs(source, args.epochs, env.world_size, args.batch_size)
-    features, sizes = source.categorical_names, source.num_embeddings
+    features = source.categorical_names
+    sizes = (zch.slots_per_table(args.num_embeddings_list, len(features)) if args.zch
+             else source.num_embeddings)
     num_dense = len(source.dense_names)
 
     net = model_lib.build_dlrm(features, sizes, args.embedding_dim, num_dense, args.dense_arch_list,
                                args.over_arch_list, env.device)
     sharders = torchrec_ftrl.sharders(fused_params)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
-    dmp, plan = model_lib.shard(net, [f"t_{f}" for f in features], sharders, env.device,
-                                args.sharding_types.split(","), env.world_size, local_world,
-                                args.batch_size)
+    tables = [f"t_{f}" for f in features]
+    evictions = None
+    if args.zch:
+        zch.add_managed_collision(net, args.zch_eviction_interval, env.device)
+        dmp, plan = zch.shard(net, tables, sharders, env.device, env.world_size, local_world)
+        evictions = zch.EvictionCounter(dmp)
+        # A rank's MC module receives at most one id per example of the global batch and feature.
+        zch.size_history_buffers(dmp, args.batch_size * env.world_size)
+    else:
+        dmp, plan = model_lib.shard(net, tables, sharders, env.device, args.sharding_types.split(","),
+                                    env.world_size, local_world, args.batch_size)
     opt = model_lib.build_optimizer(dmp, args.dense_optimizer, args.dense_lr)
 
-    tracker = sparsity.TouchTracker(features, sizes)
+    # Touched rows are counted from the batches' ids; --zch batches hold raw ids, not rows.
+    tracker = sparsity.TouchTracker([] if args.zch else features, [] if args.zch else sizes)
     start_step, loss_history, val_history = 0, [], []
     resumed_window = None
     if args.resume is not None:
@@ -159,7 +174,7 @@ def _run(args, env, fused_params, rank0) -> dict:
 
     dmp.train()
     loop = pipeline.make(args.pipeline, dmp, opt, env.device, train_iter, steps - start_step,
-                         tracker.update)
+                         (lambda kjt: None) if args.zch else tracker.update)
     prof = None
     warmup, active = profile_lib.plan(steps - start_step, args.profile_steps)
     if active:
@@ -207,7 +222,7 @@ def _run(args, env, fused_params, rank0) -> dict:
     if args.checkpoint_dir:
         save_ckpt(steps)
     tracker.reduce(env.device)
-    sp = sparsity.table_sparsity(dmp, env.device, touched=tracker.masks)
+    sp = sparsity.table_sparsity(dmp, env.device, touched=None if args.zch else tracker.masks)
     done = steps - start_step
     summary = {
         "run_name": args.run_name,
@@ -227,6 +242,9 @@ def _run(args, env, fused_params, rank0) -> dict:
         "sparsity": sp,
         "plan": model_lib.plan_summary(plan),
         "pipeline": args.pipeline,
+        "zch": ({"slots_per_table": sizes, "eviction_interval": args.zch_eviction_interval,
+                 "reset_slots": int(_sum_over_ranks(evictions.evicted, env.device))}
+                if args.zch else None),
         "step_profile": prof.result if prof is not None else None,
         "args": vars(args),
     }
@@ -239,13 +257,18 @@ def _run(args, env, fused_params, rank0) -> dict:
         fv, so = summary["final_validation"], summary["sparsity_overall"]
         val = (f"validation AUC {fv['auc']:.4f}, logloss {fv['logloss']:.4f}" if fv is not None
                else "no validation (--split none)")
+        if "touched_rows" in so:
+            zeros = (f"of the {so['touched_rows']} embedding rows the data touched: "
+                     f"{so['zero_weight_share_touched']:.1%} of weights and "
+                     f"{so['zero_row_share_touched']:.1%} of rows are exactly zero (all rows: "
+                     f"{so['zero_weight_share']:.1%} / {so['zero_row_share']:.1%})")
+        else:   # --zch: slots, not raw ids, are rows
+            z = summary["zch"]
+            zeros = (f"{z['reset_slots']} slots reset; of all embedding rows "
+                     f"{so['zero_weight_share']:.1%} of weights and {so['zero_row_share']:.1%} of "
+                     f"rows are exactly zero")
         print(f"done: {steps} steps, final train loss {summary['final_train_loss']:.4f}, {val}; "
-              f"of the {so['touched_rows']} embedding rows the "
-              f"data touched: {so['zero_weight_share_touched']:.1%} of weights and "
-              f"{so['zero_row_share_touched']:.1%} of rows are exactly zero (all rows: "
-              f"{so['zero_weight_share']:.1%} / {so['zero_row_share']:.1%}); "
-              f"{summary['examples_per_s'] or 0:.0f} examples/s",
-              flush=True)
+              f"{zeros}; {summary['examples_per_s'] or 0:.0f} examples/s", flush=True)
         print(f"wrote {out} and {png}", flush=True)
         ps = summary["step_profile"]
         if ps is not None:

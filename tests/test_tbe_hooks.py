@@ -21,11 +21,11 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import HAS_CUDA, INTERP, bits, cuda, interpreter_parent, needs_cuda, \
+from conftest import INTERP, bits, cuda, interpreter_parent, needs_cuda, \
     reference_update, run_interpreter_suite, tbe_state
 from reference import reference_knobs
 from torchrec_ftrl import FTRLTableBatchedEmbeddingBags
-from torchrec_ftrl.fbgemm_enums import EmbeddingLocation, ComputeDevice, PoolingMode, SparseType
+from torchrec_ftrl.fbgemm_enums import ComputeDevice, EmbeddingLocation, PoolingMode, SparseType
 
 SPECS = [(12, 4), (9, 8), (7, 4)]
 N0 = 0.1
@@ -323,9 +323,10 @@ def test_cuda_reset_drops_stale_cached_rows_and_trains_like_device(precision):
     for idx, off, g in batches(3):
         for x in (ref, m):
             x(idx, off).backward(g)
-    rows0 = torch.tensor([1, 5, 7, 300], device="cuda")
-    keys = rows0[:3]                       # rows of table 0 that the batches cached (row keys = rows)
-    assert bool((m.cache.lookup(keys, count=False) >= 0).all()), "the rows must be cached first"
+    last = idx[:30].unique()               # table 0 rows of the last batch (row keys = rows)
+    keys = last[m.cache.lookup(last, count=False) >= 0][:3]
+    assert keys.numel() == 3, "three updated (dirty) rows of table 0 must be cached"
+    rows0 = torch.cat([keys, torch.tensor([300], device="cuda")])
     args = (torch.cat([rows0, torch.tensor([2], device="cuda")]), torch.tensor([0, 4, 5], device="cuda"),
             torch.tensor([0, 1], dtype=torch.int32, device="cuda"), torch.tensor([0, 1], dtype=torch.int32, device="cuda"))
     for x in (ref, m):

@@ -196,6 +196,14 @@ class RowCache(nn.Module):
         self.lxu_cache_locking_counter.zero_()
         self.timestep = 1
 
+    def invalidate(self, linear: torch.Tensor) -> None:
+        """Drop the cached copies (weight and both states) of the rows ``linear`` (int64 ``[N]`` row
+        keys, duplicates allowed) without writing them back: their slots become empty, so the next
+        read of such a row, and its next populate, take the unified-memory copy. Locked lines stay
+        counted (their batch's release still balances them). Rows not cached are ignored."""
+        slots = self.lookup(linear, count=False).long()
+        self.lxu_cache_state.view(-1).index_fill_(0, slots[slots >= 0], -1)
+
     def reset_states(self, initial_accumulator_value: float) -> None:
         """accum := ``initial_accumulator_value``, linear := 0 for the cached rows too."""
         self.lxu_cache_states[0].fill_(initial_accumulator_value)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import uuid as _uuid
 import warnings
 from typing import Any, Optional, Sequence
 
@@ -32,6 +33,48 @@ __all__ = ["FTRLTableBatchedEmbeddingBags"]
 
 _PRECISIONS = {SparseType.FP32: torch.float32, SparseType.FP16: torch.float16,
                SparseType.BF16: torch.bfloat16}
+
+
+# FBGEMM TBE attributes TorchRec reaches on some TBEs, with why the FTRL TBE has none (an
+# AttributeError naming the reason; ``hasattr`` stays False, as TorchRec's guards expect). See
+# docs/managed-collision.md, "TBE hooks TorchRec calls".
+_KV_ONLY = ("a key-value / SSD TBE hook (TorchRec calls it only on key-value kernels, and FTRL "
+            "tables are refused there at DMP construction)")
+_QUANT_ONLY = ("a quantized (INT8 / INT4 inference) TBE hook; the FTRL TBE trains fp32, fp16 or "
+               "bf16 weights")
+_CACHE_NAMES = ("the fused_uvm_caching cache of the FTRL TBE is `tbe.cache` (torchrec_ftrl.cache."
+                "RowCache: lxu_cache_weights, lxu_cache_states, lxu_cache_state); it is not exposed "
+                "under FBGEMM's TBE names so that TorchRec's memory stashing (stash_emo_cache) skips "
+                "this TBE: that stash frees only the weight cache and rebuilds FBGEMM's prefetch "
+                "bookkeeping, which this TBE does not keep")
+_NOT_FTRL_HOOKS = {
+    "momentum1_dev": "FTRL keeps no momentum; its states are accum_dev (n, the sum of squared "
+                     "gradients) and linear_dev (z), see split_optimizer_states()",
+    "momentum2_dev": "FTRL keeps no momentum; its states are accum_dev (n) and linear_dev (z)",
+    **{name: _CACHE_NAMES for name in ("lxu_cache_weights", "lxu_cache_state", "lxu_cache_locations",
+                                       "lxu_cache_locations_list", "lxu_cache_locking_counter",
+                                       "timesteps_prefetched")},
+    **{name: _KV_ONLY for name in ("create_rocksdb_hard_link_snapshot",
+                                   "get_named_split_embedding_weights_snapshot",
+                                   "direct_write_embedding", "enrichment_query_id", "tbe_unique_id")},
+    **{name: _QUANT_ONLY for name in ("split_embedding_weights_with_scale_bias",
+                                      "int8_emb_row_dim_offset", "assign_embedding_weights",
+                                      "initialize_weights")},
+}
+
+
+class _FTRLOptimizerState(dict):
+    """One table's ``{"accum": ..., "linear": ...}``. A missing key (e.g. row-wise Adagrad's ``"sum"``,
+    which TorchRec's ``sync_hash_zch_weights`` reads) raises a ``KeyError`` naming FTRL's states."""
+
+    def __missing__(self, key):
+        raise KeyError(f"{key!r}: the FTRL optimizer state of a table has 'accum' and 'linear' only "
+                       f"(FTRL recomputes the weight from both, so one state alone cannot be synced "
+                       f"or averaged)")
+
+
+def _short(values: list) -> str:
+    return repr(values) if len(values) <= 12 else f"{values[:12]!r}... ({len(values)} values)"
 
 
 def _as_sparse_type(name: str, value: Any) -> SparseType:
@@ -685,7 +728,7 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
 
     def get_optimizer_state(self, *args: Any, **kwargs: Any) -> list[dict[str, torch.Tensor]]:
         """Per-table ``{"accum": [rows, D], "linear": [rows, D]}`` fp32 views (TensorFlow slot names)."""
-        return [{"accum": a, "linear": z} for a, z in self.split_optimizer_states()]
+        return [_FTRLOptimizerState(accum=a, linear=z) for a, z in self.split_optimizer_states()]
 
     def get_learning_rate(self) -> float:
         return self._hp.learning_rate
@@ -736,6 +779,138 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         for w in self.split_embedding_weights():
             w.uniform_(min_val, max_val)
         self.reset_cache_states()
+
+    # ------------------------------------------------------------------ hooks TorchRec calls
+    # (the list, and what each does: docs/managed-collision.md, "TBE hooks TorchRec calls")
+    @torch.no_grad()
+    def reset_embedding_weight_momentum(self, pruned_indices: torch.Tensor,
+                                        pruned_indices_offsets: torch.Tensor,
+                                        logical_table_ids: torch.Tensor,
+                                        buffer_ids: torch.Tensor) -> None:
+        """Start rows afresh: FBGEMM's ``reset_embedding_weight_momentum``, called by TorchRec's
+        managed collision at every eviction (``ShardedManagedCollisionEmbedding(Bag)Collection``,
+        ``_evict``) and by ITEP's pruning (``torchrec/modules/itep_modules.py``).
+
+        Segment ``k`` (``k < buffer_ids.numel()``) is the rows
+        ``pruned_indices[pruned_indices_offsets[b] : pruned_indices_offsets[b + 1]]``, ``b =
+        buffer_ids[k]``, of logical table ``f = logical_table_ids[k]``. As in FBGEMM, whose
+        ``D_offsets`` / ``weights_offsets`` / ``cache_hash_size_cumsum`` it indexes, a logical table
+        is a feature: the rows are those of table ``feature_table_map[f]`` (ITEP passes each table's
+        first feature; managed collision passes the table's position in its group, the same thing
+        when each table of the TBE has one feature). Each such row gets FTRL's starting point,
+        ``w = prox(z = 0) = 0``: weight 0, ``accum`` = ``initial_accumulator_value`` (n0), ``linear``
+        0 (FBGEMM zeroes the weight and ``momentum1``, and only for row-wise Adagrad). Every other
+        row keeps its bits. Under ``MANAGED_CACHING`` the rows' cached copies (weight and both
+        states) are dropped without write-back, so the reset values in unified memory, and
+        whatever the caller writes there next through the weight views (TorchRec's managed
+        collision re-initialises evicted rows with the table's ``init_fn``), are what the next
+        lookup reads. Duplicate rows are fine. No segment, or only empty ones, changes nothing, as
+        in FBGEMM.
+
+        Args:
+            pruned_indices: int64 (or int32) ``[N]``, row indices within their tables.
+            pruned_indices_offsets: int64 (or int32) ``[S + 1]``, non-decreasing, within ``[0, N]``:
+                segment ``b`` of ``pruned_indices`` is ``[offsets[b], offsets[b + 1])``.
+            logical_table_ids: int32 (or int64) ``[K]``, the logical table (feature) of each reset,
+                in ``[0, len(feature_table_map))``.
+            buffer_ids: int32 (or int64) ``[K]``, the segment of each reset, in ``[0, S)``.
+            Each on the CPU or on the tables' device (FBGEMM moves them to its device). The
+            arguments are checked on the host (one sync).
+
+        Raises:
+            ValueError: an argument that is not a 1-D int32/int64 tensor on the CPU or the tables'
+                device; ``logical_table_ids`` and ``buffer_ids`` of different lengths; malformed
+                offsets; a logical table or segment id out of range; an index outside its table.
+                The message names the argument and the value; nothing is changed.
+        """
+        segments = self._reset_segments(pruned_indices, pruned_indices_offsets, logical_table_ids,
+                                        buffer_ids)
+        if not segments:
+            return
+        if self.cache is not None:
+            self.cache.invalidate(torch.cat([self._table_row_base[t] + rows for t, rows in segments]))
+        n0 = self._hp.initial_accumulator_value
+        for t, rows in segments:
+            for buf, value in ((self.weights_dev, 0.0), (self.accum_dev, n0), (self.linear_dev, 0.0)):
+                self._table_view(buf, t).index_fill_(0, rows, value)
+
+    def _reset_segments(self, pruned_indices, pruned_indices_offsets, logical_table_ids,
+                        buffer_ids) -> list[tuple[int, torch.Tensor]]:
+        """``(table, int64 rows on the tables' device)`` of each non-empty reset segment, after
+        checking every argument (see :meth:`reset_embedding_weight_momentum`)."""
+        where = "reset_embedding_weight_momentum"
+        dev = self.weights_dev.device
+        args = dict(pruned_indices=pruned_indices, pruned_indices_offsets=pruned_indices_offsets,
+                    logical_table_ids=logical_table_ids, buffer_ids=buffer_ids)
+        for name, t in args.items():
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dtype not in (torch.int32, torch.int64):
+                raise ValueError(f"{where}: {name} must be int32 or int64, got dtype={t.dtype}")
+            if t.dim() != 1:
+                raise ValueError(f"{where}: {name} must be 1-D, got shape={tuple(t.shape)}")
+            if t.device.type != "cpu" and t.device != dev:
+                raise ValueError(f"{where}: {name} must be on the CPU or on {dev} (the tables' "
+                                 f"device), got device={t.device}")
+        tables, bufs = logical_table_ids.tolist(), buffer_ids.tolist()
+        if len(tables) != len(bufs):
+            raise ValueError(f"{where}: logical_table_ids and buffer_ids must have one entry per reset, "
+                             f"got {len(tables)} and {len(bufs)} entries")
+        if not tables:
+            return []
+        offs, N = pruned_indices_offsets.tolist(), pruned_indices.numel()
+        if not offs or offs[0] < 0 or offs[-1] > N or any(b < a for a, b in zip(offs, offs[1:])):
+            raise ValueError(f"{where}: pruned_indices_offsets must be non-decreasing within [0, "
+                             f"pruned_indices.numel()={N}], got {_short(offs)}")
+        F = len(self.feature_table_map)
+        for k, (f, b) in enumerate(zip(tables, bufs)):
+            if not 0 <= f < F:
+                raise ValueError(f"{where}: logical_table_ids[{k}]={f} is not a logical table "
+                                 f"(feature) of this TBE, [0, {F})")
+            if not 0 <= b < len(offs) - 1:
+                raise ValueError(f"{where}: buffer_ids[{k}]={b} is not a segment of "
+                                 f"pruned_indices_offsets ({len(offs)} offsets: [0, {len(offs) - 1}))")
+        indices = pruned_indices.to(dev).long()
+        segments = []
+        for k, (f, b) in enumerate(zip(tables, bufs)):
+            lo, hi, t = offs[b], offs[b + 1], self.feature_table_map[f]
+            if hi == lo:
+                continue
+            rows, n_rows = indices[lo:hi], self.embedding_specs[t][0]
+            bad = (rows < 0) | (rows >= n_rows)
+            if bool(bad.any()):
+                i = int(bad.nonzero()[0, 0])
+                raise ValueError(f"{where}: pruned_indices[{lo + i}]={int(rows[i])} (segment "
+                                 f"buffer_ids[{k}]={b}) is out of range [0, {n_rows}) of table "
+                                 f"{self.table_names[t]!r} (logical table {f}); {int(bad.sum())} bad "
+                                 f"index(es)")
+            segments.append((t, rows))
+        return segments
+
+    @property
+    def uuid(self) -> str:
+        """A random ``str(uuid.uuid4())`` naming this TBE, fixed for its lifetime (FBGEMM's ``uuid``;
+        TorchRec's raw-id tracker names its consumers by it)."""
+        value = self.__dict__.get("_uuid")
+        if value is None:
+            value = self.__dict__["_uuid"] = str(_uuid.uuid4())
+        return value
+
+    def reset_uvm_cache_stats(self) -> None:
+        """Zero the statistics :meth:`get_uvm_cache_stats` returns (FBGEMM's
+        ``reset_uvm_cache_stats``). A no-op for the other placements."""
+        if self.cache is not None:
+            self.cache.uvm_cache_stats.zero_()
+            self.cache.local_uvm_cache_stats.zero_()
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            why = _NOT_FTRL_HOOKS.get(name)
+            if why is None:
+                raise
+            raise AttributeError(f"FTRLTableBatchedEmbeddingBags has no {name!r}: {why}") from None
 
     def extra_repr(self) -> str:
         return (f"tables={[(r, d) for r, d, *_ in self.embedding_specs]}, pooling={self.pooling_mode.name}, "

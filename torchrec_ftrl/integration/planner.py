@@ -132,9 +132,10 @@ def option_state_bytes(option, fused_params: dict) -> int:
         ValueError: an invalid state dtype, naming the table, the key and the value.
     """
     merged = dict(fused_params)
-    classes = getattr(option.tensor, "_optimizer_classes", None)
+    # Only in-backward optimizers leave kwargs on a tensor, and an FTRL option's is FTRL (its class is
+    # hidden from TorchRec's estimate while this runs: FTRLStorageEstimator.estimate).
     kwargs = getattr(option.tensor, "_optimizer_kwargs", None)
-    if classes and classes[0] is not None and kwargs:
+    if kwargs:
         in_backward = kwargs[0] or {}
         if in_backward.get("state_dtype") is not None or in_backward.get("optimizer_state_dtypes") is not None:
             merged.pop("state_dtype", None)

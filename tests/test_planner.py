@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 import torchrec
-from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import CacheAlgorithm
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
@@ -354,3 +354,52 @@ def test_uvm_caching_only_for_dims_the_ftrl_cache_takes():
     assert {k for _, k, _ in got[6]} == {"fused", "fused_uvm"}
     assert ("column_wise", "fused_uvm_caching", (4, 4)) in got[8]
     assert ("table_wise", "fused_uvm_caching", (8,)) in got[8]
+
+
+# bf16 FTRL state (optimizer_state_dtypes / state_dtype): accum + linear take 2 + 2 bytes per element
+# instead of 4 + 4, where the table lives and in each cache slot.
+BF16_STATE = {"optimizer_state_dtypes": {"accum": torch.bfloat16, "linear": torch.bfloat16}}
+
+
+@pytest.mark.parametrize("how", ["fused_params", "state_dtype", "in_backward"])
+def test_bf16_state_counts_four_state_bytes_per_element(how):
+    rows, dim = 1_000_003, 96
+    got = {}
+    for kernel in ("fused", "fused_uvm", "fused_uvm_caching"):
+        cons = {"big": ParameterConstraints(sharding_types=["table_wise"], compute_kernels=[kernel])}
+        ebc = _one_table(rows, dim)
+        if how == "in_backward":
+            apply_optimizer_in_backward(torchrec.optim.FTRL, ebc.parameters(), {"lr": 0.1, "state_dtype": "bf16"})
+            sharders = torchrec_ftrl.sharders()
+        elif how == "state_dtype":
+            sharders = torchrec_ftrl.sharders({**FTRL_FUSED, "state_dtype": torch.bfloat16})
+        else:
+            sharders = torchrec_ftrl.sharders({**FTRL_FUSED, **BF16_STATE})
+        got.update(_storages(ebc, sharders, cons))
+    io = _tw_io_bytes(dim)
+    # by hand: 1,000,003 x 96 x (4 weight + 2 accum + 2 linear) = 768,002,304 bytes
+    assert got[("table_wise", "fused")] == [(rows, dim, 768_002_304 + io, 0)]
+    assert got[("table_wise", "fused_uvm")] == [(rows, dim, io, 768_002_304)]
+    # 200,000 cached rows (load factor 0.2): 200,000 x (96 x 8 + 32) + 4 x 1,000,003 = 164,000,012
+    assert got[("table_wise", "fused_uvm_caching")] == [(rows, dim, 164_000_012 + io, 768_002_304)]
+
+
+def test_one_bf16_state_counts_six_bytes_and_fp32_in_backward_overrides_the_sharder():
+    rows, dim = 10_000, 16
+    cons = {"big": ParameterConstraints(sharding_types=["table_wise"], compute_kernels=["fused"])}
+    got = _storages(_one_table(rows, dim), torchrec_ftrl.sharders(
+        {**FTRL_FUSED, "optimizer_state_dtypes": {"linear": SparseType.BF16}}), cons)
+    assert got[("table_wise", "fused")] == [(rows, dim, 10_000 * 16 * 10 + _tw_io_bytes(dim), 0)]
+    ebc = _one_table(rows, dim)
+    apply_optimizer_in_backward(torchrec.optim.FTRL, ebc.parameters(), {"lr": 0.1, "state_dtype": "fp32"})
+    got = _storages(ebc, torchrec_ftrl.sharders({**FTRL_FUSED, **BF16_STATE}), cons)
+    assert got[("table_wise", "fused")] == [(rows, dim, 10_000 * 16 * 12 + _tw_io_bytes(dim), 0)]
+
+
+def test_bad_state_dtype_in_backward_is_refused_naming_the_table():
+    ebc = _one_table(100, 8)
+    apply_optimizer_in_backward(torchrec.optim.FTRL, ebc.parameters(), {"lr": 0.1})
+    ebc.embedding_bags["big"].weight._optimizer_kwargs[0]["optimizer_state_dtypes"] = {"accum": "fp16"}
+    cons = {"big": ParameterConstraints(sharding_types=["table_wise"], compute_kernels=["fused"])}
+    with pytest.raises(ValueError, match=r"table 'big' fused_params optimizer_state_dtypes\['accum'\]"):
+        _storages(ebc, torchrec_ftrl.sharders(), cons)

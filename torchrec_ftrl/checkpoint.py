@@ -1,6 +1,8 @@
 """Export / import of FTRL tables (weight, accum, linear) of a sharded model to a plain file.
 
-The file holds, per FTRL table, three full (unsharded) fp32 arrays under TensorFlow's names:
+The file holds, per FTRL table, three full (unsharded) fp32 arrays under TensorFlow's names (a bf16
+state is upcast exactly on export; on import into a bf16-state model each value is rounded to the
+nearest bf16, ties to even, by ``Tensor.to``):
 ``"{table}"`` (the weight), ``"{table}/accum"`` and ``"{table}/linear"`` (TF's ``Ftrl`` slots). Format by
 suffix: ``.safetensors`` (needs the ``safetensors`` package) or ``.npz`` (NumPy). Positions are never
 used to tell slots apart, so a converter from another layout (e.g. DynamicEmb's ``[linear | accum]``

@@ -36,7 +36,9 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ..fbgemm_enums import BoundsCheckMode, CacheAlgorithm, PoolingMode, SparseType
 from ..hyperparams import parse_options
+from ..optim import parse_dense_state_dtype
 from ..placement import check_cache_options
+from ..state_dtype import STATE_NAMES, hashable_state_dtypes, parse_state_dtypes, state_sparse_types
 from ..tbe import FTRLTableBatchedEmbeddingBags
 
 # The compute kernels an FTRL table may be planned with (values of EmbeddingComputeKernel): the FTRL
@@ -52,6 +54,74 @@ FTRL_COMPUTE_KERNELS = (EmbeddingComputeKernel.FUSED.value, EmbeddingComputeKern
 _PASSED_THROUGH = ("output_dtype", "bounds_check_mode", "cache_load_factor", "cache_sets",
                    "cache_algorithm", "cache_reserved_memory", "prefetch_pipeline", "uvm_host_mapped",
                    "gather_uvm_cache_stats")
+
+
+# The fused_params keys of FTRL's state dtype. ``optimizer_state_dtypes``: FBGEMM's keyword, per state,
+# in fused_params in the hashable form (frozenset of (state, SparseType.as_int()) pairs; TorchRec hashes
+# a group's fused_params). ``state_dtype``: one dtype for both states, the dense FTRL's keyword, which
+# reaches fused_params from apply_optimizer_in_backward(torchrec.optim.FTRL, ..., {"state_dtype": ...}).
+OPTIMIZER_STATE_DTYPES = "optimizer_state_dtypes"
+STATE_DTYPE = "state_dtype"
+
+
+def fused_state_dtypes(fused_params: Optional[dict[str, Any]], where: str = "fused_params") -> dict[str, torch.dtype]:
+    """``{"accum": dtype, "linear": dtype}`` of an FTRL table from its ``fused_params``: ``state_dtype``
+    (both states) when given and not None, else ``optimizer_state_dtypes`` (any form
+    :func:`torchrec_ftrl.state_dtype.parse_state_dtypes` takes), else fp32.
+
+    ``state_dtype`` wins because in a table's fused_params it can only come from the table's own
+    in-backward optimizer kwargs (:func:`canonical_fused_params` turns a sharder's ``state_dtype``
+    into ``optimizer_state_dtypes``), which TorchRec lets override the sharder's fused_params.
+
+    Raises:
+        ValueError: an invalid value, naming ``where``, the key and the value.
+    """
+    fp = fused_params or {}
+    if fp.get(STATE_DTYPE) is not None:
+        dtype = torch.bfloat16 if parse_dense_state_dtype(fp[STATE_DTYPE], f"{where} {STATE_DTYPE}") == "bf16" \
+            else torch.float32
+        return {name: dtype for name in STATE_NAMES}
+    return parse_state_dtypes(fp.get(OPTIMIZER_STATE_DTYPES), f"{where} {OPTIMIZER_STATE_DTYPES}")
+
+
+def canonical_fused_params(fused_params: Optional[dict[str, Any]],
+                           where: str = "fused_params") -> Optional[dict[str, Any]]:
+    """A copy of a sharder's ``fused_params`` whose FTRL state dtype is in the hashable form TorchRec's
+    table grouping needs: ``optimizer_state_dtypes`` (FBGEMM's dict ``{"accum": SparseType.BF16,
+    ...}``, a frozenset / tuple of pairs) or ``state_dtype`` (one dtype for both) becomes
+    ``optimizer_state_dtypes = frozenset((state, SparseType.as_int()), ...)`` of the non-fp32 states
+    (:func:`torchrec_ftrl.state_dtype.hashable_state_dtypes`); fp32 for both drops the key. ``None``
+    stays ``None``; other keys are copied as they are.
+
+    Raises:
+        ValueError: an invalid state name or dtype (naming ``where``, the key and the value), or both
+            keys given.
+    """
+    if fused_params is None:
+        return None
+    fp = dict(fused_params)
+    if fp.get(STATE_DTYPE) is not None and fp.get(OPTIMIZER_STATE_DTYPES) is not None:
+        raise ValueError(f"{where} has both {STATE_DTYPE}={fp[STATE_DTYPE]!r} and {OPTIMIZER_STATE_DTYPES}="
+                         f"{fp[OPTIMIZER_STATE_DTYPES]!r}; give one of them")
+    if STATE_DTYPE not in fp and OPTIMIZER_STATE_DTYPES not in fp:
+        return fp
+    dtypes = fused_state_dtypes(fp, where)
+    fp.pop(STATE_DTYPE, None)
+    fp.pop(OPTIMIZER_STATE_DTYPES, None)
+    hashable = hashable_state_dtypes(dtypes, f"{where} {OPTIMIZER_STATE_DTYPES}")
+    if hashable:
+        fp[OPTIMIZER_STATE_DTYPES] = hashable
+    return fp
+
+
+def is_ftrl_state_dtypes(value: Any) -> bool:
+    """Whether a fused_params ``optimizer_state_dtypes`` value names only FTRL's states (``accum``,
+    ``linear``): the value a stock table sharing an FTRL sharder must not receive."""
+    try:
+        pairs = value.items() if isinstance(value, dict) else iter(value)
+        return all(isinstance(pair, tuple) and len(pair) == 2 and pair[0] in STATE_NAMES for pair in pairs)
+    except TypeError:
+        return False
 
 
 def _sparse_type(key: str, value: Any) -> SparseType:
@@ -72,7 +142,10 @@ def tbe_kwargs_from_fused_params(fused_params: Optional[dict[str, Any]],
                                  weights_precision: Optional[SparseType] = None) -> dict[str, Any]:
     """Constructor kwargs of :class:`FTRLTableBatchedEmbeddingBags` from a TorchRec ``fused_params``.
 
-    Keeps ``learning_rate`` (or ``lr``), the ``ftrl_*`` knobs, ``output_dtype``, ``bounds_check_mode``
+    Keeps ``learning_rate`` (or ``lr``), the ``ftrl_*`` knobs, the state dtype (``state_dtype`` or
+    ``optimizer_state_dtypes``, :func:`fused_state_dtypes`; passed as the TBE's
+    ``optimizer_state_dtypes``, FBGEMM's dict ``{"accum": SparseType, "linear": SparseType}``, when a
+    state is not fp32), ``output_dtype``, ``bounds_check_mode``
     (default ``BoundsCheckMode.WARNING``, FBGEMM's default for stock tables) and the cache keys
     ``cache_load_factor``, ``cache_sets``, ``cache_algorithm``, ``cache_reserved_memory``,
     ``cache_precision`` (as a ``SparseType``), ``prefetch_pipeline``, ``uvm_host_mapped`` and
@@ -90,6 +163,7 @@ def tbe_kwargs_from_fused_params(fused_params: Optional[dict[str, Any]],
 
     Raises:
         ValueError: an unknown ``ftrl_*`` key (a misspelling would otherwise be ignored silently),
+            an invalid state dtype (naming the key and value),
             ``lr`` and ``learning_rate`` that differ, or an invalid knob (naming it and its value);
             ``cache_precision`` that is not a ``SparseType`` / ``DataType``, or that differs from
             ``weights_precision`` for a ``MANAGED_CACHING`` TBE (its cache holds the weights in
@@ -100,6 +174,9 @@ def tbe_kwargs_from_fused_params(fused_params: Optional[dict[str, Any]],
     fp = dict(fused_params or {})
     kwargs: dict[str, Any] = parse_options(fp, where="fused_params").to_options()
     kwargs.update({k: fp[k] for k in _PASSED_THROUGH if k in fp and fp[k] is not None})
+    dtypes = fused_state_dtypes(fp)
+    if any(d != torch.float32 for d in dtypes.values()):
+        kwargs[OPTIMIZER_STATE_DTYPES] = state_sparse_types(dtypes)
     check_cache_options(kwargs.get("cache_load_factor", 0.2), kwargs.get("cache_sets", 0),
                         kwargs.get("cache_algorithm", CacheAlgorithm.LRU),
                         kwargs.get("prefetch_pipeline", False), where="fused_params")

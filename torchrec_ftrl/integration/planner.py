@@ -5,7 +5,8 @@ Stock TorchRec counts a shard's tensor storage as its weight bytes plus optimize
 ``_optimizer_classes`` (0 x for tables whose optimizer comes from a sharder's ``fused_params``, 1 x for
 an unknown class), and sizes a ``fused_uvm_caching`` cache as ``cache_load_factor`` x the weight
 bytes. The FTRL TBE stores something else (:mod:`torchrec_ftrl.placement`): weights plus 8 bytes of
-state per element where the table lives, and for ``fused_uvm_caching`` an HBM cache of whole rows
+state per element where the table lives (4 with bf16 ``accum`` and ``linear``: ``optimizer_state_dtypes``
+/ ``state_dtype``), and for ``fused_uvm_caching`` an HBM cache of whole rows
 (weight, ``accum`` and ``linear``) with FBGEMM's cache state. And stock TorchRec may plan a small
 in-backward FTRL table data-parallel, where the table is a dense DDP parameter that FTRL never
 trains, or on a key-value kernel. TorchRec's extension points are the enumerator and its estimator
@@ -39,8 +40,10 @@ from torchrec.distributed.planner.utils import sharder_name
 from torchrec.distributed.types import ShardingType, compute_storage_usage
 
 from ..optim_type import is_ftrl
-from ..placement import CACHE_DIM_MULTIPLE, cache_bytes, cache_slots, check_cache_options, table_bytes
-from .kernels import FTRL_COMPUTE_KERNELS
+from ..placement import (CACHE_DIM_MULTIPLE, STATE_BYTES_PER_ELEMENT, cache_bytes, cache_slots,
+                         check_cache_options, table_bytes)
+from ..state_dtype import state_bytes_per_element
+from .kernels import FTRL_COMPUTE_KERNELS, fused_state_dtypes
 
 _FUSED = EmbeddingComputeKernel.FUSED.value
 _UVM = EmbeddingComputeKernel.FUSED_UVM.value
@@ -50,9 +53,14 @@ _ACCELERATORS = ("cuda", "mtia")   # compute devices whose tensors TorchRec coun
 
 def ftrl_shard_storage(rows: int, cols: int, weight_bytes: int, compute_kernel: str, compute_device: str,
                        load_factor: float = UVM_CACHING_RATIO, lfu: bool = False,
-                       cache_sets: int = 0, lock_lines: bool = False) -> tuple[int, int]:
+                       cache_sets: int = 0, lock_lines: bool = False,
+                       state_bytes: int = STATE_BYTES_PER_ELEMENT) -> tuple[int, int]:
     """``(hbm, ddr)`` bytes of one FTRL shard of ``rows x cols`` (weights of ``weight_bytes`` bytes per
-    element, ``accum``, ``linear`` and any cache), as :mod:`torchrec_ftrl.placement` sizes them:
+    element, ``accum`` + ``linear`` of ``state_bytes`` bytes per element together (8 for fp32 state,
+    4 for bf16, :func:`torchrec_ftrl.state_dtype.state_bytes_per_element`), and any cache), as
+    :mod:`torchrec_ftrl.placement` sizes them with its fp32 state, less ``8 - state_bytes`` bytes per
+    element of the table and per element of each cache slot (the state cache holds the states in
+    their stored dtype):
 
     * ``fused`` on CUDA: HBM ``table_bytes(DEVICE)``; any kernel on another compute device: DDR
       ``table_bytes(HOST)`` (TorchRec builds every CPU table in host memory);
@@ -71,15 +79,21 @@ def ftrl_shard_storage(rows: int, cols: int, weight_bytes: int, compute_kernel: 
     if compute_kernel not in FTRL_COMPUTE_KERNELS:
         raise ValueError(f"FTRL has no compute kernel {compute_kernel!r}; expected one of "
                          f"{list(FTRL_COMPUTE_KERNELS)}")
+    if state_bytes not in (4, 6, STATE_BYTES_PER_ELEMENT):
+        raise ValueError(f"state_bytes must be 4 (bf16 accum and linear), 6 (one bf16 state) or 8 (fp32), "
+                         f"got {state_bytes!r}")
+    saved = STATE_BYTES_PER_ELEMENT - state_bytes   # bytes per element below placement's fp32 sizes
+    table_saved = rows * cols * saved
     if compute_device not in _ACCELERATORS:
-        return 0, table_bytes(rows, cols, weight_bytes, EmbeddingLocation.HOST)
+        return 0, table_bytes(rows, cols, weight_bytes, EmbeddingLocation.HOST) - table_saved
     if compute_kernel == _FUSED:
-        return table_bytes(rows, cols, weight_bytes, EmbeddingLocation.DEVICE), 0
+        return table_bytes(rows, cols, weight_bytes, EmbeddingLocation.DEVICE) - table_saved, 0
     if compute_kernel == _UVM:
-        return 0, table_bytes(rows, cols, weight_bytes, EmbeddingLocation.MANAGED)
+        return 0, table_bytes(rows, cols, weight_bytes, EmbeddingLocation.MANAGED) - table_saved
     slots = cache_slots(rows, load_factor, cache_sets)
-    return (cache_bytes(rows, cols, slots, lfu, cache_weight_bytes=weight_bytes, lock_lines=lock_lines),
-            table_bytes(rows, cols, weight_bytes, EmbeddingLocation.MANAGED_CACHING))
+    return (cache_bytes(rows, cols, slots, lfu, cache_weight_bytes=weight_bytes, lock_lines=lock_lines)
+            - slots * cols * saved,
+            table_bytes(rows, cols, weight_bytes, EmbeddingLocation.MANAGED_CACHING) - table_saved)
 
 
 def _sharder_entry(option, sharder_map):
@@ -106,6 +120,29 @@ def is_ftrl_option(option, sharder_map) -> bool:
     if classes and classes[0] is not None:
         return is_ftrl(classes[0])
     return is_ftrl(_fused_params(option, sharder_map).get("optimizer"))
+
+
+def option_state_bytes(option, fused_params: dict) -> int:
+    """Bytes of ``accum`` + ``linear`` per weight element of the FTRL table of ``option``
+    (:func:`torchrec_ftrl.state_dtype.state_bytes_per_element`): its sharder's ``fused_params``
+    (``optimizer_state_dtypes`` / ``state_dtype``) overridden by its in-backward FTRL kwargs, as
+    TorchRec merges them (``merge_fused_params``); :func:`.kernels.fused_state_dtypes` reads them.
+
+    Raises:
+        ValueError: an invalid state dtype, naming the table, the key and the value.
+    """
+    merged = dict(fused_params)
+    # Only in-backward optimizers leave kwargs on a tensor, and an FTRL option's is FTRL (its class is
+    # hidden from TorchRec's estimate while this runs: FTRLStorageEstimator.estimate).
+    kwargs = getattr(option.tensor, "_optimizer_kwargs", None)
+    if kwargs:
+        in_backward = kwargs[0] or {}
+        if in_backward.get("state_dtype") is not None or in_backward.get("optimizer_state_dtypes") is not None:
+            merged.pop("state_dtype", None)
+            merged.pop("optimizer_state_dtypes", None)
+            merged.update({k: v for k, v in in_backward.items()
+                           if k in ("state_dtype", "optimizer_state_dtypes")})
+    return state_bytes_per_element(fused_state_dtypes(merged, where=f"table {option.name!r} fused_params"))
 
 
 def _load_factor(option, fused_params: dict) -> float:
@@ -205,10 +242,11 @@ class FTRLStorageEstimator(EmbeddingStorageEstimator):
         stock = _stock_tensor_storage(option, entry, device, load_factor,
                                       getattr(self, "_is_inference", False))
         weight_bytes = option.tensor.element_size()
+        state_bytes = option_state_bytes(option, fused_params)
         for shard, (stock_hbm, stock_ddr) in zip(option.shards, stock):
             hbm, ddr = ftrl_shard_storage(shard.size[0], shard.size[1], weight_bytes,
                                           option.compute_kernel, device, load_factor, lfu, cache_sets,
-                                          lock_lines)
+                                          lock_lines, state_bytes)
             shard.storage.hbm += hbm - stock_hbm
             shard.storage.ddr += ddr - stock_ddr
 

@@ -9,6 +9,11 @@ With ``import torchrec_ftrl`` done, TorchRec's stock sharders already route FTRL
   a table data-parallel (a data-parallel table is a dense DDP parameter trained by whatever dense
   optimizer the user runs, so FTRL would silently not apply). For data-parallel FTRL, use a stock
   sharder with a manual plan and :class:`torchrec_ftrl.FTRL` as the dense optimizer.
+* FTRL's state dtype may be given in FBGEMM's dict form (``"optimizer_state_dtypes": {"accum":
+  SparseType.BF16, "linear": SparseType.BF16}``) or as ``"state_dtype"``: the constructor turns it
+  into the hashable form TorchRec's table grouping needs (:func:`.kernels.canonical_fused_params`),
+  and :meth:`shard` does the same for the kwargs of in-backward FTRL tables
+  (``apply_optimizer_in_backward(torchrec.optim.FTRL, ..., {"optimizer_state_dtypes": {...}})``).
 * TorchRec groups a rank's ``fused``, ``fused_uvm`` and ``fused_uvm_caching`` tables of one sharding
   type into one kernel, while one FTRL TBE holds tables of one placement. When a CUDA plan gives the
   FTRL tables of one rank and sharding type different FTRL kernels, :meth:`shard` shards the module
@@ -28,7 +33,8 @@ from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.types import ModuleSharder, ParameterSharding, ShardingType
 
 from ..optim_type import is_ftrl
-from .kernels import FTRL_COMPUTE_KERNELS, tbe_kwargs_from_fused_params
+from .kernels import (FTRL_COMPUTE_KERNELS, OPTIMIZER_STATE_DTYPES, STATE_DTYPE, canonical_fused_params,
+                      fused_state_dtypes, tbe_kwargs_from_fused_params)
 
 __all__ = ["FTRL_COMPUTE_KERNELS", "FTRLEmbeddingBagCollectionSharder", "FTRLEmbeddingCollectionSharder",
            "mixed_ftrl_placements", "sharders"]
@@ -47,6 +53,9 @@ def mixed_ftrl_placements(params: dict[str, ParameterSharding], ftrl_tables: set
 
 
 class _FTRLKernelFilter:
+    def __init__(self, fused_params: Optional[dict[str, Any]] = None, *args: Any, **kwargs: Any) -> None:
+        super().__init__(canonical_fused_params(fused_params), *args, **kwargs)
+
     def _ftrl(self) -> bool:
         return is_ftrl((self.fused_params or {}).get("optimizer"))
 
@@ -74,10 +83,38 @@ class _FTRLKernelFilter:
                 ftrl.add(name)
         return ftrl
 
+    def _canonical_in_backward_kwargs(self, module) -> None:
+        """Give every in-backward FTRL table's optimizer kwargs (``param._optimizer_kwargs``) its state
+        dtype in the hashable fused_params form (:func:`.kernels.canonical_fused_params`; a kwargs
+        dict whose state dtype is already canonical is left as it is). The kwargs list is replaced by
+        a new one; the dicts the caller passed are not modified.
+
+        Raises:
+            ValueError: an invalid state dtype, naming the table, the key and the value.
+        """
+        for name, param in self.shardable_parameters(module).items():
+            classes = getattr(param, "_optimizer_classes", None)
+            kwargs_list = getattr(param, "_optimizer_kwargs", None)
+            if not classes or not kwargs_list or not is_ftrl(classes[0]):
+                continue
+            kwargs = kwargs_list[0]
+            if kwargs.get(STATE_DTYPE) is None and kwargs.get(OPTIMIZER_STATE_DTYPES) is None:
+                continue
+            where = f"table {name!r} in-backward FTRL kwargs"
+            dtypes = fused_state_dtypes(kwargs, where)
+            # Both keys: the dense FTRL constructor has checked that they agree.
+            canonical = canonical_fused_params({k: v for k, v in kwargs.items() if k != STATE_DTYPE}
+                                               | {OPTIMIZER_STATE_DTYPES: dtypes}, where)
+            canonical.setdefault(OPTIMIZER_STATE_DTYPES, frozenset())   # explicit fp32 overrides a sharder's
+            if canonical != kwargs:
+                param._optimizer_kwargs = [canonical, *kwargs_list[1:]]
+
     def shard(self, module, params: dict[str, ParameterSharding], env, device: Optional[torch.device] = None,
               module_fqn: Optional[str] = None):
         """TorchRec's ``shard``; on a CUDA ``device``, with ``use_one_tbe_per_table`` added to the
-        fused_params when :func:`mixed_ftrl_placements` holds for this module's FTRL tables."""
+        fused_params when :func:`mixed_ftrl_placements` holds for this module's FTRL tables. In-backward
+        FTRL tables' state dtypes are made hashable first (:meth:`_canonical_in_backward_kwargs`)."""
+        self._canonical_in_backward_kwargs(module)
         if (device is None or torch.device(device).type != "cuda"
                 or not mixed_ftrl_placements(params, self._ftrl_tables(module))):
             return super().shard(module, params, env, device, module_fqn)
@@ -104,14 +141,20 @@ def sharders(fused_params: Optional[dict[str, Any]] = None) -> list[ModuleSharde
         fused_params: default for every table these sharders shard, e.g.
             ``{"optimizer": EmbOptimType.FTRL, "learning_rate": 0.05, "ftrl_l1_reg": 1e-3}``, plus
             optional cache keys for ``fused_uvm_caching`` tables (``cache_load_factor``,
-            ``cache_algorithm``, ``prefetch_pipeline``, ...). Tables with an in-backward optimizer
-            (``apply_optimizer_in_backward``) use theirs instead.
+            ``cache_algorithm``, ``prefetch_pipeline``, ...) and FTRL's state dtype:
+            ``"optimizer_state_dtypes"`` in FBGEMM's dict form ``{"accum": SparseType.BF16,
+            "linear": SparseType.BF16}`` (or the hashable frozenset of ``(state,
+            SparseType.as_int())`` pairs), or ``"state_dtype"`` for both states; the sharders hold it
+            as ``optimizer_state_dtypes = frozenset(...)`` of the non-fp32 states (key dropped when
+            both are fp32), which TorchRec can group tables by. Tables with an in-backward optimizer
+            (``apply_optimizer_in_backward``) use theirs instead. Stock (non-FTRL) tables sharing
+            these sharders never receive FTRL's ``optimizer_state_dtypes`` (see :mod:`.routing`).
 
     Raises:
-        ValueError: invalid FTRL knobs or cache keys (checked here, before any process builds a
-            kernel).
+        ValueError: invalid FTRL knobs, cache keys or state dtypes (checked here, before any
+            process builds a kernel; naming the key and the value).
     """
-    fp = dict(fused_params) if fused_params else None
+    fp = canonical_fused_params(dict(fused_params)) if fused_params else None
     if fp and is_ftrl(fp.get("optimizer")):
         tbe_kwargs_from_fused_params(fp)   # validates the knobs
     return [FTRLEmbeddingBagCollectionSharder(fused_params=fp and dict(fp)),

@@ -81,7 +81,39 @@ def resolve(resume: str, root: Optional[str]) -> str:
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be loaded into this job (corrupt files, other tables or sizes)."""
+    """A checkpoint that cannot be loaded into this job (corrupt files, other tables or sizes, another
+    FTRL state dtype)."""
+
+
+def read_meta(path: str) -> dict:
+    """``meta.json`` of the checkpoint folder ``path`` (every rank reads it; it is small)."""
+    with open(os.path.join(path, "meta.json")) as f:
+        return json.load(f)
+
+
+def saved_ftrl_state_dtype(meta: dict) -> str:
+    """The FTRL state dtype a checkpoint's run trained with: its saved ``--ftrl-state-dtype``
+    (``meta["args"]["ftrl_state_dtype"]``); ``"fp32"`` for checkpoints written before the flag existed
+    (their states are fp32)."""
+    return (meta.get("args") or {}).get("ftrl_state_dtype") or "fp32"
+
+
+def check_ftrl_state_dtype(path: str, meta: dict, state_dtype: str, sparse_optimizer: str) -> None:
+    """Refuse to resume an FTRL run with another ``--ftrl-state-dtype`` than the checkpoint's: its
+    ``accum`` / ``linear`` are stored in that dtype, and DCP would convert them silently on load
+    (rounding fp32 state to bf16, or resuming bf16 state as if it had been fp32 all along).
+
+    Raises:
+        CheckpointError: naming ``path``, both dtypes and the flag to pass.
+    """
+    if sparse_optimizer != "ftrl" or (meta.get("args") or {}).get("sparse_optimizer", "ftrl") != "ftrl":
+        return
+    saved = saved_ftrl_state_dtype(meta)
+    if saved != state_dtype:
+        raise CheckpointError(
+            f"--resume: checkpoint {path!r} holds FTRL state in {saved} (--ftrl-state-dtype {saved}) but "
+            f"this run asks for --ftrl-state-dtype {state_dtype}; resume with --ftrl-state-dtype {saved} "
+            f"(the state dtype cannot change within a run)")
 
 
 def _first_failure(e: BaseException) -> str:

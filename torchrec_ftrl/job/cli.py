@@ -12,6 +12,7 @@ from .pipeline import PIPELINES
 
 SPARSE_OPTIMIZERS = ("ftrl", "rowwise_adagrad")
 FTRL_REG_SCALES = ("per_example", "raw")
+FTRL_STATE_DTYPES = ("fp32", "bf16")
 # Per-example FTRL defaults of the job (scaled by the global batch size, see sparse_fused_params).
 DEFAULT_FTRL_L1 = 0.1
 DEFAULT_FTRL_L2 = 0.0
@@ -119,6 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--ftrl-initial-accumulator", type=float, default=0.0,
                    help="initial accumulator per example (ftrl_initial_accumulator_value = ACC / S^2)")
     o.add_argument("--ftrl-l2-convention", choices=("tensorflow", "mcmahan"), default="tensorflow")
+    o.add_argument("--ftrl-state-dtype", choices=FTRL_STATE_DTYPES, default="fp32",
+                   help="storage dtype of FTRL's accum and linear: fp32 (default) or bf16 (half the "
+                        "state bytes; fp32 math, stochastic rounding); fused_params "
+                        "optimizer_state_dtypes. Stored with checkpoints: --resume refuses another one")
     o.add_argument("--adagrad-eps", type=float, default=1e-8, help="eps of row-wise Adagrad")
     o.add_argument("--dense-optimizer", choices=("adagrad", "adam", "sgd"), default="adagrad")
     o.add_argument("--dense-lr", type=float, default=0.05)
@@ -210,6 +215,9 @@ def _check_optimizer_flags(p: argparse.ArgumentParser, a: argparse.Namespace) ->
     if not (math.isfinite(a.ftrl_lr_power) and a.ftrl_lr_power <= 0):
         bad("--ftrl-lr-power", a.ftrl_lr_power, "a finite number <= 0")
     if a.sparse_optimizer != "ftrl":
+        if a.ftrl_state_dtype != "fp32":
+            p.error(f"--ftrl-state-dtype {a.ftrl_state_dtype} needs --sparse-optimizer ftrl, got "
+                    f"--sparse-optimizer {a.sparse_optimizer}")
         return
     # Every kernel computes in fp32: a scaled knob must stay a normal fp32 magnitude.
     knobs = ftrl_fused_knobs(a)
@@ -293,7 +301,9 @@ def sparse_fused_params(args: argparse.Namespace, world_size: Optional[int] = No
 
     FTRL: ``{"optimizer": EmbOptimType.FTRL, "learning_rate", "ftrl_l1_reg", "ftrl_l2_reg",
     "ftrl_beta", "ftrl_learning_rate_power", "ftrl_l2_shrinkage", "ftrl_initial_accumulator_value",
-    "ftrl_l2_convention"}``; row-wise Adagrad: ``{"optimizer": EXACT_ROWWISE_ADAGRAD,
+    "ftrl_l2_convention"}``, and with ``--ftrl-state-dtype bf16`` ``"optimizer_state_dtypes":
+    frozenset({("accum", SparseType.BF16.as_int()), ("linear", SparseType.BF16.as_int())})`` (the
+    hashable form TorchRec's table grouping needs; fp32 adds no key); row-wise Adagrad: ``{"optimizer": EXACT_ROWWISE_ADAGRAD,
     "learning_rate", "eps"}``.
 
     Raises:
@@ -310,6 +320,12 @@ def sparse_fused_params(args: argparse.Namespace, world_size: Optional[int] = No
     if ftrl is None:
         raise RuntimeError("EmbOptimType.FTRL is not registered after `import torchrec_ftrl` (the "
                            "TorchRec integration is missing); use --sparse-optimizer rowwise_adagrad")
-    return {"optimizer": ftrl, **ftrl_fused_knobs(args, world_size),
-            "ftrl_learning_rate_power": args.ftrl_lr_power,
-            "ftrl_l2_convention": args.ftrl_l2_convention}
+    fused = {"optimizer": ftrl, **ftrl_fused_knobs(args, world_size),
+             "ftrl_learning_rate_power": args.ftrl_lr_power,
+             "ftrl_l2_convention": args.ftrl_l2_convention}
+    state = getattr(args, "ftrl_state_dtype", "fp32")
+    if state != "fp32":
+        from torchrec_ftrl.state_dtype import hashable_state_dtypes
+        fused["optimizer_state_dtypes"] = hashable_state_dtypes({"accum": state, "linear": state},
+                                                                "--ftrl-state-dtype")
+    return fused

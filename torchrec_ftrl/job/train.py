@@ -82,6 +82,11 @@ def _run(args, env, fused_params, rank0) -> dict:
     import torchrec_ftrl
 
     torch.manual_seed(args.seed)
+    path = None
+    if args.resume is not None:   # a checkpoint this run cannot resume fails before any work
+        path = checkpoint.resolve(args.resume, args.checkpoint_dir)
+        checkpoint.check_ftrl_state_dtype(path, checkpoint.read_meta(path), args.ftrl_state_dtype,
+                                          args.sparse_optimizer)
     source, data_desc = make_source(args)
     steps = args.steps
     if args.epochs is not None:
@@ -113,7 +118,6 @@ def _run(args, env, fused_params, rank0) -> dict:
     start_step, loss_history, val_history = 0, [], []
     resumed_window = None
     if args.resume is not None:
-        path = checkpoint.resolve(args.resume, args.checkpoint_dir)
         extra = tracker.state_dict()
         meta = checkpoint.load(path, dmp, opt, extra=extra)
         tracker.load_state_dict(extra)
@@ -136,6 +140,8 @@ def _run(args, env, fused_params, rank0) -> dict:
     train_iter = source.train_batches(env.rank, env.world_size, args.batch_size, start_step=start_step)
     if rank0:
         opt_name = args.sparse_optimizer
+        if opt_name == "ftrl":
+            opt_name += f" (state {args.ftrl_state_dtype})"
         print(f"train_ctr: {env.world_size} rank(s), {env.device} ({env.backend}), data={data_desc['kind']}, "
               f"{len(features)} tables x {args.embedding_dim} dims, sparse={opt_name} "
               f"lr={args.sparse_lr}, dense={args.dense_optimizer} lr={args.dense_lr}, "
@@ -229,7 +235,8 @@ def _run(args, env, fused_params, rank0) -> dict:
         "world_size": env.world_size, "device": str(env.device), "backend": env.backend,
         "data": {**data_desc, "reader": source.stats().to_dict() if source.stats() else None},
         "sparse_optimizer": args.sparse_optimizer,
-        "fused_params": {k: (getattr(v, "name", str(v)) if k == "optimizer" else v) for k, v in fused_params.items()},
+        "fused_params": summary_fused_params(fused_params),
+        "ftrl_state_dtype": args.ftrl_state_dtype if args.sparse_optimizer == "ftrl" else None,
         "ftrl_registered": cli_ftrl_registered(),
         "steps": steps, "start_step": start_step, "batch_size_per_rank": args.batch_size,
         "examples_per_s": done * args.batch_size * env.world_size / train_time if done else None,
@@ -277,6 +284,20 @@ def _run(args, env, fused_params, rank0) -> dict:
             print(f"profile of {ps['steps']} steps (rank 0, ms per step): host {host} (step "
                   f"{ps['host_step_ms']:.2f}); device {dev}; trace {ps['trace']}", flush=True)
     return summary
+
+
+def summary_fused_params(fused_params: dict) -> dict:
+    """``fused_params`` as JSON-friendly values: the optimizer by name, ``optimizer_state_dtypes`` as
+    ``"accum=bf16, linear=bf16"`` (:func:`torchrec_ftrl.state_dtype.describe`)."""
+    from torchrec_ftrl.state_dtype import describe, parse_state_dtypes
+    out = {}
+    for k, v in fused_params.items():
+        if k == "optimizer":
+            v = getattr(v, "name", str(v))
+        elif k == "optimizer_state_dtypes":
+            v = describe(parse_state_dtypes(v))
+        out[k] = v
+    return out
 
 
 def cli_ftrl_registered() -> bool:

@@ -31,6 +31,7 @@ from torchrec_ftrl.fbgemm_enums import (BoundsCheckMode, CacheAlgorithm, Compute
 from torchrec_ftrl.kernels import triton_backend  # noqa: E402
 
 KNOBS = dict(learning_rate=0.05, ftrl_l1_reg=0.002, ftrl_l2_reg=0.01, ftrl_beta=0.3)
+BF16_STATES = {"accum": SparseType.BF16, "linear": SparseType.BF16}
 
 
 @pytest.fixture
@@ -216,6 +217,7 @@ def _assert_bitwise(a, b):
     for x, y in zip(wa, wb):
         assert torch.equal(x, y)
     for (na, za), (nb, zb) in zip(sa, sb):
+        assert na.dtype == nb.dtype and za.dtype == zb.dtype
         assert torch.equal(na, nb) and torch.equal(za, zb)
 
 
@@ -291,13 +293,27 @@ FMAP = [0, 1, 2, 0]
     ("prefetch_ahead_without_locks", dict(cache_load_factor=0.05), dict(zipf=1.1),
      dict(pipelined=True)),
     ("fp16", dict(cache_load_factor=0.05, precision=SparseType.FP16), dict(zipf=1.1), {}),
+    # bf16 optimizer state: the state cache holds bf16 rows; same stochastic rounding everywhere.
+    ("bf16_state", dict(cache_load_factor=0.05, optimizer_state_dtypes=BF16_STATES), dict(zipf=1.1), {}),
+    ("bf16_linear_lfu_weighted", dict(cache_load_factor=0.05, cache_algorithm=CacheAlgorithm.LFU,
+                                      optimizer_state_dtypes={"linear": SparseType.BF16}),
+     dict(zipf=1.1), dict(weighted=True)),
+    ("bf16_state_fp16_prefetch_pipeline", dict(cache_load_factor=0.05, precision=SparseType.FP16,
+                                               prefetch_pipeline=True,
+                                               optimizer_state_dtypes=BF16_STATES),
+     dict(zipf=1.1), dict(pipelined=True)),
 ])
 def test_cuda_placements_train_bitwise_equal(name, kw, batch_kw, train_kw):
     precision = kw.pop("precision", SparseType.FP32)
-    dev = _tbe(EmbeddingLocation.DEVICE, SPECS, FMAP, precision=precision)
-    uvm = _tbe(EmbeddingLocation.MANAGED, SPECS, FMAP, precision=precision)
+    states = kw.pop("optimizer_state_dtypes", None)
+    dev = _tbe(EmbeddingLocation.DEVICE, SPECS, FMAP, precision=precision,
+               optimizer_state_dtypes=states)
+    uvm = _tbe(EmbeddingLocation.MANAGED, SPECS, FMAP, precision=precision,
+               optimizer_state_dtypes=states)
     cached = _tbe(EmbeddingLocation.MANAGED_CACHING, SPECS, FMAP, precision=precision,
-                  gather_uvm_cache_stats=True, **kw)
+                  gather_uvm_cache_stats=True, optimizer_state_dtypes=states, **kw)
+    if states is not None:   # the state cache holds the compact dtype
+        assert cached.cache.lxu_cache_linear.dtype == torch.bfloat16 == cached.linear_dev.dtype
     _same_start([dev, uvm, cached])
     batches = _batches(12, SPECS, FMAP, B=256, L=12, seed=1, **batch_kw)
     for m in (dev, uvm, cached):
@@ -313,16 +329,19 @@ def test_cuda_placements_train_bitwise_equal(name, kw, batch_kw, train_kw):
 
 @cuda
 @needs_cuda
-def test_cuda_state_dict_with_a_warm_cache_resumes_bitwise():
+@pytest.mark.parametrize("states", [None, "bf16"])
+def test_cuda_state_dict_with_a_warm_cache_resumes_bitwise(states):
     """Save mid-run with dirty cached rows, load into a fresh cached TBE, continue: equal to the
-    uninterrupted run (the save flushes; the load empties the cache)."""
+    uninterrupted run (the save flushes; the load empties the cache). With bf16 state the saved
+    ``iter`` keeps the stochastic rounding of the resumed steps equal too."""
+    kw = dict(cache_load_factor=0.05, optimizer_state_dtypes=BF16_STATES if states else None)
     batches = _batches(10, SPECS, FMAP, B=256, L=12, zipf=1.1, seed=2)
-    ref = _tbe(EmbeddingLocation.MANAGED_CACHING, SPECS, FMAP, cache_load_factor=0.05)
+    ref = _tbe(EmbeddingLocation.MANAGED_CACHING, SPECS, FMAP, **kw)
     _train(ref, batches)
-    a = _tbe(EmbeddingLocation.MANAGED_CACHING, SPECS, FMAP, cache_load_factor=0.05)
+    a = _tbe(EmbeddingLocation.MANAGED_CACHING, SPECS, FMAP, **kw)
     _train(a, batches[:5])
     saved = {k: v.detach().cpu().clone() for k, v in a.state_dict().items()}
-    b = _tbe(EmbeddingLocation.MANAGED_CACHING, SPECS, FMAP, cache_load_factor=0.05, seed=7)
+    b = _tbe(EmbeddingLocation.MANAGED_CACHING, SPECS, FMAP, seed=7, **kw)
     _train(b, batches[5:7])      # b's cache is warm with other rows before the load
     b.load_state_dict(saved)
     _train(b, batches[5:])

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import tbe_harness as H
-from conftest import INTERP, bits, interpreter_parent, run_interpreter_suite
+from conftest import INTERP, bits, cuda, interpreter_parent, needs_cuda, run_interpreter_suite
 from torchrec_ftrl import FTRLTableBatchedEmbeddingBags
 from torchrec_ftrl.fbgemm_enums import BoundsCheckMode, PoolingMode, SparseType
 from torchrec_ftrl.state_dtype import (parse_state_dtypes, round_bf16_stochastic, sr_bits,
@@ -162,13 +162,15 @@ def _case(pooling, precision, seed, hp=None):
                       ftrl_initial_accumulator_value=0.1))
 
 
-def _tbe_module(backend, states, precision=SparseType.FP32, pooling=PoolingMode.SUM, seed=0, **kw):
+def _tbe_module(backend, states, precision=SparseType.FP32, pooling=PoolingMode.SUM, seed=0,
+                device="cpu", **kw):
     torch.manual_seed(seed)
     m = FTRLTableBatchedEmbeddingBags(
         [(30, 5), (7, 3)] if pooling != PoolingMode.NONE else [(30, 4), (7, 4)],
         feature_table_map=[0, 1, 0], pooling_mode=pooling, weights_precision=precision,
         backend=backend, bounds_check_mode=BoundsCheckMode.WARNING, learning_rate=0.1,
-        ftrl_l1_reg=0.01, ftrl_l2_reg=0.01, ftrl_beta=0.5, optimizer_state_dtypes=states, **kw)
+        ftrl_l1_reg=0.01, ftrl_l2_reg=0.01, ftrl_beta=0.5, optimizer_state_dtypes=states,
+        device=device, **kw)
     m.init_embedding_weights_uniform(-0.5, 0.5)
     return m
 
@@ -192,9 +194,10 @@ def _batches(steps, seed, rows=(30, 7), fmap=(0, 1, 0), B=3):
 
 
 def _train(m, batches):
+    dev = m.weights_dev.device
     for idx, off, g_seed in batches:
-        out = m(idx, off)
-        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(g_seed)))
+        out = m(idx.to(dev), off.to(dev))
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(g_seed)).to(dev))
 
 
 def _check_tbe_against_reference(backend, states, pooling, precision):
@@ -203,14 +206,14 @@ def _check_tbe_against_reference(backend, states, pooling, precision):
                      optimizer_state_dtypes=STATES[states])
 
 
-def _check_sr_of_fp32_update(backend, states, pooling, steps=3):
+def _check_sr_of_fp32_update(backend, states, pooling, steps=3, device="cpu"):
     """Each step, from the compact module's stored state: an fp32-state twin (the same backend's
     fp32 kernels, same inputs) computes the fp32 update; the compact module must store exactly
     ``round_bf16_stochastic(that, sr_bits(row key, column, step, state))`` for its bf16 states (an
     untouched row's fp32 value is its bf16 value, which rounds to itself) and the fp32 values for
     the others, the same weights, and leave untouched rows' bits alone."""
-    compact = _tbe_module(backend, STATES[states], pooling=pooling)
-    twin = _tbe_module(backend, None, pooling=pooling)
+    compact = _tbe_module(backend, STATES[states], pooling=pooling, device=device)
+    twin = _tbe_module(backend, None, pooling=pooling, device=device)
     specs = [(30, compact._table_dims[0]), (7, compact._table_dims[1])]
     row_base = [0, 30]
     for step, (idx, off, g_seed) in enumerate(_batches(steps, seed=3)):
@@ -227,8 +230,8 @@ def _check_sr_of_fp32_update(backend, states, pooling, steps=3):
         bag_table = np.repeat([0, 1, 0], 3)
         idx_table = np.repeat(bag_table, np.diff(off.numpy()))
         for s_id, name in enumerate(("accum", "linear")):
-            got = getattr(compact, f"{name}_dev")
-            fp32 = getattr(twin, f"{name}_dev")
+            got = getattr(compact, f"{name}_dev").cpu()
+            fp32 = getattr(twin, f"{name}_dev").cpu()
             if got.dtype == torch.float32:
                 assert torch.equal(bits(got), bits(fp32))
                 continue
@@ -242,14 +245,14 @@ def _check_sr_of_fp32_update(backend, states, pooling, steps=3):
                 assert torch.equal(bits(now), bits(want)), (name, t, step)
                 untouched = torch.ones(rows, dtype=torch.bool)
                 untouched[torch.as_tensor(idx.numpy()[idx_table == t], dtype=torch.long)] = False
-                old = before[1 + s_id][view].view(rows, dim)
+                old = before[1 + s_id][view].view(rows, dim).cpu()
                 assert torch.equal(bits(now[untouched]), bits(old[untouched]))
 
 
-def _check_repeat_is_bitwise(backend, states):
+def _check_repeat_is_bitwise(backend, states, device="cpu"):
     runs = []
     for _ in range(2):
-        m = _tbe_module(backend, STATES[states])
+        m = _tbe_module(backend, STATES[states], device=device)
         _train(m, _batches(3, seed=5))
         runs.append([bits(t) for t in (m.weights_dev, m.accum_dev, m.linear_dev)])
     for a, b in zip(*runs):
@@ -495,3 +498,61 @@ def test_interp_state_cache_kernels_move_bf16_rows_bit_for_bit(interp):
         exp[2][slot, :D], exp[3][slot, :D] = acc0[sl], lin0[sl]
     for got, want in zip((accum, linear, cn, cz), exp):
         assert got.dtype == torch.bfloat16 and torch.equal(bits(got), bits(want))
+
+
+# ------------------------------------------------------------------ CUDA: the compiled kernels
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("states", sorted(STATES))
+@pytest.mark.parametrize("pooling,precision", [(PoolingMode.SUM, SparseType.FP32),
+                                               (PoolingMode.MEAN, SparseType.FP16),
+                                               (PoolingMode.NONE, SparseType.FP32)])
+def test_cuda_tbe_bf16_state_matches_reference(states, pooling, precision):
+    for seed in (0, 1):
+        H.check_case(_case(pooling, precision, seed), "triton", device="cuda", steps=3,
+                     optimizer_state_dtypes=STATES[states])
+
+
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("states", sorted(STATES))
+def test_cuda_tbe_bf16_state_is_the_sr_of_the_fp32_update(states):
+    """The compiled uint32 hash and rounding: bit for bit the torch functions' result on the fp32
+    kernels' update."""
+    _check_sr_of_fp32_update("triton", states, PoolingMode.SUM, device="cuda")
+
+
+@cuda
+@needs_cuda
+def test_cuda_tbe_bf16_state_repeats_bitwise():
+    _check_repeat_is_bitwise("triton", "both", device="cuda")
+
+
+@cuda
+@needs_cuda
+def test_cuda_large_row_keys_and_long_runs_round_like_the_torch_functions():
+    """Row keys past 2^31 (int64 keys in the kernels: the hash's high word) and a run long enough
+    to be cut into pieces and combined (segment_combine_kernel stores with SR too): table 1's keys
+    are ``2^31 + 64 + r``. Its bf16 states equal the torch functions' rounding of an fp32-state
+    twin's update (same batch, same summation order: table 0 is not touched)."""
+    rows0 = 2**31 + 64                                  # D = 1: 17 GB of weights and bf16 states
+    m = FTRLTableBatchedEmbeddingBags([(rows0, 1), (100, 4)], feature_table_map=[0, 1],
+                                      backend="triton", device="cuda", learning_rate=0.1,
+                                      bounds_check_mode=BoundsCheckMode.WARNING,
+                                      optimizer_state_dtypes=STATES["both"])
+    twin = FTRLTableBatchedEmbeddingBags([(100, 4)], backend="triton", device="cuda",
+                                         learning_rate=0.1, bounds_check_mode=BoundsCheckMode.WARNING)
+    idx = torch.cat([torch.full((3000,), 5), torch.arange(10)]).cuda()
+    n = idx.numel()
+    with torch.no_grad():
+        m.split_embedding_weights()[1].copy_(twin.split_embedding_weights()[0])
+    g = torch.randn(2, 5, generator=torch.Generator().manual_seed(0)).cuda()
+    # B = 2: feature 0's bags empty, feature 1's bag 1 holds every index
+    m(idx, torch.tensor([0, 0, 0, 0, n]).cuda()).backward(g)
+    twin(idx, torch.tensor([0, 0, n]).cuda()).backward(g[:, 1:].contiguous())
+    keys = torch.arange(100).unsqueeze(1) + rows0
+    accum, linear = m.split_optimizer_states()[1]
+    for s_id, (got, fp32) in enumerate(((accum, twin.accum_dev), (linear, twin.linear_dev))):
+        want = round_bf16_stochastic(fp32.view(100, 4).cpu(), sr_bits(keys, torch.arange(4), 0, s_id))
+        assert torch.equal(bits(got.cpu()), bits(want))
+    assert torch.equal(bits(m.split_embedding_weights()[1].cpu()), bits(twin.weights_dev.view(100, 4).cpu()))

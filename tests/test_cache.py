@@ -31,6 +31,7 @@ from torchrec_ftrl.fbgemm_enums import (BoundsCheckMode, CacheAlgorithm, Compute
 from torchrec_ftrl.kernels import triton_backend  # noqa: E402
 
 KNOBS = dict(learning_rate=0.05, ftrl_l1_reg=0.002, ftrl_l2_reg=0.01, ftrl_beta=0.3)
+BF16_STATES = {"accum": SparseType.BF16, "linear": SparseType.BF16}
 
 
 @pytest.fixture
@@ -216,6 +217,7 @@ def _assert_bitwise(a, b):
     for x, y in zip(wa, wb):
         assert torch.equal(x, y)
     for (na, za), (nb, zb) in zip(sa, sb):
+        assert na.dtype == nb.dtype and za.dtype == zb.dtype
         assert torch.equal(na, nb) and torch.equal(za, zb)
 
 
@@ -291,13 +293,27 @@ FMAP = [0, 1, 2, 0]
     ("prefetch_ahead_without_locks", dict(cache_load_factor=0.05), dict(zipf=1.1),
      dict(pipelined=True)),
     ("fp16", dict(cache_load_factor=0.05, precision=SparseType.FP16), dict(zipf=1.1), {}),
+    # bf16 optimizer state: the state cache holds bf16 rows; same stochastic rounding everywhere.
+    ("bf16_state", dict(cache_load_factor=0.05, optimizer_state_dtypes=BF16_STATES), dict(zipf=1.1), {}),
+    ("bf16_linear_lfu_weighted", dict(cache_load_factor=0.05, cache_algorithm=CacheAlgorithm.LFU,
+                                      optimizer_state_dtypes={"linear": SparseType.BF16}),
+     dict(zipf=1.1), dict(weighted=True)),
+    ("bf16_state_fp16_prefetch_pipeline", dict(cache_load_factor=0.05, precision=SparseType.FP16,
+                                               prefetch_pipeline=True,
+                                               optimizer_state_dtypes=BF16_STATES),
+     dict(zipf=1.1), dict(pipelined=True)),
 ])
 def test_cuda_placements_train_bitwise_equal(name, kw, batch_kw, train_kw):
     precision = kw.pop("precision", SparseType.FP32)
-    dev = _tbe(EmbeddingLocation.DEVICE, SPECS, FMAP, precision=precision)
-    uvm = _tbe(EmbeddingLocation.MANAGED, SPECS, FMAP, precision=precision)
+    states = kw.pop("optimizer_state_dtypes", None)
+    dev = _tbe(EmbeddingLocation.DEVICE, SPECS, FMAP, precision=precision,
+               optimizer_state_dtypes=states)
+    uvm = _tbe(EmbeddingLocation.MANAGED, SPECS, FMAP, precision=precision,
+               optimizer_state_dtypes=states)
     cached = _tbe(EmbeddingLocation.MANAGED_CACHING, SPECS, FMAP, precision=precision,
-                  gather_uvm_cache_stats=True, **kw)
+                  gather_uvm_cache_stats=True, optimizer_state_dtypes=states, **kw)
+    if states is not None:   # the state cache holds the compact dtype
+        assert cached.cache.lxu_cache_linear.dtype == torch.bfloat16 == cached.linear_dev.dtype
     _same_start([dev, uvm, cached])
     batches = _batches(12, SPECS, FMAP, B=256, L=12, seed=1, **batch_kw)
     for m in (dev, uvm, cached):
@@ -313,16 +329,19 @@ def test_cuda_placements_train_bitwise_equal(name, kw, batch_kw, train_kw):
 
 @cuda
 @needs_cuda
-def test_cuda_state_dict_with_a_warm_cache_resumes_bitwise():
+@pytest.mark.parametrize("states", [None, "bf16"])
+def test_cuda_state_dict_with_a_warm_cache_resumes_bitwise(states):
     """Save mid-run with dirty cached rows, load into a fresh cached TBE, continue: equal to the
-    uninterrupted run (the save flushes; the load empties the cache)."""
+    uninterrupted run (the save flushes; the load empties the cache). With bf16 state the saved
+    ``iter`` keeps the stochastic rounding of the resumed steps equal too."""
+    kw = dict(cache_load_factor=0.05, optimizer_state_dtypes=BF16_STATES if states else None)
     batches = _batches(10, SPECS, FMAP, B=256, L=12, zipf=1.1, seed=2)
-    ref = _tbe(EmbeddingLocation.MANAGED_CACHING, SPECS, FMAP, cache_load_factor=0.05)
+    ref = _tbe(EmbeddingLocation.MANAGED_CACHING, SPECS, FMAP, **kw)
     _train(ref, batches)
-    a = _tbe(EmbeddingLocation.MANAGED_CACHING, SPECS, FMAP, cache_load_factor=0.05)
+    a = _tbe(EmbeddingLocation.MANAGED_CACHING, SPECS, FMAP, **kw)
     _train(a, batches[:5])
     saved = {k: v.detach().cpu().clone() for k, v in a.state_dict().items()}
-    b = _tbe(EmbeddingLocation.MANAGED_CACHING, SPECS, FMAP, cache_load_factor=0.05, seed=7)
+    b = _tbe(EmbeddingLocation.MANAGED_CACHING, SPECS, FMAP, seed=7, **kw)
     _train(b, batches[5:7])      # b's cache is warm with other rows before the load
     b.load_state_dict(saved)
     _train(b, batches[5:])
@@ -560,23 +579,45 @@ def test_interp_state_cache_fill_moves_each_inserted_slot_once(interp):
 
 
 # ------------------------------------------------------------------ CPU: byte model, TBE cache flow
+@pytest.mark.parametrize("states,state_bytes,dtypes", [
+    (None, 8, (torch.float32, torch.float32)),                      # fp32 accum + fp32 linear
+    ({"accum": SparseType.BF16, "linear": SparseType.BF16}, 4,      # 2 + 2
+     (torch.bfloat16, torch.bfloat16)),
+    ({"linear": SparseType.BF16}, 6, (torch.float32, torch.bfloat16)),   # 4 + 2
+])
 @pytest.mark.parametrize("lfu,lock", [(False, False), (False, True), (True, False)])
-def test_row_cache_allocates_what_the_byte_model_counts(lfu, lock):
+def test_row_cache_allocates_what_the_byte_model_counts(lfu, lock, states, state_bytes, dtypes):
     """The buffers RowCache allocates (on CPU here) equal placement.cache_bytes plus the small
-    per-table / per-feature arrays and the statistics, counted here from their definitions."""
+    per-table / per-feature arrays and the statistics, counted here from their definitions; the
+    state caches hold the state dtypes (bf16: half the bytes)."""
     from torchrec_ftrl.cache import RowCache
     from torchrec_ftrl.placement import cache_bytes, cache_slots
     rows, dims, fmap = [4000, 1000], [128, 16], [0, 1, 1]
     algorithm = CacheAlgorithm.LFU if lfu else CacheAlgorithm.LRU
     c = RowCache(rows, dims, fmap, torch.tensor([0, 4000 * 128]), torch.float16, 0.2, 0, algorithm,
-                 lock, 0.0, False, torch.device("cpu"))
+                 lock, 0.0, False, torch.device("cpu"), state_dtypes=states)
+    assert (c.lxu_cache_accum.dtype, c.lxu_cache_linear.dtype) == dtypes
     allocated = sum(b.numel() * b.element_size() for b in c.buffers())
     slots = cache_slots(sum(rows), 0.2)
     assert c.slots == slots == 1024                        # ceil(floor(5000 * 0.2) / 32) sets of 32
     T, F = len(rows), len(fmap)
     small = (8 * (F + 1) + 8 * (T + 1) + 8 * T + 4 * (T + 1) + 8 * T   # cumsums, offsets, dims
              + 6 * 8 + 6 * 4 + (8 if lfu else 0))                      # statistics; LFU's extra row
-    assert allocated - cache_bytes(sum(rows), max(dims), slots, lfu, 2, lock) == small
+    assert allocated - cache_bytes(sum(rows), max(dims), slots, lfu, 2, lock,
+                                   state_bytes=state_bytes) == small
+
+
+def test_byte_model_counts_state_bytes_by_dtype():
+    """A D=128 row with fp32 weights moves 128 x (4 + 4 + 4) = 1536 bytes with fp32 state and
+    128 x (4 + 2 + 2) = 1024 with bf16 state; the table bytes count the same per element."""
+    from torchrec_ftrl.placement import cache_bytes, table_bytes
+    from torchrec_ftrl.state_dtype import parse_state_dtypes, state_bytes_per_element
+    bf16 = state_bytes_per_element(parse_state_dtypes({"accum": SparseType.BF16, "linear": "bf16"}))
+    assert state_bytes_per_element(parse_state_dtypes(None)) == 8 and bf16 == 4
+    assert table_bytes(1, 128, 4, EmbeddingLocation.MANAGED_CACHING) == 1536
+    assert table_bytes(1, 128, 4, EmbeddingLocation.MANAGED_CACHING, state_bytes=bf16) == 1024
+    # one slot, no rows: the per-slot bytes (row of weights + states, then 40 bytes of LRU state)
+    assert cache_bytes(0, 128, 1) - cache_bytes(0, 128, 1, state_bytes=bf16) == 512
 
 
 class _FakeRowCache(torch.nn.Module):

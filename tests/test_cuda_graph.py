@@ -15,8 +15,10 @@ import torch
 
 from conftest import cuda, needs_cuda, reference_update
 from reference import reference_knobs
+from tbe_harness import bf16_spacing
 from torchrec_ftrl import FTRLTableBatchedEmbeddingBags
-from torchrec_ftrl.fbgemm_enums import BoundsCheckMode, ComputeDevice, EmbeddingLocation, PoolingMode
+from torchrec_ftrl.fbgemm_enums import (BoundsCheckMode, ComputeDevice, EmbeddingLocation, PoolingMode,
+                                        SparseType)
 
 pytestmark = [cuda, needs_cuda]
 
@@ -93,6 +95,41 @@ def test_replayed_steps_match_the_float64_reference_and_eager_steps_bitwise():
             np.testing.assert_allclose(S1[t][1].numpy(), ref.z[t], rtol=5e-5, atol=1e-5)
         eager(idx.cuda(), off.cuda()).backward(grad.cuda())
     for name in ("weights_dev", "accum_dev", "linear_dev", "iter"):
+        assert torch.equal(getattr(eager, name), getattr(graphed, name)), name
+
+
+@pytest.mark.parametrize("states", [{"accum": SparseType.BF16, "linear": SparseType.BF16},
+                                    {"linear": SparseType.BF16}])
+def test_replays_with_bf16_state_round_with_fresh_steps(states):
+    """bf16 state under a CUDA graph: the update reads the step from ``iter`` on the device, so each
+    replay rounds stochastically with its own step and the replays end bitwise equal to eager steps
+    (a step frozen at capture would round replay k like the capture step: different bits). Each
+    replay also matches the float64 reference from the stored state within one bf16 spacing."""
+    eager, graphed = _tbe(optimizer_state_dtypes=states), _tbe(optimizer_state_dtypes=states)
+    warm = _batch(0)
+    static = tuple(t.cuda() for t in warm)
+    eager(static[0], static[1]).backward(static[2])
+    graph, out = _capture(graphed, static)
+    for step in range(1, 6):
+        idx, off, grad = _batch(step)
+        W0, S0 = _tables(graphed)
+        for dst, src in zip(static, (idx, off, grad)):
+            dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = reference_update(W0, [a for a, _ in S0], [z for _, z in S0], FMAP, PoolingMode.SUM, idx,
+                               off, grad, reference_knobs(graphed.hyperparams))
+        W1, S1 = _tables(graphed)
+        for t in range(len(SPECS)):
+            np.testing.assert_allclose(W1[t].numpy(), ref.w[t], rtol=5e-5, atol=2e-5)
+            for got, want, stored in ((S1[t][0], ref.n[t], graphed.accum_dev),
+                                      (S1[t][1], ref.z[t], graphed.linear_dev)):
+                slack = bf16_spacing(np.abs(want) * 1.01) if stored.dtype == torch.bfloat16 else 0.0
+                assert np.all(np.abs(got.numpy() - want) <= 1e-5 + slack + 5e-5 * np.abs(want))
+        eager(idx.cuda(), off.cuda()).backward(grad.cuda())
+    assert int(graphed.iter) == 6
+    for name in ("weights_dev", "accum_dev", "linear_dev", "iter"):
+        assert getattr(eager, name).dtype == getattr(graphed, name).dtype
         assert torch.equal(getattr(eager, name), getattr(graphed, name)), name
 
 

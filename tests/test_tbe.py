@@ -37,6 +37,16 @@ def test_random_cases_match_reference(backend, chunk):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("states", [{"accum": "bf16", "linear": "bf16"}, {"accum": "bf16"},
+                                    {"linear": "bf16"}], ids=["both", "accum", "linear"])
+def test_random_cases_with_bf16_state_match_reference(backend, states):
+    """The randomized harness with bf16 optimizer state (VBE, shared tables, weights, all
+    precisions): states within one bf16 spacing of the reference run from the stored states."""
+    for seed in range(12):
+        H.check_case(H.random_case(seed), backend, steps=3, optimizer_state_dtypes=states)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_hot_row_duplicates_are_summed_then_updated_once(backend):
     # 200 occurrences of row 3 across bags, MEAN pooling with weights: one update with the sum.
     m = FTRLTableBatchedEmbeddingBags([(8, 5)], pooling_mode=PoolingMode.MEAN, backend=backend, **HP)

@@ -6,8 +6,10 @@ rows back to unified memory), ``lxu_cache_lookup`` (each index's cache slot, -1 
 not be cached), ``lxu_cache_flush`` and ``lxu_cache_locking_counter_decrement``. The FTRL states
 follow (:mod:`torchrec_ftrl.kernels.triton_cache`): after every populate, the slots that took a row
 of the batch move the evicted row's ``accum`` / ``linear`` back to the unified-memory buffers and
-load the inserted row's into the state cache (fp32 ``[2, slots, S]``, the weight cache's row stride
-``S``); a flush writes every cached row's states back. So a cached row's weight
+load the inserted row's into the state cache (``lxu_cache_accum`` and ``lxu_cache_linear``, ``[slots,
+S]`` each in its state's dtype, fp32 or bf16, the weight cache's row stride ``S``: a bf16 state
+moves half the bytes, and a cached row is moved as stored, bit for bit); a flush writes every cached
+row's states back. So a cached row's weight
 and both states are updated in HBM and reach unified memory on eviction or :meth:`RowCache.flush`.
 
 Every table of a cached TBE is cached (a TBE holds tables of one placement; ``torchrec_ftrl.sharders()``
@@ -27,6 +29,7 @@ from .fbgemm_enums import CacheAlgorithm
 from .kernels.triton_cache import (fill_warps, follow_config, state_cache_fill_kernel,
                                    state_cache_follow_kernel)
 from .placement import CACHE_ASSOC, cache_slots, check_cache_dims, check_cache_options
+from .state_dtype import parse_state_dtypes, state_bytes_per_element
 
 # FBGEMM's cache statistics, in the order its ops fill them.
 UVM_CACHE_STATS = ("num_calls", "num_requested_indices", "num_unique_indices", "num_unique_misses",
@@ -50,6 +53,9 @@ class RowCache(nn.Module):
             is shrunk to fit, as FBGEMM does.
         gather_stats: count :data:`UVM_CACHE_STATS` (FBGEMM's ``gather_uvm_cache_stats``).
         device: the CUDA device.
+        state_dtypes: ``{"accum": dtype, "linear": dtype}`` (fp32 / bf16; any spelling
+            :func:`torchrec_ftrl.state_dtype.parse_state_dtypes` takes), the dtypes of the flat
+            state buffers and so of the state caches; None: fp32.
 
     Raises:
         ValueError: a dim not a multiple of 4, a bad ``load_factor`` / ``cache_sets`` /
@@ -59,15 +65,18 @@ class RowCache(nn.Module):
     def __init__(self, rows: Sequence[int], dims: Sequence[int], feature_table: Sequence[int],
                  table_w_offset: torch.Tensor, weights_dtype: torch.dtype, load_factor: float,
                  cache_sets: int, algorithm: CacheAlgorithm, lock_lines: bool,
-                 reserved_memory: float, gather_stats: bool, device: torch.device) -> None:
+                 reserved_memory: float, gather_stats: bool, device: torch.device,
+                 state_dtypes=None) -> None:
         super().__init__()
+        state_dtypes = parse_state_dtypes(state_dtypes, "RowCache(state_dtypes=...)")
         check_cache_dims(dims)
         algorithm = check_cache_options(load_factor, cache_sets,
                                         algorithm, lock_lines)
         total = int(sum(rows))
         max_d = int(max(dims))
         slots = cache_slots(total, load_factor, cache_sets)
-        slot_bytes = max_d * (torch.empty(0, dtype=weights_dtype).element_size() + 8)
+        slot_bytes = max_d * (torch.empty(0, dtype=weights_dtype).element_size()
+                              + state_bytes_per_element(state_dtypes))
         if device.type == "cuda" and cache_sets == 0:   # FBGEMM shrinks only a computed size
             free = (torch.cuda.get_device_properties(device).total_memory
                     - torch.cuda.memory_reserved(device) - int(reserved_memory))
@@ -100,7 +109,9 @@ class RowCache(nn.Module):
         buf("table_dim", torch.tensor([int(d) for d in dims], **i64))
         buf("lxu_cache_state", torch.full((sets, CACHE_ASSOC), -1, **i64))
         buf("lxu_cache_weights", torch.zeros(slots, max_d, dtype=weights_dtype, device=device))
-        buf("lxu_cache_states", torch.zeros(2, slots, max_d, dtype=torch.float32, device=device))
+        # The state caches, beside the weight cache (same row stride), each in its state's dtype.
+        buf("lxu_cache_accum", torch.zeros(slots, max_d, dtype=state_dtypes["accum"], device=device))
+        buf("lxu_cache_linear", torch.zeros(slots, max_d, dtype=state_dtypes["linear"], device=device))
         buf("lxu_state", torch.zeros((total + 1,) if algorithm == CacheAlgorithm.LFU
                                      else (sets, CACHE_ASSOC), **i64))
         # The slots' rows before the last populate, and the populate that last claimed each slot.
@@ -111,6 +122,12 @@ class RowCache(nn.Module):
                                                      dtype=torch.int32, device=device))
         buf("uvm_cache_stats", torch.zeros(len(UVM_CACHE_STATS), **i64))
         buf("local_uvm_cache_stats", torch.zeros(len(UVM_CACHE_STATS), dtype=torch.int32, device=device))
+
+    @property
+    def lxu_cache_states(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(lxu_cache_accum, lxu_cache_linear)``: the state caches as the kernels take them
+        (``TBEBatch.cache_states``)."""
+        return self.lxu_cache_accum, self.lxu_cache_linear
 
     @property
     def slots(self) -> int:
@@ -156,9 +173,9 @@ class RowCache(nn.Module):
             block_d = 1 << max(0, self.max_D - 1).bit_length()
             state_cache_fill_kernel[(n,)](
                 linear, before, after, self.lxu_cache_snapshot, self.lxu_cache_claim, self._stamp,
-                accum, linear_state, self.lxu_cache_states[0], self.lxu_cache_states[1],
+                accum, linear_state, self.lxu_cache_accum, self.lxu_cache_linear,
                 self.cache_index_table_map, self.weights_offsets, self.table_dim,
-                self.table_hash_size_cumsum, n, self.lxu_cache_states.stride(1), BLOCK_D=block_d,
+                self.table_hash_size_cumsum, n, self.lxu_cache_accum.stride(0), BLOCK_D=block_d,
                 num_warps=fill_warps(block_d))
         return after
 
@@ -206,16 +223,16 @@ class RowCache(nn.Module):
 
     def reset_states(self, initial_accumulator_value: float) -> None:
         """accum := ``initial_accumulator_value``, linear := 0 for the cached rows too."""
-        self.lxu_cache_states[0].fill_(initial_accumulator_value)
-        self.lxu_cache_states[1].zero_()
+        self.lxu_cache_accum.fill_(initial_accumulator_value)
+        self.lxu_cache_linear.zero_()
 
     def _follow(self, before: torch.Tensor, after: torch.Tensor, accum: torch.Tensor,
                 linear_state: torch.Tensor) -> None:
         block_d = 1 << max(0, self.max_D - 1).bit_length()
         per, warps = follow_config(block_d)
         slots = before.numel()
-        stride = self.lxu_cache_states.stride(1)
+        stride = self.lxu_cache_accum.stride(0)
         state_cache_follow_kernel[(-(-slots // per),)](
-            before, after, accum, linear_state, self.lxu_cache_states[0], self.lxu_cache_states[1],
+            before, after, accum, linear_state, self.lxu_cache_accum, self.lxu_cache_linear,
             self.cache_index_table_map, self.weights_offsets, self.table_dim,
             self.table_hash_size_cumsum, slots, stride, SLOTS=per, BLOCK_D=block_d, num_warps=warps)

@@ -9,8 +9,8 @@
   cache of whole rows: FBGEMM's weight cache (``lxu_cache_weights``, ``[slots, max_D]`` in the cache
   precision) managed by FBGEMM's cache ops (``linearize_cache_indices``, ``lru_cache_populate`` /
   ``lfu_cache_populate``, ``lxu_cache_lookup``, ``lxu_cache_flush``), and beside it a state cache
-  (``accum`` and ``linear``, fp32 ``[2, slots, max_D]``) that follows every slot FBGEMM fills or
-  evicts. A cached row's weight and both states are updated in the cache and written back when
+  (``accum`` and ``linear``, ``[slots, max_D]`` each in its state's dtype, fp32 or bf16) that
+  follows every slot FBGEMM fills or evicts. A cached row's weight and both states are updated in the cache and written back when
   evicted or flushed; a lookup the cache could not take (a batch with more unique rows than a cache
   set holds) reads and updates the unified-memory row in place.
 
@@ -26,7 +26,9 @@ from .fbgemm_enums import CacheAlgorithm, EmbeddingLocation
 
 # FBGEMM's cache associativity on CUDA (``DEFAULT_ASSOC`` of its training TBE): rows per cache set.
 CACHE_ASSOC = 32
-STATE_BYTES_PER_ELEMENT = 8          # accum + linear, fp32 each, whatever the weight dtype
+# accum + linear per weight element with fp32 state, whatever the weight dtype; compact state:
+# torchrec_ftrl.state_dtype.state_bytes_per_element (4 for bf16 both, 6 for one bf16 state).
+STATE_BYTES_PER_ELEMENT = 8
 # FBGEMM's cache ops move rows 4 elements at a time: a cached table's dim is a multiple of this.
 CACHE_DIM_MULTIPLE = 4
 
@@ -84,23 +86,27 @@ def check_cache_dims(dims) -> None:
                          f"elements at a time), got dims {[int(d) for d in dims]}")
 
 
-def table_bytes(rows: int, dim: int, weight_bytes: int, location: EmbeddingLocation) -> int:
+def table_bytes(rows: int, dim: int, weight_bytes: int, location: EmbeddingLocation,
+                state_bytes: int = STATE_BYTES_PER_ELEMENT) -> int:
     """Bytes of one table's weights and FTRL state where the table itself lives (every placement: the
-    device for ``DEVICE`` / ``HOST``, unified host memory for ``MANAGED`` and ``MANAGED_CACHING``). The
-    cache is :func:`cache_bytes`."""
-    return rows * dim * (weight_bytes + STATE_BYTES_PER_ELEMENT)
+    device for ``DEVICE`` / ``HOST``, unified host memory for ``MANAGED`` and ``MANAGED_CACHING``).
+    ``state_bytes``: accum + linear bytes per element (``state_dtype.state_bytes_per_element``; 8 for
+    fp32 state). The cache is :func:`cache_bytes`."""
+    return rows * dim * (weight_bytes + int(state_bytes))
 
 
 def cache_bytes(cached_rows: int, max_dim: int, slots: int, lfu: bool = False,
-                cache_weight_bytes: int = 4, lock_lines: bool = False) -> int:
+                cache_weight_bytes: int = 4, lock_lines: bool = False,
+                state_bytes: int = STATE_BYTES_PER_ELEMENT) -> int:
     """HBM bytes of a ``MANAGED_CACHING`` TBE's cache: ``slots`` rows of ``max_dim`` weights
-    (``cache_weight_bytes`` each: the cache precision) and ``2 x max_dim`` fp32 states, FBGEMM's
+    (``cache_weight_bytes`` each: the cache precision) and ``max_dim`` elements of accum + linear
+    (``state_bytes`` per element, ``state_dtype.state_bytes_per_element``: 8 fp32, 4 bf16), FBGEMM's
     per-slot state (``lxu_cache_state`` int64 and, for LRU, ``lru_state`` int64), the state cache's
     per-slot int64 snapshot and claim stamp, with ``lock_lines`` (``prefetch_pipeline``) FBGEMM's
     int32 locking counter, and per-row arrays (``cache_index_table_map`` int32; for LFU, the
     ``lfu_state`` int64 counters of every row). A TBE sizes one cache for all its tables, at the
     largest dim ``max_dim``."""
-    per_slot = (max_dim * (cache_weight_bytes + STATE_BYTES_PER_ELEMENT) + 24 + (0 if lfu else 8)
+    per_slot = (max_dim * (cache_weight_bytes + int(state_bytes)) + 24 + (0 if lfu else 8)
                 + (4 if lock_lines else 0))
     per_row = 4 + (8 if lfu else 0)
     return slots * per_slot + cached_rows * per_row

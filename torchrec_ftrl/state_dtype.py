@@ -23,8 +23,9 @@ Stochastic rounding (fp32 -> bf16): the 16 bits that bf16 drops are compared wit
 value is rounded away from zero when they are larger (the classic integer-add form: add the random
 bits to the fp32 bit pattern, then truncate). The random bits are a hash of (row key, column, step,
 state), :func:`sr_bits`, the same integer function in every backend (Triton, C++, torch), so a run is
-bitwise reproducible on its backend and nothing in the kernels draws from a global RNG. Non-finite
-values are truncated (an Inf stays Inf, a NaN stays NaN). Source of the method: M. Höhfeld and
+bitwise reproducible on its backend (and the same bits on every backend for the same fp32 value)
+and nothing in the kernels draws from a global RNG. Non-finite values are not rounded: an Inf stays
+Inf, a NaN stays a NaN (its quiet bit set, then truncated). Source of the method: M. Höhfeld and
 S. E. Fahlman, "Probabilistic rounding in neural network learning with limited precision",
 Neurocomputing 1992; Gupta et al., "Deep Learning with Limited Numerical Precision", ICML 2015.
 """
@@ -121,42 +122,71 @@ def state_bytes_per_element(dtypes: Mapping[str, torch.dtype]) -> int:
     return sum(torch.empty(0, dtype=dtypes[s]).element_size() for s in STATE_NAMES)
 
 
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``x * c mod 2^32`` for int64 ``x`` in ``[0, 2^32)``, without int64 overflow (the product is
+    split at 16 bits of ``c``: each partial product stays below 2^48)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
 def _lowbias32(x: torch.Tensor) -> torch.Tensor:
     x = x & _M32
     x = x ^ (x >> 16)
-    x = (x * HASH_MUL1) & _M32
+    x = _mul32(x, HASH_MUL1)
     x = x ^ (x >> 15)
-    x = (x * HASH_MUL2) & _M32
+    x = _mul32(x, HASH_MUL2)
     return x ^ (x >> 16)
 
 
 def sr_bits(row_key: torch.Tensor, col: torch.Tensor, step: int | torch.Tensor, state: int) -> torch.Tensor:
     """The 16 random bits (int64 in ``[0, 65536)``) that round element ``col`` of row ``row_key``
-    (the TBE's global row key, int64) at optimizer step ``step`` of state ``state`` (0 accum,
-    1 linear). Broadcasts ``row_key`` against ``col``. The kernels compute the same function in
-    uint32 arithmetic::
+    (the TBE's global row key ``row_base[table] + row``, int64 >= 0) at optimizer step ``step``
+    (the TBE's ``iter`` before the step's increment; int or int64 tensor, taken mod 2^32) of state
+    ``state`` (0 accum, 1 linear). Broadcasts ``row_key``, ``col`` and a tensor ``step``. Every
+    product is reduced mod 2^32, so this is exactly the uint32 arithmetic of the kernels (C++
+    ``sr_bits`` in ``kernels/csrc/ftrl_tbe_cpu.cpp``, Triton ``_sr_bits`` in
+    ``kernels/triton_backward.py``)::
 
+        lowbias32(x) = x ^= x >> 16; x *= 0x7FEB352D; x ^= x >> 15; x *= 0x846CA68B; x ^= x >> 16
         h = lowbias32(step * 0x9E3779B9 + state)
         h = lowbias32(h ^ (row_key mod 2^32) ^ (row_key >> 32))
         bits = lowbias32(h ^ col) >> 16
     """
-    step = torch.as_tensor(step, dtype=torch.int64, device=row_key.device)
-    h = _lowbias32(step * HASH_GOLDEN + state)
+    if not isinstance(step, torch.Tensor):
+        step = torch.as_tensor(int(step), dtype=torch.int64)
+    step = step.to(device=row_key.device, dtype=torch.int64) & _M32
+    h = _lowbias32(_mul32(step, HASH_GOLDEN) + int(state))
     rk = row_key.to(torch.int64)
     h = _lowbias32(h ^ (rk & _M32) ^ ((rk >> 32) & _M32))
-    h = _lowbias32(h ^ col.to(torch.int64))
+    h = _lowbias32(h ^ (col.to(torch.int64) & _M32))
     return h >> 16
 
 
 def round_bf16_stochastic(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     """fp32 ``x`` rounded to bf16 with the random ``bits`` (int64 ``[0, 65536)``, broadcastable):
-    add ``bits`` to the fp32 bit pattern's low half and truncate; non-finite values are truncated."""
+    add ``bits`` to the fp32 bit pattern and keep the high 16 bits (so the value rounds away from
+    zero with probability ``dropped / 2^16``: unbiased). Non-finite values are not rounded: an Inf
+    is truncated (stays Inf), a NaN gets its quiet bit set, then truncated (stays a NaN; a plain
+    truncation could turn a NaN whose payload sits in the low 16 bits into an Inf). The bf16 result
+    is formed from the bits directly (no float conversion), so every backend gives the same bits.
+    Returns bf16 of the broadcast shape."""
     x = x.to(torch.float32)
     u = x.view(torch.int32).to(torch.int64) & _M32
-    finite = torch.isfinite(x)
-    u = torch.where(finite, u + bits, u) & 0xFFFF0000
-    u = torch.where(u >= 2**31, u - 2**32, u).to(torch.int32)
-    return u.view(torch.float32).to(torch.bfloat16)
+    finite = (u & 0x7F800000) != 0x7F800000
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    u = torch.where(finite, u + bits, torch.where(nan, u | 0x00400000, u))
+    hi = (u >> 16) & 0xFFFF
+    hi = torch.where(hi >= 2**15, hi - 2**16, hi).to(torch.int16)
+    return hi.view(torch.bfloat16)
+
+
+def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
+    """float64 spacing of bf16 values at ``|x|``: ``2^(e - 7)`` for ``2^e <= |x| < 2^(e+1)``
+    (bf16 keeps 8 significand bits), the subnormal spacing ``2^-133`` below ``2^-126``. Stochastic
+    rounding moves a value by less than this (to one of its two bf16 neighbours)."""
+    a = x.double().abs()
+    e = torch.floor(torch.log2(torch.where(a > 0, a, torch.ones_like(a))))
+    e = torch.clamp(e, min=-126.0)
+    return torch.exp2(e - 7.0)
 
 
 def store_state(x: torch.Tensor, dtype: torch.dtype, row_key: torch.Tensor, col: torch.Tensor,

@@ -28,6 +28,7 @@ from .kernels.backend import resolve_backend
 from .kernels.layout import TBEBatch
 from .optim_type import emb_optim_type
 from .placement import PLACEMENTS, check_cache_dims, check_cache_options
+from .state_dtype import describe, parse_state_dtypes, state_sparse_types
 
 __all__ = ["FTRLTableBatchedEmbeddingBags"]
 
@@ -151,7 +152,7 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         feature_table_map: table of each feature (several features may share a table); default one
             feature per table.
         pooling_mode: FBGEMM ``PoolingMode`` SUM, MEAN or NONE (NONE needs one dim for all tables).
-        weights_precision: ``SparseType`` FP32, FP16 or BF16 for the weights; FTRL states are fp32.
+        weights_precision: ``SparseType`` FP32, FP16 or BF16 for the weights.
         output_dtype: ``SparseType`` FP32, FP16 or BF16 of the forward output.
         learning_rate, ftrl_*: the FTRL knobs, named and validated as in :class:`torchrec_ftrl.FTRL`.
         bounds_check_mode: FBGEMM ``BoundsCheckMode``. FATAL (default) raises ``ValueError`` for an
@@ -171,6 +172,18 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
             means that), lines of a prefetched batch locked until its update (LRU only), and
             :meth:`get_uvm_cache_stats` counting. Ignored by the other placements.
         uvm_host_mapped: UVM placements allocate host-mapped memory instead of managed memory.
+        optimizer_state_dtypes: the storage dtype of each FTRL state, FBGEMM's keyword with FTRL's
+            state names: ``{"accum": SparseType.BF16, "linear": SparseType.BF16}`` (either state
+            alone, ``torch.dtype`` values, or TorchRec's hashable frozenset of ``(state,
+            SparseType.as_int())`` pairs; :func:`torchrec_ftrl.state_dtype.parse_state_dtypes`).
+            None (default): fp32 both. Only fp32 and bf16 (fp16 is refused: ``accum`` overflows
+            it). The buffers ``accum_dev`` / ``linear_dev`` (and the ``MANAGED_CACHING`` state cache)
+            hold that dtype; the update loads them exactly into fp32, computes in fp32 and stores a
+            bf16 state with stochastic rounding by the hash ``sr_bits(row key, column, iter,
+            state)`` (:mod:`torchrec_ftrl.state_dtype`; ``iter`` read on the device, so CUDA-graph
+            replays round with fresh steps), the same bits on every backend for the same fp32
+            value. ``initial_accumulator_value`` and :meth:`reset_optimizer_state` round to nearest.
+            Exposed as ``optimizer_state_dtypes`` (``{"accum": SparseType, "linear": SparseType}``).
 
     Forward (``indices``, ``offsets`` int32/int64 1-D, FBGEMM layout, feature-major bags):
         returns ``[B, sum(D_f)]`` for SUM/MEAN, ``[N, D]`` for NONE, or FBGEMM's flat VBE output
@@ -226,6 +239,7 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         prefetch_pipeline: bool = False,
         gather_uvm_cache_stats: bool = False,
         uvm_host_mapped: bool = False,
+        optimizer_state_dtypes: Any = None,
     ) -> None:
         super().__init__()
         self._hp = parse_options(dict(
@@ -234,6 +248,8 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
             ftrl_l2_shrinkage=ftrl_l2_shrinkage,
             ftrl_initial_accumulator_value=ftrl_initial_accumulator_value,
             ftrl_l2_convention=ftrl_l2_convention), where="FTRLTableBatchedEmbeddingBags(...)")
+        self._state_dtypes = parse_state_dtypes(optimizer_state_dtypes, "optimizer_state_dtypes")
+        self.optimizer_state_dtypes = state_sparse_types(self._state_dtypes)
         if not embedding_specs:
             raise ValueError("embedding_specs must name at least one table, got []")
         rows_dims, locations = [], set()
@@ -347,9 +363,9 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         alloc = functools.partial(_allocate, device=device, unified=placement is not None,
                                   host_mapped=bool(uvm_host_mapped))
         self.register_buffer("weights_dev", alloc(total, wdtype))
-        self.register_buffer("accum_dev", alloc(total, torch.float32).fill_(
+        self.register_buffer("accum_dev", alloc(total, self._state_dtypes["accum"]).fill_(
             self._hp.initial_accumulator_value))
-        self.register_buffer("linear_dev", alloc(total, torch.float32).zero_())
+        self.register_buffer("linear_dev", alloc(total, self._state_dtypes["linear"]).zero_())
         self.prefetch_pipeline = bool(prefetch_pipeline)
         self._prefetched: list[tuple[torch.Tensor, torch.Tensor]] = []   # (keys, slots) per batch
         self._prefetch_stream = None
@@ -358,7 +374,8 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
             self.cache = RowCache(
                 [r for r, _ in rows_dims], [d for _, d in rows_dims], feature_table_map,
                 self._table_w_offset, wdtype, cache_load_factor, cache_sets, cache_algorithm,
-                prefetch_pipeline, cache_reserved_memory, gather_uvm_cache_stats, device)
+                prefetch_pipeline, cache_reserved_memory, gather_uvm_cache_stats, device,
+                state_dtypes=self._state_dtypes)
             self.cache.reset_states(self._hp.initial_accumulator_value)
             self.register_state_dict_pre_hook(_flush_before_state_dict)
             self.register_load_state_dict_post_hook(_empty_cache_after_load)
@@ -518,7 +535,8 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
                                 if per_sample_weights is not None else None),
             pooling_mode=int(self.pooling_mode), out_numel=out_numel, max_D=self.max_D,
             total_rows=self._total_rows, table_dims=self._table_dims,
-            table_row_base=self._table_row_base, unchecked_counter=unchecked_counter)
+            table_row_base=self._table_row_base, unchecked_counter=unchecked_counter,
+            step=self.iter)
 
     # ------------------------------------------------------------------ the UVM-caching placement
     def _cached_batch(self, batch: TBEBatch, bsfpr) -> tuple[TBEBatch, torch.Tensor, list]:
@@ -720,14 +738,15 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         return [self._table_view(self.weights_dev, t) for t in range(len(self.embedding_specs))]
 
     def split_optimizer_states(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per-table ``(accum, linear)``, each a fp32 ``[rows, D]`` view (the HBM cache is flushed
-        first)."""
+        """Per-table ``(accum, linear)``, each a ``[rows, D]`` view (not a copy) in its stored dtype
+        (fp32, or bf16 per ``optimizer_state_dtypes``); the HBM cache is flushed first."""
         self.flush()
         return [(self._table_view(self.accum_dev, t), self._table_view(self.linear_dev, t))
                 for t in range(len(self.embedding_specs))]
 
     def get_optimizer_state(self, *args: Any, **kwargs: Any) -> list[dict[str, torch.Tensor]]:
-        """Per-table ``{"accum": [rows, D], "linear": [rows, D]}`` fp32 views (TensorFlow slot names)."""
+        """Per-table ``{"accum": [rows, D], "linear": [rows, D]}`` views in the stored dtypes
+        (``optimizer_state_dtypes``; TensorFlow slot names)."""
         return [_FTRLOptimizerState(accum=a, linear=z) for a, z in self.split_optimizer_states()]
 
     def get_learning_rate(self) -> float:
@@ -755,7 +774,7 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         self._warn_if_captured()
 
     def reset_optimizer_state(self) -> None:
-        """accum := initial_accumulator_value, linear := 0."""
+        """accum := initial_accumulator_value (rounded to nearest in a bf16 accum), linear := 0."""
         self.accum_dev.fill_(self._hp.initial_accumulator_value)
         self.linear_dev.zero_()
         if self.cache is not None:
@@ -914,4 +933,5 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"tables={[(r, d) for r, d, *_ in self.embedding_specs]}, pooling={self.pooling_mode.name}, "
-                f"precision={self.weights_precision.name}, backend={self.backend}, hp={self._hp}")
+                f"precision={self.weights_precision.name}, states=({describe(self._state_dtypes)}), "
+                f"backend={self.backend}, hp={self._hp}")

@@ -25,7 +25,8 @@ _warned = False
 @runtime_checkable
 class Backend(Protocol):
     """What a backend module provides. Tensors are on the tables' device; flat buffers as in
-    :mod:`.layout` (``weights`` ``[total]`` fp32/fp16/bf16, ``accum`` and ``linear`` ``[total]`` fp32).
+    :mod:`.layout` (``weights`` ``[total]`` fp32/fp16/bf16, ``accum`` and ``linear`` ``[total]``, each fp32
+    or bf16, :mod:`torchrec_ftrl.state_dtype`).
 
     * ``fuses_bounds_check(mode, needs_psw_grad)``: True when the backend checks a raw batch itself
       for this FBGEMM ``BoundsCheckMode`` (the TBE then skips its own check and passes the counter
@@ -41,7 +42,10 @@ class Backend(Protocol):
     * ``backward_update_(weights, accum, linear, batch, ctx, grad_out, hp, nonfinite_rows)``: sum the
       gradient per touched row, ONE FTRL update per row in place; rows whose summed gradient holds a
       NaN/Inf are skipped and counted in ``nonfinite_rows`` (int64 ``[1]``). ``ctx`` may be None (no
-      training forward ran).
+      training forward ran). The math is fp32 whatever the state dtypes; a bf16 state is stored
+      with ``state_dtype.round_bf16_stochastic`` by ``sr_bits(row key, column, batch.step, state)``
+      (row key ``table_row_base[t] + row``; state 0 accum, 1 linear), bit for bit the same on every
+      backend for the same fp32 value; a bf16 state without ``batch.step`` raises ``ValueError``.
     """
 
     def fuses_bounds_check(self, mode: Any, needs_psw_grad: bool) -> bool: ...

@@ -7,8 +7,10 @@ It needs a C++17 compiler and ninja; :func:`torchrec_ftrl.kernels.backend.resolv
 to the PyTorch backend with a warning when this raises.
 
 Implements :class:`~torchrec_ftrl.kernels.backend.Backend`. The C++ ``ftrl_element`` is the twin of
-:func:`torchrec_ftrl.rule.ftrl_rule`, computed in fp32 with the states in fp32, from
-:meth:`~torchrec_ftrl.hyperparams.FTRLHyperparams.kernel_scalars`.
+:func:`torchrec_ftrl.rule.ftrl_rule`, computed in fp32, from
+:meth:`~torchrec_ftrl.hyperparams.FTRLHyperparams.kernel_scalars`. States are fp32 or bf16: a bf16
+state loads exactly into fp32 and is stored with stochastic rounding by the uint32 twin of
+:func:`torchrec_ftrl.state_dtype.sr_bits` (instantiations per state dtype; the fp32 ones unchanged).
 """
 
 from __future__ import annotations
@@ -133,16 +135,26 @@ def backward_update_(weights: torch.Tensor, accum: torch.Tensor, linear: torch.T
     """In place: sum the gradient of every touched (table, row), then ONE FTRL update per row.
 
     Args:
-        weights: flat ``[total]`` fp32/fp16/bf16. accum, linear: flat ``[total]`` fp32 (n and z).
+        weights: flat ``[total]`` fp32/fp16/bf16. accum, linear: flat ``[total]`` fp32 or bf16 (n
+            and z; bf16 ones stored by stochastic rounding with step ``batch.step``).
         grad_out: flat ``[batch.out_numel]`` gradient of the forward output (fp32/fp16/bf16).
         nonfinite_rows: int64 ``[1]``, incremented by the number of rows skipped because their summed
             gradient holds a NaN/Inf (those rows are left bit-for-bit unchanged).
+
+    Raises:
+        ValueError: a bf16 state and ``batch.step`` None.
     """
     if batch.indices.numel() == 0:
         return
+    compact = torch.bfloat16 in (accum.dtype, linear.dtype)
+    if compact and batch.step is None:
+        raise ValueError("a bf16 optimizer state needs batch.step (the TBE's iter) for its "
+                         "stochastic rounding, got None")
+    step = int(batch.step) if compact else 0   # a CPU tensor: no device sync
     ext = load_extension()
     ext.backward_update(weights, accum, linear, batch.table_w_offset, batch.table_dim,
                         batch.table_rows, batch.feature_table, batch.bag_feature.contiguous(),
                         batch.bag_out_offset.contiguous(), batch.indices.contiguous(),
                         batch.offsets.contiguous(), _psw(batch), int(batch.pooling_mode),
-                        int(batch.max_D), grad_out.contiguous(), *hp.kernel_scalars(), nonfinite_rows)
+                        int(batch.max_D), grad_out.contiguous(), *hp.kernel_scalars(), nonfinite_rows,
+                        step)

@@ -4,7 +4,8 @@ Weights and both FTRL states live in flat 1-D buffers, table after table, row-ma
 element ``table_w_offset[t] + r * table_dim[t] + d`` is row ``r``, column ``d`` of table ``t``.
 With the UVM-caching placement (:mod:`torchrec_ftrl.placement`) an HBM cache holds some rows:
 ``cache_locations[i]`` is the slot of index ``i``'s row (-1: read and update the flat buffers), whose
-weight is ``cache_weights[slot, :D]`` and whose states are ``cache_states[0 or 1, slot, :D]``.
+weight is ``cache_weights[slot, :D]`` and whose states are ``cache_states[0 or 1][slot, :D]``.
+``accum`` and ``linear`` (and their caches) are fp32 or bf16 (:mod:`torchrec_ftrl.state_dtype`).
 
 Indices and offsets follow FBGEMM's TBE convention: bag ``k`` (``0 <= k < num_bags``) holds
 ``indices[offsets[k]:offsets[k+1]]``; bags are feature-major (all bags of feature 0 first). Each bag
@@ -53,7 +54,12 @@ class TBEBatch:
             ``[0, rows)`` as row 0 and adds the number of such repairs here, once per forward.
         cache_locations: int32 ``[N]`` cache slot of each index's row (-1: not cached), or None.
         cache_weights: ``[slots, S]`` weight cache in the weights' dtype (``S >= max_D``), or None.
-        cache_states: fp32 ``[2, slots, S]`` accum and linear caches (same row stride), or None.
+        cache_states: the accum and linear caches, ``cache_states[0]`` / ``cache_states[1]``, each
+            ``[slots, S]`` (same row stride ``S``) in its state's dtype: a ``[2, slots, S]`` tensor
+            or a pair of tensors; or None.
+        step: int64 ``[1]``, the optimizer step the update's stochastic rounding of bf16 states
+            hashes (the TBE's ``iter`` buffer itself, read by the update before its increment), or
+            None (then the states must be fp32).
     """
 
     table_w_offset: torch.Tensor
@@ -74,7 +80,8 @@ class TBEBatch:
     unchecked_counter: torch.Tensor | None = None
     cache_locations: torch.Tensor | None = None
     cache_weights: torch.Tensor | None = None
-    cache_states: torch.Tensor | None = None
+    cache_states: torch.Tensor | tuple | None = None
+    step: torch.Tensor | None = None
     _index_bag: torch.Tensor | None = dataclasses.field(default=None, init=False, repr=False,
                                                         compare=False)
 

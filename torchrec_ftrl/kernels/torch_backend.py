@@ -82,6 +82,12 @@ def backward_update_(weights: torch.Tensor, accum: torch.Tensor, linear: torch.T
     """Sum gradients per unique (table, row), then one FTRL update per touched row, in place.
 
     Rows whose summed gradient has NaN/Inf are skipped and counted in ``nonfinite_rows`` (int64 [1]).
+    ``accum`` / ``linear`` fp32 or bf16: the math is fp32, a bf16 state is stored by
+    :func:`torchrec_ftrl.state_dtype.store_state` with row key ``table_row_base[t] + row`` and step
+    ``batch.step`` (read as a tensor: no host sync on a device).
+
+    Raises:
+        ValueError: a bf16 state and ``batch.step`` None.
     """
     if batch.indices.numel() == 0:
         return
@@ -98,5 +104,6 @@ def backward_update_(weights: torch.Tensor, accum: torch.Tensor, linear: torch.T
         R = int(batch.table_rows[t])
         view = lambda buf: buf[start:start + R * D].view(R, D)  # noqa: E731
         ok = ftrl_update_rows_(view(weights), view(accum), view(linear), uniq, summed, hp,
-                               skip_nonfinite=True)
+                               skip_nonfinite=True, row_keys=uniq + batch.table_row_base[t],
+                               step=batch.step)
         nonfinite_rows += (~ok).sum()

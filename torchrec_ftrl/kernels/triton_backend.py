@@ -3,10 +3,13 @@
 * ``torch.ops.torchrec_ftrl.triton_tbe_forward``: pooled lookup, see :mod:`.triton_forward` (mutates
   ``warn``, the bounds-check counter, when the fused WARNING check is on).
 * ``torch.ops.torchrec_ftrl.triton_tbe_backward_update_``: fused backward + FTRL update in place
-  (mutates weights, accum, linear, nonfinite_rows), see :mod:`.triton_backward`.
+  (mutates weights, accum, linear, nonfinite_rows), see :mod:`.triton_backward`. ``accum`` /
+  ``linear`` are fp32 or bf16 (the kernels specialise on each: the fp32 kernels are unchanged); a
+  bf16 state is stored by stochastic rounding with the step read from the ``step`` tensor (the TBE's
+  ``iter``) on the device.
 * ``torch.ops.torchrec_ftrl.triton_tbe_backward_update_cached_``: the same for a batch whose rows may
   sit in the UVM-caching placement's HBM cache (:mod:`torchrec_ftrl.cache`; mutates the weight and
-  state caches too). The forward op reads such a batch's rows from the cache where they have a slot.
+  state caches ``cache_accum`` / ``cache_linear`` too, each in its state's dtype). The forward op reads such a batch's rows from the cache where they have a slot.
 * ``torch.ops.torchrec_ftrl.triton_tbe_linearize``: the training forward's linearize pass (row keys,
   gradient offsets, factors, tables; with the fused WARNING check also the offsets repair), mutates
   ``warn``.
@@ -252,16 +255,17 @@ def _backward_impl(weights: torch.Tensor, accum: torch.Tensor, linear: torch.Ten
                    lin_scale: Optional[torch.Tensor], lin_tid: Optional[torch.Tensor],
                    per_sample_weights: Optional[torch.Tensor], pooling_mode: int, max_D: int,
                    total_rows: int, vec: int, even_d: bool, lr: float, neg_p: float, l1: float,
-                   l2_eff: float, beta: float, shrink2: float) -> None:
+                   l2_eff: float, beta: float, shrink2: float, step: torch.Tensor) -> None:
     _backward_kernels(weights, accum, linear, nonfinite_rows, grad, indices, offsets, bag_feature,
                       bag_out_offset, feature_table, table_w_offset, table_dim, table_rows, row_base,
                       check, lin_key, lin_gofs, lin_scale, lin_tid, per_sample_weights, pooling_mode,
-                      max_D, total_rows, vec, even_d, lr, neg_p, l1, l2_eff, beta, shrink2)
+                      max_D, total_rows, vec, even_d, lr, neg_p, l1, l2_eff, beta, shrink2, step)
 
 
 def _backward_cached_impl(weights: torch.Tensor, accum: torch.Tensor, linear: torch.Tensor,
                           nonfinite_rows: torch.Tensor, cache_weights: torch.Tensor,
-                          cache_states: torch.Tensor, cache_locations: torch.Tensor,
+                          cache_accum: torch.Tensor, cache_linear: torch.Tensor,
+                          cache_locations: torch.Tensor,
                           grad: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,
                           bag_feature: torch.Tensor, bag_out_offset: torch.Tensor,
                           feature_table: torch.Tensor, table_w_offset: torch.Tensor,
@@ -271,20 +275,21 @@ def _backward_cached_impl(weights: torch.Tensor, accum: torch.Tensor, linear: to
                           lin_tid: Optional[torch.Tensor], per_sample_weights: Optional[torch.Tensor],
                           pooling_mode: int, max_D: int, total_rows: int, vec: int, even_d: bool,
                           lr: float, neg_p: float, l1: float, l2_eff: float, beta: float,
-                          shrink2: float) -> None:
+                          shrink2: float, step: torch.Tensor) -> None:
     """:func:`_backward_impl` of a batch whose rows may sit in the HBM cache (``cache_locations``
-    int32 ``[N]``, the weight cache ``[slots, S]`` and the state cache ``[2, slots, S]``)."""
+    int32 ``[N]``, the weight cache ``[slots, S]`` and the state caches ``[slots, S]`` each, one row
+    stride ``S``, in the dtypes of ``accum`` / ``linear``)."""
     _backward_kernels(weights, accum, linear, nonfinite_rows, grad, indices, offsets, bag_feature,
                       bag_out_offset, feature_table, table_w_offset, table_dim, table_rows, row_base,
                       check, lin_key, lin_gofs, lin_scale, lin_tid, per_sample_weights, pooling_mode,
-                      max_D, total_rows, vec, even_d, lr, neg_p, l1, l2_eff, beta, shrink2,
-                      cache_locations, cache_weights, cache_states)
+                      max_D, total_rows, vec, even_d, lr, neg_p, l1, l2_eff, beta, shrink2, step,
+                      cache_locations, cache_weights, (cache_accum, cache_linear))
 
 
 def _backward_kernels(weights, accum, linear, nonfinite_rows, grad, indices, offsets, bag_feature,
                       bag_out_offset, feature_table, table_w_offset, table_dim, table_rows, row_base,
                       check, lin_key, lin_gofs, lin_scale, lin_tid, per_sample_weights, pooling_mode,
-                      max_D, total_rows, vec, even_d, lr, neg_p, l1, l2_eff, beta, shrink2,
+                      max_D, total_rows, vec, even_d, lr, neg_p, l1, l2_eff, beta, shrink2, step,
                       cache_locations=None, cache_weights=None, cache_states=None) -> None:
     N = indices.numel()
     num_bags = offsets.numel() - 1
@@ -339,23 +344,24 @@ def _backward_kernels(weights, accum, linear, nonfinite_rows, grad, indices, off
     # a read-only placeholder: passing a mutated tensor twice would alias it under torch.compile.
     cw, cn, cz = (cache_weights, cache_states[0], cache_states[1]) if cached else (grad, grad, grad)
     cache_stride = cw.stride(0) if cached else 0
+    n_bf16, z_bf16 = accum.dtype == torch.bfloat16, linear.dtype == torch.bfloat16
     update[(_cdiv(bound, G),)](
         seg, count, sorted_key, sgofs, sscale, stid, sloc, grad, weights, accum, linear, cw, cn, cz,
-        table_w_offset, table_dim, row_base, part, nonfinite_rows,
+        table_w_offset, table_dim, row_base, part, nonfinite_rows, step,
         N, cache_stride, lr, l1, l2_eff, beta, shrink2, neg_p,
         SEG=SEG, HAS_SCALE=has_scale, POW_HALF=pow_half, HAS_SHRINK=has_shrink,
         LIBDEVICE_POW=libdev, G=G, R=R, BLOCK_D=BLOCK_D, VEC=vec, EVEN_D=even_d,
-        CACHED=cached, num_warps=warps,
+        CACHED=cached, N_BF16=n_bf16, Z_BF16=z_bf16, num_warps=warps,
         **_register_cap(update, launch[2] if len(launch) > 2 else None, dev))
     if nmult > 0:
         cp = int(TUNING["combine_cp"])
         _k(segment_combine_kernel)[(_cdiv(nmult, cp),)](
             sorted_key, stid, sloc, part, weights, accum, linear, cw, cn, cz,
-            table_w_offset, table_dim, row_base, nonfinite_rows,
+            table_w_offset, table_dim, row_base, nonfinite_rows, step,
             N, cache_stride, lr, l1, l2_eff, beta, shrink2, neg_p,
             SEG=SEG, CP=cp, NB=int(TUNING["combine_nb"]), POW_HALF=pow_half,
             HAS_SHRINK=has_shrink, LIBDEVICE_POW=libdev, BLOCK_D=BLOCK_D, VEC=vec, EVEN_D=even_d,
-            CACHED=cached,
+            CACHED=cached, N_BF16=n_bf16, Z_BF16=z_bf16,
             num_warps=max(1, min(4, int(TUNING["combine_nb"]) * BLOCK_D // 1024)))
 
 
@@ -381,7 +387,7 @@ if triton_op is not None:
     _backward_cached_op = triton_op("torchrec_ftrl::triton_tbe_backward_update_cached_",
                                     _backward_cached_impl,
                                     mutates_args=("weights", "accum", "linear", "nonfinite_rows",
-                                                  "cache_weights", "cache_states"))
+                                                  "cache_weights", "cache_accum", "cache_linear"))
     _repair_offsets_op = triton_op("torchrec_ftrl::triton_repair_offsets", _repair_offsets_impl,
                                    mutates_args=("warn",))
 else:  # pragma: no cover
@@ -481,7 +487,18 @@ def backward_update_(weights: torch.Tensor, accum: torch.Tensor, linear: torch.T
     gradient has NaN/Inf are skipped and counted in ``nonfinite_rows`` (int64 ``[1]``, device). Reuses
     the linearised batch of ``ctx`` (from :func:`forward_train`); without it the batch is linearised
     here, and a raw batch's repairs are not counted again (its forward counted them).
+    ``accum`` / ``linear`` fp32 or bf16; a bf16 state is stored with stochastic rounding by the step
+    ``batch.step`` (int64 ``[1]``, read on the device).
+
+    Raises:
+        ValueError: a bf16 state and ``batch.step`` None.
     """
+    step = batch.step
+    if step is None:
+        if accum.dtype == torch.bfloat16 or linear.dtype == torch.bfloat16:
+            raise ValueError("a bf16 optimizer state needs batch.step (the TBE's iter) for its "
+                             "stochastic rounding, got None")
+        step = batch.table_row_base   # int64 placeholder (read-only): fp32 kernels never read it
     if ctx is None:
         # No training forward ran: linearise here. A raw batch's repairs were counted by its forward,
         # so this repair counts into a scratch counter.
@@ -495,12 +512,13 @@ def backward_update_(weights: torch.Tensor, accum: torch.Tensor, linear: torch.T
             batch.bag_out_offset, batch.feature_table, batch.table_w_offset, batch.table_dim,
             batch.table_rows, batch.table_row_base, batch.unchecked_counter is not None, *lin,
             batch.per_sample_weights, int(batch.pooling_mode), int(batch.max_D), total_rows,
-            vec, even_d, *hp.kernel_scalars())
+            vec, even_d, *hp.kernel_scalars(), step)
     if batch.cache_locations is None:
         _call(_backward_op, _backward_impl, weights, accum, linear, nonfinite_rows, *args)
     else:
         _call(_backward_cached_op, _backward_cached_impl, weights, accum, linear, nonfinite_rows,
-              batch.cache_weights, batch.cache_states, batch.cache_locations, *args)
+              batch.cache_weights, batch.cache_states[0], batch.cache_states[1],
+              batch.cache_locations, *args)
 
 
 def repair_offsets(offsets: torch.Tensor, num_indices: int, warn: torch.Tensor) -> torch.Tensor:

@@ -40,7 +40,12 @@ tile tickets and published counts / maxima of the single-pass scans in the mark 
 offsets repair (exact whatever the order).
 
 The FTRL lines are the twin of :func:`torchrec_ftrl.rule.ftrl_rule` (``docs/ftrl.md``): accum uses the raw gradient; ``z`` uses the OLD weight;
-the exact zero comes from a branch; states are fp32 and the weight is stored in its own dtype. The
+the exact zero comes from a branch; the math is fp32 and the weight is stored in its own dtype. A
+state is fp32 or bf16 (constexprs ``N_BF16`` / ``Z_BF16``; with both False the kernels are the fp32
+ones): a bf16 state loads exactly into fp32 and is stored with stochastic rounding,
+:func:`store_state` (the uint32 twin of :func:`torchrec_ftrl.state_dtype.sr_bits` and
+``round_bf16_stochastic``, keyed by the row key, the column, the step read from the TBE's ``iter``
+buffer on the device, and the state), so a CUDA-graph replay rounds with its own step. The
 arithmetic is rearranged for speed, not bitwise equal to the CPU kernel (both agree with the float64
 reference within the tests' tolerances): with ``p == -0.5``,
 ``sigma = g^2 / (sqrt(n_new) + sqrt(n)) / lr`` (equal to ``(sqrt(n_new) - sqrt(n)) / lr`` without its
@@ -278,21 +283,68 @@ def row_pointers(w_ptr, n_ptr, z_ptr, roff, cw_ptr, cn_ptr, cz_ptr, loc, cache_s
 
 @triton.jit
 def load_states(wp, np_, zp, m):
-    """Load ``(w fp32, n (accum), z (linear))`` at the pointer blocks of :func:`row_pointers`,
-    elements ``m``."""
+    """Load ``(w, n (accum), z (linear))`` in fp32 at the pointer blocks of :func:`row_pointers`,
+    elements ``m`` (bf16 states upcast exactly; fp32 ones as stored)."""
     w = tl.load(wp, mask=m, other=0.0).to(tl.float32)
-    z = tl.load(zp, mask=m, other=0.0)
-    n = tl.load(np_, mask=m, other=0.0)
+    z = tl.load(zp, mask=m, other=0.0).to(tl.float32)
+    n = tl.load(np_, mask=m, other=0.0).to(tl.float32)
     return w, n, z
 
 
 @triton.jit
+def _lowbias32(x):
+    """lowbias32 (C. Wellons) on uint32 ``x``: wrapping multiplies, logical shifts."""
+    x = x ^ (x >> 16)
+    x = x * tl.full([], 0x7FEB352D, tl.uint32)
+    x = x ^ (x >> 15)
+    x = x * tl.full([], 0x846CA68B, tl.uint32)
+    x = x ^ (x >> 16)
+    return x
+
+
+@triton.jit
+def sr_row_hash(key, step_ptr, STATE: tl.constexpr):
+    """uint32 ``[R]``: the first two lines of :func:`torchrec_ftrl.state_dtype.sr_bits` for row keys
+    ``key`` (int32/int64 ``[R]``) at the step ``step_ptr[0]`` (int64, the TBE's ``iter``)."""
+    step = tl.load(step_ptr).to(tl.uint32)          # mod 2^32
+    seed = _lowbias32(step * tl.full([], 0x9E3779B9, tl.uint32) + tl.full([], STATE, tl.uint32))
+    k = key.to(tl.int64)
+    return _lowbias32(seed ^ k.to(tl.uint32) ^ (k >> 32).to(tl.uint32))
+
+
+@triton.jit
+def round_bf16_sr(x, bits):
+    """fp32 ``x`` to bf16 with the 16 random ``bits`` (uint32, broadcastable), bit for bit
+    :func:`torchrec_ftrl.state_dtype.round_bf16_stochastic`: finite values add the bits to the bit
+    pattern and truncate, Inf truncates, a NaN gets its quiet bit, then truncates."""
+    u = x.to(tl.uint32, bitcast=True)
+    finite = (u & 0x7F800000) != 0x7F800000
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    r = tl.where(finite, u + bits, tl.where(nan, u | 0x00400000, u))
+    return (r >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def store_state(ptr, x, m, key, cols, step_ptr, STATE: tl.constexpr, BF16: tl.constexpr):
+    """Store fp32 ``x`` ``[R, BLOCK_D]`` (elements ``m``) at ``ptr``: as is for an fp32 state; for a
+    bf16 one stochastically rounded by ``sr_bits(key[r], cols[c], step_ptr[0], STATE)``."""
+    if BF16:
+        h = sr_row_hash(key, step_ptr, STATE)
+        bits = _lowbias32(h[:, None] ^ cols.to(tl.uint32)[None, :]) >> 16
+        tl.store(ptr, round_bf16_sr(x, bits), mask=m, cache_modifier=".cs")
+    else:
+        tl.store(ptr, x, mask=m, cache_modifier=".cs")
+
+
+@triton.jit
 def ftrl_update_store(wp, np_, zp, nonfinite_ptr, w, n, z, m, rmask, g,
-                      lr, l1, l2_eff, beta, shrink2, neg_p,
-                      POW_HALF: tl.constexpr, HAS_SHRINK: tl.constexpr, LIBDEVICE_POW: tl.constexpr):
+                      lr, l1, l2_eff, beta, shrink2, neg_p, key, cols, step_ptr,
+                      POW_HALF: tl.constexpr, HAS_SHRINK: tl.constexpr, LIBDEVICE_POW: tl.constexpr,
+                      N_BF16: tl.constexpr, Z_BF16: tl.constexpr):
     """One FTRL step (the twin of torchrec_ftrl.rule.ftrl_rule) of rows ``rmask`` ``[R]`` with summed gradients ``g``
-    ``[R, BLOCK_D]`` and their loaded states; rows whose gradient has a NaN/Inf are not stored and
-    are counted in ``nonfinite_ptr``."""
+    ``[R, BLOCK_D]`` and their loaded states (fp32); rows whose gradient has a NaN/Inf are not stored
+    and are counted in ``nonfinite_ptr``. ``N_BF16`` / ``Z_BF16``: accum / linear stored in bf16
+    (:func:`store_state`, row keys ``key`` ``[R]``, columns ``cols``, step at ``step_ptr``)."""
     # fp32 knobs whatever the caller's scalar type (torch.compile may pass Python floats as fp64).
     lr, l1, l2_eff = tl.cast(lr, tl.float32), tl.cast(l1, tl.float32), tl.cast(l2_eff, tl.float32)
     beta, shrink2 = tl.cast(beta, tl.float32), tl.cast(shrink2, tl.float32)
@@ -331,8 +383,8 @@ def ftrl_update_store(wp, np_, zp, nonfinite_ptr, w, n, z, m, rmask, g,
                      0.0)
     # Streaming stores (.cs): the rows are not read again in this step; keeps L2 for the gradients.
     tl.store(wp, w_new.to(wp.dtype.element_ty), mask=sm, cache_modifier=".cs")
-    tl.store(zp, z_new, mask=sm, cache_modifier=".cs")
-    tl.store(np_, n_new, mask=sm, cache_modifier=".cs")
+    store_state(zp, z_new, sm, key, cols, step_ptr, 1, Z_BF16)
+    store_state(np_, n_new, sm, key, cols, step_ptr, 0, N_BF16)
 
 
 @triton.jit
@@ -363,10 +415,11 @@ def sum_gradient_rows(grad_ptr, go, sc, lm, m3c, cols, HAS_SCALE: tl.constexpr, 
 def segment_update_kernel(
     seg_ptr, count_ptr, sk_ptr, sgofs_ptr, sscale_ptr, stid_ptr, sloc_ptr, grad_ptr,
     w_ptr, n_ptr, z_ptr, cw_ptr, cn_ptr, cz_ptr, table_w_offset_ptr, table_dim_ptr, row_base_ptr,
-    part_ptr, nonfinite_ptr, N, cache_stride, lr, l1, l2_eff, beta, shrink2, neg_p,
+    part_ptr, nonfinite_ptr, step_ptr, N, cache_stride, lr, l1, l2_eff, beta, shrink2, neg_p,
     SEG: tl.constexpr, HAS_SCALE: tl.constexpr, POW_HALF: tl.constexpr, HAS_SHRINK: tl.constexpr,
     LIBDEVICE_POW: tl.constexpr, G: tl.constexpr, R: tl.constexpr, BLOCK_D: tl.constexpr,
-    VEC: tl.constexpr, EVEN_D: tl.constexpr, CACHED: tl.constexpr,
+    VEC: tl.constexpr, EVEN_D: tl.constexpr, CACHED: tl.constexpr, N_BF16: tl.constexpr,
+    Z_BF16: tl.constexpr,
 ):
     j0 = tl.program_id(0).to(tl.int64) * G
     count = tl.load(count_ptr).to(tl.int64)          # number of segments (device-side)
@@ -422,17 +475,19 @@ def segment_update_kernel(
         slot = 2 * (s // SEG) + ((s % SEG) != 0).to(tl.int64)
         tl.store(part_ptr + slot[:, None] * BLOCK_D + cols[None, :], acc, mask=partial[:, None] & m2)
         ftrl_update_store(wp, np_, zp, nonfinite_ptr, w, n, z, sm, complete, acc,
-                          lr, l1, l2_eff, beta, shrink2, neg_p, POW_HALF, HAS_SHRINK, LIBDEVICE_POW)
+                          lr, l1, l2_eff, beta, shrink2, neg_p, key, cols, step_ptr, POW_HALF,
+                          HAS_SHRINK, LIBDEVICE_POW, N_BF16, Z_BF16)
 
 
 @triton.jit
 def segment_combine_kernel(
     sk_ptr, stid_ptr, sloc_ptr, part_ptr,
     w_ptr, n_ptr, z_ptr, cw_ptr, cn_ptr, cz_ptr, table_w_offset_ptr, table_dim_ptr, row_base_ptr,
-    nonfinite_ptr, N, cache_stride, lr, l1, l2_eff, beta, shrink2, neg_p,
+    nonfinite_ptr, step_ptr, N, cache_stride, lr, l1, l2_eff, beta, shrink2, neg_p,
     SEG: tl.constexpr, CP: tl.constexpr, NB: tl.constexpr, POW_HALF: tl.constexpr,
     HAS_SHRINK: tl.constexpr, LIBDEVICE_POW: tl.constexpr, BLOCK_D: tl.constexpr,
-    VEC: tl.constexpr, EVEN_D: tl.constexpr, CACHED: tl.constexpr,
+    VEC: tl.constexpr, EVEN_D: tl.constexpr, CACHED: tl.constexpr, N_BF16: tl.constexpr,
+    Z_BF16: tl.constexpr,
 ):
     # Candidates: the CP multiples p = m * SEG (m >= 1) of this program. p is the FIRST cut of a
     # run iff key[p - SEG] == key[p] (p is a cut) and p - SEG is not a cut.
@@ -497,8 +552,9 @@ def segment_combine_kernel(
                     go = tl.sum(selj.to(tl.int32), axis=0) == NB
                     j0 += NB
                 ftrl_update_store(wp, np_, zp, nonfinite_ptr, w, n, z, sm, rmask,
-                                  acc[None, :], lr, l1, l2_eff, beta, shrink2, neg_p, POW_HALF,
-                                  HAS_SHRINK, LIBDEVICE_POW)
+                                  acc[None, :], lr, l1, l2_eff, beta, shrink2, neg_p,
+                                  kb + one * 0, cols, step_ptr, POW_HALF, HAS_SHRINK,
+                                  LIBDEVICE_POW, N_BF16, Z_BF16)
 
 
 @triton.jit

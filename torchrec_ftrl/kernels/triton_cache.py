@@ -11,6 +11,10 @@ index``; -1 marks an empty slot).
 * :func:`state_cache_follow_kernel` compares every slot's row in two snapshots and moves the states of
   each slot that changed: the flush (every slot against "empty").
 
+The states move as stored: the state caches have the dtypes of the flat ``accum`` / ``linear``
+buffers (fp32 or bf16; the kernels specialise on the pointers' dtype), so a row's bits are copied
+unchanged and a bf16 state moves half the bytes of an fp32 one.
+
 A populate evicts only rows outside the batch and inserts only rows of it, so a row never leaves one
 slot and enters another in the same populate, and slots never race on a row.
 """

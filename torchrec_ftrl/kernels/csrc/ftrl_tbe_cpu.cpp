@@ -14,6 +14,12 @@
 // contributions in fp32 in index-position order (deterministic, independent of the thread count)
 // -> skip+count rows with a NaN/Inf sum -> one FTRL update per row, states fp32, weight written back
 // in its own dtype. Scratch buffers are kept per calling thread (about 60 bytes per index) and reused.
+//
+// Compact state (torchrec_ftrl/state_dtype.py): accum and/or linear may be stored in bf16 (uint16_t
+// bit patterns here). They load exactly into fp32, the update is the same fp32 code, and a bf16 state
+// is stored with stochastic rounding: sr_bits(row key, column, step, state) below, the uint32 twin
+// of state_dtype.sr_bits, added to the fp32 bit pattern before truncation (round_bf16_sr, the twin
+// of state_dtype.round_bf16_stochastic). The fp32-state instantiations are the code as before.
 
 #include <torch/extension.h>
 
@@ -72,6 +78,50 @@ template <typename T>
 inline float to_f(T v) {
   return static_cast<float>(v);
 }
+
+// ------------------------------------------------------------------ compact (bf16) state
+
+// lowbias32 by C. Wellons (public domain); the constants of torchrec_ftrl/state_dtype.py.
+inline uint32_t lowbias32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  x ^= x >> 16;
+  return x;
+}
+
+// The per-(step, state) seed of sr_bits, then the per-row hash (state_dtype.sr_bits, first two lines).
+inline uint32_t sr_seed(uint64_t step, uint32_t state) {
+  return lowbias32(static_cast<uint32_t>(step) * 0x9E3779B9u + state);
+}
+inline uint32_t sr_row(uint32_t seed, uint64_t row_key) {
+  return lowbias32(seed ^ static_cast<uint32_t>(row_key) ^ static_cast<uint32_t>(row_key >> 32));
+}
+// 16 random bits of column `col` (state_dtype.sr_bits, last line).
+inline uint32_t sr_bits(uint32_t row_hash, uint32_t col) { return lowbias32(row_hash ^ col) >> 16; }
+
+// fp32 -> bf16 bits with the random `bits` (state_dtype.round_bf16_stochastic): finite values add
+// the bits and truncate; Inf truncates; a NaN gets its quiet bit, then truncates.
+inline uint16_t round_bf16_sr(float x, uint32_t bits) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  const bool finite = (u & 0x7F800000u) != 0x7F800000u;
+  const bool nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
+  u = finite ? u + bits : (nan ? (u | 0x00400000u) : u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline float bf16_bits_to_f(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// Storage of one state: float, or uint16_t bf16 bits when kBf16.
+template <bool kBf16>
+using StateT = std::conditional_t<kBf16, uint16_t, float>;
 
 // ------------------------------------------------------------------------------------------ forward
 
@@ -204,6 +254,7 @@ struct BackwardWorkspace {
   Scratch<int64_t> seg_start;        // [U + 1] first sorted slot of each unique row
   Scratch<int64_t> seg_off;          // [U] element offset of each unique row in weights/accum/linear
   Scratch<int32_t> seg_dim;          // [U] D of each unique row
+  Scratch<uint64_t> seg_key;         // [U] row key of each unique row (bf16 states only)
 };
 
 // ------------------------------------------------------------------------------------------ sort
@@ -285,32 +336,40 @@ inline bool all_finite(const float* __restrict__ x, int64_t D) {
   return bad == 0;
 }
 
-template <typename W, typename G, bool kSqrt>
-int64_t update_rows(W* __restrict__ weights, float* __restrict__ accum, float* __restrict__ linear,
+// kNB / kZB: accum / linear stored in bf16 (then seg_key and step feed the stochastic rounding).
+template <typename W, typename G, bool kSqrt, bool kNB = false, bool kZB = false>
+int64_t update_rows(W* __restrict__ weights, StateT<kNB>* __restrict__ accum,
+                    StateT<kZB>* __restrict__ linear,
                     const G* __restrict__ grad, const int64_t* __restrict__ src,
                     const float* __restrict__ scale,
                     const int64_t* __restrict__ seg_start, const int64_t* __restrict__ seg_off,
                     const int32_t* __restrict__ seg_dim, int64_t num_seg, int64_t max_D,
-                    const FtrlHp& hp) {
+                    const FtrlHp& hp, const uint64_t* __restrict__ seg_key = nullptr,
+                    uint64_t step = 0) {
+  constexpr bool kCompact = kNB || kZB;
   constexpr int64_t kAhead = 4;  // rows prefetched ahead
   std::atomic<int64_t> nonfinite{0};
   at::parallel_for(0, num_seg, 64, [&](int64_t s0, int64_t s1) {
-    std::vector<float> buf(static_cast<size_t>(2 * max_D));
+    std::vector<float> buf(static_cast<size_t>((kCompact ? 4 : 2) * max_D));
     float* __restrict__ gsum = buf.data();
     float* __restrict__ wf = buf.data() + max_D;
+    float* __restrict__ nf = kCompact ? buf.data() + 2 * max_D : nullptr;  // fp32 accum, linear
+    float* __restrict__ zf = kCompact ? buf.data() + 3 * max_D : nullptr;
+    const uint32_t seed_n = kCompact ? sr_seed(step, 0) : 0u;
+    const uint32_t seed_z = kCompact ? sr_seed(step, 1) : 0u;
     int64_t local_bad = 0;
     for (int64_t s = s0; s < std::min(s1, s0 + kAhead); ++s) {
       prefetch_row(weights + seg_off[s], seg_dim[s] * int64_t(sizeof(W)));
-      prefetch_row(accum + seg_off[s], seg_dim[s] * 4);
-      prefetch_row(linear + seg_off[s], seg_dim[s] * 4);
+      prefetch_row(accum + seg_off[s], seg_dim[s] * int64_t(sizeof(StateT<kNB>)));
+      prefetch_row(linear + seg_off[s], seg_dim[s] * int64_t(sizeof(StateT<kZB>)));
     }
     for (int64_t s = s0; s < s1; ++s) {
       if (s + kAhead < s1) {
         const int64_t o = seg_off[s + kAhead];
         const int64_t bytes = seg_dim[s + kAhead];
         prefetch_row(weights + o, bytes * int64_t(sizeof(W)));
-        prefetch_row(accum + o, bytes * 4);
-        prefetch_row(linear + o, bytes * 4);
+        prefetch_row(accum + o, bytes * int64_t(sizeof(StateT<kNB>)));
+        prefetch_row(linear + o, bytes * int64_t(sizeof(StateT<kZB>)));
       }
       const int64_t D = seg_dim[s];
       std::fill(gsum, gsum + D, 0.0f);
@@ -329,8 +388,34 @@ int64_t update_rows(W* __restrict__ weights, float* __restrict__ accum, float* _
       }
       const int64_t off = seg_off[s];
       W* __restrict__ w = weights + off;
-      float* __restrict__ n = accum + off;
-      float* __restrict__ z = linear + off;
+      if constexpr (kCompact) {
+        // Load (exact upcast), the same fp32 update, store: bf16 states stochastically rounded.
+        StateT<kNB>* __restrict__ n = accum + off;
+        StateT<kZB>* __restrict__ z = linear + off;
+        for (int64_t d = 0; d < D; ++d) {
+          wf[d] = to_f(w[d]);
+          if constexpr (kNB) nf[d] = bf16_bits_to_f(n[d]); else nf[d] = n[d];
+          if constexpr (kZB) zf[d] = bf16_bits_to_f(z[d]); else zf[d] = z[d];
+        }
+        for (int64_t d = 0; d < D; ++d) wf[d] = ftrl_element<kSqrt>(wf[d], gsum[d], zf[d], nf[d], hp);
+        for (int64_t d = 0; d < D; ++d) w[d] = static_cast<W>(wf[d]);
+        const uint64_t key = seg_key[s];
+        if constexpr (kNB) {
+          const uint32_t h = sr_row(seed_n, key);
+          for (int64_t d = 0; d < D; ++d) n[d] = round_bf16_sr(nf[d], sr_bits(h, uint32_t(d)));
+        } else {
+          for (int64_t d = 0; d < D; ++d) n[d] = nf[d];
+        }
+        if constexpr (kZB) {
+          const uint32_t h = sr_row(seed_z, key);
+          for (int64_t d = 0; d < D; ++d) z[d] = round_bf16_sr(zf[d], sr_bits(h, uint32_t(d)));
+        } else {
+          for (int64_t d = 0; d < D; ++d) z[d] = zf[d];
+        }
+        continue;
+      }
+      float* __restrict__ n = reinterpret_cast<float*>(accum) + off;
+      float* __restrict__ z = reinterpret_cast<float*>(linear) + off;
       if constexpr (std::is_same_v<W, float>) {
         for (int64_t d = 0; d < D; ++d) w[d] = ftrl_element<kSqrt>(w[d], gsum[d], z[d], n[d], hp);
       } else {
@@ -351,6 +436,7 @@ struct SortedIndices {
   const int64_t* seg_start = nullptr;  // [U + 1]
   const int64_t* seg_off = nullptr;    // [U] element offset of the row in weights/accum/linear
   const int32_t* seg_dim = nullptr;    // [U] its D
+  const uint64_t* seg_key = nullptr;   // [U] its row key (with want_keys), else null
   int64_t U = 0;
 };
 
@@ -363,7 +449,7 @@ SortedIndices sort_by_row(BackwardWorkspace& ws, Scratch<K>& kbuf, Scratch<K>& k
                           int64_t num_bags, const int64_t* feat_tab, const int64_t* bag_feat,
                           const int64_t* bag_out, const int64_t* off_p, const int64_t* idx_p,
                           const float* psw_p, bool mean, bool none, int64_t max_D,
-                          const int64_t* woff_p, const int64_t* dim_p) {
+                          const int64_t* woff_p, const int64_t* dim_p, bool want_keys) {
   K* keys = kbuf.get(N);
   K* keys_tmp = kbuf_tmp.get(N);
   int64_t* src = ws.src.get(N);
@@ -388,6 +474,7 @@ SortedIndices sort_by_row(BackwardWorkspace& ws, Scratch<K>& kbuf, Scratch<K>& k
   int64_t* seg_start = ws.seg_start.get(N + 1);
   int64_t* seg_off = ws.seg_off.get(N);
   int32_t* seg_dim = ws.seg_dim.get(N);
+  uint64_t* seg_key = want_keys ? ws.seg_key.get(N) : nullptr;
   int64_t U = 0;
   int64_t t = 0;
   for (int64_t j = 0; j < N; ++j) {
@@ -397,6 +484,7 @@ SortedIndices sort_by_row(BackwardWorkspace& ws, Scratch<K>& kbuf, Scratch<K>& k
       seg_start[U] = j;
       seg_off[U] = woff_p[t] + static_cast<int64_t>(key - row_base[t]) * dim_p[t];
       seg_dim[U] = static_cast<int32_t>(dim_p[t]);
+      if (seg_key != nullptr) seg_key[U] = key;
       ++U;
     }
   }
@@ -407,6 +495,7 @@ SortedIndices sort_by_row(BackwardWorkspace& ws, Scratch<K>& kbuf, Scratch<K>& k
   si.seg_start = seg_start;
   si.seg_off = seg_off;
   si.seg_dim = seg_dim;
+  si.seg_key = seg_key;
   si.U = U;
   return si;
 }
@@ -419,7 +508,7 @@ void backward_update(at::Tensor& weights, at::Tensor& accum, at::Tensor& linear,
                      const c10::optional<at::Tensor>& per_sample_weights, int64_t pooling_mode,
                      int64_t max_D, const at::Tensor& grad_out, double lr, double neg_power,
                      double l1, double l2, double beta, double shrink2,
-                     at::Tensor& nonfinite_rows) {
+                     at::Tensor& nonfinite_rows, int64_t step) {
   for (auto* p : {&table_w_offset, &table_dim, &table_rows, &feature_table, &bag_feature,
                   &bag_out_offset, &indices, &offsets}) {
     check_index_tensor(*p, "TBEBatch tensor");
@@ -427,8 +516,13 @@ void backward_update(at::Tensor& weights, at::Tensor& accum, at::Tensor& linear,
   TORCH_CHECK(weights.is_contiguous() && accum.is_contiguous() && linear.is_contiguous() &&
                   grad_out.is_contiguous(),
               "weights, accum, linear and grad_out must be contiguous");
-  TORCH_CHECK(accum.scalar_type() == at::kFloat && linear.scalar_type() == at::kFloat,
-              "accum and linear must be fp32");
+  const auto state_ok = [](const at::Tensor& t) {
+    return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16;
+  };
+  TORCH_CHECK(state_ok(accum) && state_ok(linear), "accum and linear must be fp32 or bf16, got ",
+              accum.scalar_type(), " and ", linear.scalar_type());
+  const bool nb = accum.scalar_type() == at::kBFloat16;
+  const bool zb = linear.scalar_type() == at::kBFloat16;
   TORCH_CHECK(nonfinite_rows.scalar_type() == at::kLong && nonfinite_rows.numel() == 1,
               "nonfinite_rows must be int64 [1]");
   const auto psw = check_psw(per_sample_weights, indices.numel());
@@ -455,13 +549,13 @@ void backward_update(at::Tensor& weights, at::Tensor& accum, at::Tensor& linear,
                                feature_table.data_ptr<int64_t>(), bag_feature.data_ptr<int64_t>(),
                                bag_out_offset.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(),
                                indices.data_ptr<int64_t>(), psw_p, mean,
-                               pooling_mode == kPoolNone, max_D, woff_p, dim_p);
+                               pooling_mode == kPoolNone, max_D, woff_p, dim_p, nb || zb);
   } else {
     si = sort_by_row<uint64_t>(ws, ws.keys, ws.keys_tmp, row_base, key_bits, N, num_bags,
                                feature_table.data_ptr<int64_t>(), bag_feature.data_ptr<int64_t>(),
                                bag_out_offset.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(),
                                indices.data_ptr<int64_t>(), psw_p, mean,
-                               pooling_mode == kPoolNone, max_D, woff_p, dim_p);
+                               pooling_mode == kPoolNone, max_D, woff_p, dim_p, nb || zb);
   }
   // 4. Sum + FTRL per unique row, parallel over rows.
   FtrlHp hp;
@@ -484,7 +578,27 @@ void backward_update(at::Tensor& weights, at::Tensor& accum, at::Tensor& linear,
                                         si.scale, si.seg_start, si.seg_off, si.seg_dim, si.U,
                                         max_D, hp);
       };
-      bad = use_sqrt ? run(std::true_type{}) : run(std::false_type{});
+      // bf16 state(s): the same update, states stored with stochastic rounding.
+      auto run_compact = [&](auto sqrt_tag, auto nb_tag, auto zb_tag) {
+        constexpr bool kSqrt = decltype(sqrt_tag)::value;
+        constexpr bool kNB = decltype(nb_tag)::value;
+        constexpr bool kZB = decltype(zb_tag)::value;
+        return update_rows<W, G, kSqrt, kNB, kZB>(
+            weights.data_ptr<W>(), static_cast<StateT<kNB>*>(accum.data_ptr()),
+            static_cast<StateT<kZB>*>(linear.data_ptr()), grad_out.data_ptr<G>(), si.src, si.scale,
+            si.seg_start, si.seg_off, si.seg_dim, si.U, max_D, hp, si.seg_key,
+            static_cast<uint64_t>(step));
+      };
+      auto compact = [&](auto sqrt_tag) {
+        if (nb && zb) return run_compact(sqrt_tag, std::true_type{}, std::true_type{});
+        if (nb) return run_compact(sqrt_tag, std::true_type{}, std::false_type{});
+        return run_compact(sqrt_tag, std::false_type{}, std::true_type{});
+      };
+      if (!nb && !zb) {
+        bad = use_sqrt ? run(std::true_type{}) : run(std::false_type{});
+      } else {
+        bad = use_sqrt ? compact(std::true_type{}) : compact(std::false_type{});
+      }
     });
   });
   if (bad) nonfinite_rows.add_(bad);

@@ -58,9 +58,8 @@ def ftrl_shard_storage(rows: int, cols: int, weight_bytes: int, compute_kernel: 
     """``(hbm, ddr)`` bytes of one FTRL shard of ``rows x cols`` (weights of ``weight_bytes`` bytes per
     element, ``accum`` + ``linear`` of ``state_bytes`` bytes per element together (8 for fp32 state,
     4 for bf16, :func:`torchrec_ftrl.state_dtype.state_bytes_per_element`), and any cache), as
-    :mod:`torchrec_ftrl.placement` sizes them with its fp32 state, less ``8 - state_bytes`` bytes per
-    element of the table and per element of each cache slot (the state cache holds the states in
-    their stored dtype):
+    :mod:`torchrec_ftrl.placement` sizes them (the state cache holds the states in their stored
+    dtype):
 
     * ``fused`` on CUDA: HBM ``table_bytes(DEVICE)``; any kernel on another compute device: DDR
       ``table_bytes(HOST)`` (TorchRec builds every CPU table in host memory);
@@ -82,18 +81,16 @@ def ftrl_shard_storage(rows: int, cols: int, weight_bytes: int, compute_kernel: 
     if state_bytes not in (4, 6, STATE_BYTES_PER_ELEMENT):
         raise ValueError(f"state_bytes must be 4 (bf16 accum and linear), 6 (one bf16 state) or 8 (fp32), "
                          f"got {state_bytes!r}")
-    saved = STATE_BYTES_PER_ELEMENT - state_bytes   # bytes per element below placement's fp32 sizes
-    table_saved = rows * cols * saved
     if compute_device not in _ACCELERATORS:
-        return 0, table_bytes(rows, cols, weight_bytes, EmbeddingLocation.HOST) - table_saved
+        return 0, table_bytes(rows, cols, weight_bytes, EmbeddingLocation.HOST, state_bytes)
     if compute_kernel == _FUSED:
-        return table_bytes(rows, cols, weight_bytes, EmbeddingLocation.DEVICE) - table_saved, 0
+        return table_bytes(rows, cols, weight_bytes, EmbeddingLocation.DEVICE, state_bytes), 0
     if compute_kernel == _UVM:
-        return 0, table_bytes(rows, cols, weight_bytes, EmbeddingLocation.MANAGED) - table_saved
+        return 0, table_bytes(rows, cols, weight_bytes, EmbeddingLocation.MANAGED, state_bytes)
     slots = cache_slots(rows, load_factor, cache_sets)
-    return (cache_bytes(rows, cols, slots, lfu, cache_weight_bytes=weight_bytes, lock_lines=lock_lines)
-            - slots * cols * saved,
-            table_bytes(rows, cols, weight_bytes, EmbeddingLocation.MANAGED_CACHING) - table_saved)
+    return (cache_bytes(rows, cols, slots, lfu, cache_weight_bytes=weight_bytes, lock_lines=lock_lines,
+                        state_bytes=state_bytes),
+            table_bytes(rows, cols, weight_bytes, EmbeddingLocation.MANAGED_CACHING, state_bytes))
 
 
 def _sharder_entry(option, sharder_map):

@@ -122,6 +122,9 @@ def _run(args, env, fused_params, rank0) -> dict:
         meta = checkpoint.load(path, dmp, opt, extra=extra)
         tracker.load_state_dict(extra)
         start_step = int(meta["step"])
+        # TorchRec does not checkpoint a TBE's step counter (one per training step); bf16 FTRL state
+        # rounds with it, so the resumed run rounds as the uninterrupted one.
+        dmp.fused_optimizer.set_optimizer_step(start_step)
         if start_step > steps:
             raise checkpoint.CheckpointError(
                 f"--resume: the run ends at step {steps} (--steps / --epochs), before the step of the "

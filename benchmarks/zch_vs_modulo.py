@@ -41,7 +41,7 @@ def main() -> None:
                                  str(a.batch_size), "--num-embeddings", str(size), "--seed", str(seed),
                                  "--sparse-optimizer", opt, *(["--zch"] if zch else [])]
                         r = run_job(flags, tmp, f"run{len(runs)}")
-                        r.update(size=size, optimizer=opt, zch=zch, seed=seed)
+                        r.update(size=size, optimizer=opt, managed_collision=zch, seed=seed)
                         runs.append(r)
                         print(f"size {size} {opt} {'zch' if zch else 'modulo'} seed {seed}: "
                               f"AUC {r['auc']:.4f} logloss {r['logloss']:.4f}", flush=True)
@@ -50,7 +50,7 @@ def main() -> None:
     for size in a.sizes:
         for opt in a.optimizers:
             for zch in (False, True):
-                rs = [r for r in runs if (r["size"], r["optimizer"], r["zch"]) == (size, opt, zch)]
+                rs = [r for r in runs if (r["size"], r["optimizer"], r["managed_collision"]) == (size, opt, zch)]
                 auc = [r["auc"] for r in rs]
                 reset = f"{statistics.mean(r['zch']['reset_slots'] for r in rs):.0f}" if zch else "-"
                 rows.append(f"| {size:,} | {opt} | {'managed collision' if zch else 'modulo'} | "

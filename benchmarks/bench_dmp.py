@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """DMP benchmark: the sparse step of an EmbeddingBagCollection under DistributedModelParallel, ours
-(fused FTRL) side by side with FBGEMM's fused ADAM, EXACT_ROWWISE_ADAGRAD and EXACT_SGD.
+(fused FTRL, fp32 and bf16 state) side by side with FBGEMM's fused EXACT_ROWWISE_ADAGRAD, ADAM and
+EXACT_SGD.
 
 One process per GPU (1 GPU: run the script directly; more: torchrun or torchx ``dist.ddp``), e.g.
 
@@ -11,7 +12,8 @@ One process per GPU (1 GPU: run the script directly; more: torchrun or torchx ``
 Each process builds an ``EmbeddingBagCollection`` of ``--tables`` (8) tables of ``--rows``
 (2,000,000) x ``--dim`` (128), fp32, on the meta device; TorchRec's planner places it with the
 given sharding type and the ``fused`` compute kernel, and DMP shards it with the optimizer's
-sharders: ``ftrl`` through ``torchrec_ftrl.sharders(fused_params)`` (ours), ``adam`` /
+sharders: ``ftrl`` through ``torchrec_ftrl.sharders(fused_params)`` (ours), ``ftrl_bf16`` the same
+with ``"optimizer_state_dtypes": {"accum": BF16, "linear": BF16}`` in its ``fused_params``, ``adam`` /
 ``rowwise_adagrad`` / ``sgd`` through TorchRec's stock ``EmbeddingBagCollectionSharder`` with
 FBGEMM's ``ADAM`` / ``EXACT_ROWWISE_ADAGRAD`` / ``EXACT_SGD`` in its ``fused_params``. Batches of
 ``--batch`` (8,192) samples per process with ``--pooling`` (20) uniform ids per bag are built as
@@ -50,11 +52,12 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
-OPTIMIZERS = ("ftrl", "adam", "rowwise_adagrad", "sgd")
+OPTIMIZERS = ("ftrl", "ftrl_bf16", "rowwise_adagrad", "adam", "sgd")
+OURS = ("ftrl", "ftrl_bf16")   # through torchrec_ftrl.sharders
 SHARDINGS = ("table_wise", "row_wise", "table_row_wise", "column_wise")
 MODES = ("throughput", "latency")
-LABELS = {"ftrl": "torchrec_ftrl FTRL (ours)", "adam": "FBGEMM ADAM",
-          "rowwise_adagrad": "FBGEMM EXACT_ROWWISE_ADAGRAD", "sgd": "FBGEMM EXACT_SGD"}
+LABELS = {"ftrl": "torchrec_ftrl FTRL (ours)", "ftrl_bf16": "torchrec_ftrl FTRL, bf16 state (ours)",
+          "rowwise_adagrad": "FBGEMM EXACT_ROWWISE_ADAGRAD", "adam": "FBGEMM ADAM", "sgd": "FBGEMM EXACT_SGD"}
 
 # Profiler attribution (see breakdown()). Host ranges of our TBE: the autograd Function's forward
 # (recorded under the class name by torch's Function.apply) and its backward node.
@@ -141,11 +144,14 @@ def init(device_choice):
 
 
 def fused_params(optimizer, lr):
-    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
 
     import torchrec_ftrl  # noqa: F401  (registers EmbOptimType.FTRL)
-    if optimizer == "ftrl":
-        return {"optimizer": EmbOptimType.FTRL, "learning_rate": lr, "ftrl_l1_reg": 1e-4, "ftrl_beta": 1.0}
+    if optimizer in OURS:
+        fp = {"optimizer": EmbOptimType.FTRL, "learning_rate": lr, "ftrl_l1_reg": 1e-4, "ftrl_beta": 1.0}
+        if optimizer == "ftrl_bf16":
+            fp["optimizer_state_dtypes"] = {"accum": SparseType.BF16, "linear": SparseType.BF16}
+        return fp
     opt = {"adam": EmbOptimType.ADAM, "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
            "sgd": EmbOptimType.EXACT_SGD}[optimizer]
     fp = {"optimizer": opt, "learning_rate": lr}
@@ -155,11 +161,12 @@ def fused_params(optimizer, lr):
 
 
 def make_sharders(optimizer, lr):
-    """Ours: ``torchrec_ftrl.sharders``; the baselines: TorchRec's stock EBC sharder."""
+    """Ours: ``torchrec_ftrl.sharders`` (which makes ``optimizer_state_dtypes`` hashable); the
+    baselines: TorchRec's stock EBC sharder."""
     import torchrec_ftrl
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     fp = fused_params(optimizer, lr)
-    if optimizer == "ftrl":
+    if optimizer in OURS:
         return torchrec_ftrl.sharders(fp)
     return [EmbeddingBagCollectionSharder(fused_params=fp)]
 
@@ -421,8 +428,8 @@ def markdown(meta, rows):
           f"{meta['steps']} steps back to back, one sync; latency: median of {meta['latency_steps']} "
           f"steps, barrier + sync around each, the slowest rank; {meta['warmup']} warm-up steps. "
           f"\"vs X\" = X's ms / this row's ms.", "",
-          "| optimizer | sharding | throughput ms / step | examples/s | vs ADAM | vs ROWWISE_ADAGRAD | "
-          "latency ms (median) | vs ADAM | vs ROWWISE_ADAGRAD |",
+          "| optimizer | sharding | throughput ms / step | examples/s | vs ROWWISE_ADAGRAD | vs ADAM | "
+          "latency ms (median) | vs ROWWISE_ADAGRAD | vs ADAM |",
           "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     by = {(r["optimizer"], r["sharding"]): r for r in rows}
 
@@ -469,9 +476,9 @@ def _row_md(r, tp, lat, ratio):
     tps = f"{tp:.3f}" if tp else "–"
     exs = f"{r['examples_per_s']:,.0f}" if tp else "–"
     lats = f"{lat:.3f}" if lat else "–"
-    return (f"| {LABELS[r['optimizer']]} | {r['sharding']} | {tps} | {exs} | {ratio(r, 'adam', 'throughput_ms')} | "
-            f"{ratio(r, 'rowwise_adagrad', 'throughput_ms')} | {lats} | {ratio(r, 'adam', 'latency_ms_median')} | "
-            f"{ratio(r, 'rowwise_adagrad', 'latency_ms_median')} |")
+    return (f"| {LABELS[r['optimizer']]} | {r['sharding']} | {tps} | {exs} | "
+            f"{ratio(r, 'rowwise_adagrad', 'throughput_ms')} | {ratio(r, 'adam', 'throughput_ms')} | {lats} | "
+            f"{ratio(r, 'rowwise_adagrad', 'latency_ms_median')} | {ratio(r, 'adam', 'latency_ms_median')} |")
 
 
 def plan_info(plan):
@@ -574,7 +581,7 @@ def main(argv=None) -> None:
                 if args.profile:
                     t0 = time.perf_counter()
                     events = profile_config(step, batches, args.profile_steps, device)
-                    tbe = "ours" if optimizer == "ftrl" else "fbgemm"
+                    tbe = "ours" if optimizer in OURS else "fbgemm"
                     mine = breakdown(events, args.profile_steps, tbe)
                     del events
                     gathered = [None] * world

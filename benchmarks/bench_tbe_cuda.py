@@ -1,10 +1,11 @@
 """CUDA benchmark of one TBE training step (forward + backward with the fused optimizer update).
 
-Compares ``torchrec_ftrl.FTRLTableBatchedEmbeddingBags`` (Triton backend, fused FTRL) with FBGEMM's
-CUDA TBE (``SplitTableBatchedEmbeddingBagsCodegen``, location DEVICE, compute CUDA) under ADAM (also
-with row-wise bias correction: plain ADAM fails with fp16 weights in fbgemm_gpu 1.6.0),
-EXACT_ROWWISE_ADAGRAD and EXACT_SGD, and with an eager baseline (``nn.EmbeddingBag(sparse=True)`` per
-table + ``torchrec_ftrl.FTRL`` on the sparse gradients), side by side in one process.
+Compares ``torchrec_ftrl.FTRLTableBatchedEmbeddingBags`` (Triton backend, fused FTRL; fp32 state and
+bf16 state, ``optimizer_state_dtypes``) with FBGEMM's CUDA TBE (``SplitTableBatchedEmbeddingBagsCodegen``,
+location DEVICE, compute CUDA) under EXACT_ROWWISE_ADAGRAD, ADAM (also with row-wise bias correction:
+plain ADAM fails with fp16 weights in fbgemm_gpu 1.6.0) and EXACT_SGD, and with an eager baseline
+(``nn.EmbeddingBag(sparse=True)`` per table + ``torchrec_ftrl.FTRL`` on the sparse gradients), side by
+side in one process; ``--methods`` picks a subset.
 
 Shapes: T=32 tables, E=100000 rows, B=8192, L=20 indices per bag (fixed), SUM pooling; D=128, 64,
 256 in fp32 and D=128 with fp16 weights; indices uniform or Zipf(1.15) (ranks scattered by a random
@@ -20,8 +21,8 @@ besides step and kernel time it reports the run-length histogram of the batch (t
 rows looked up once, 2-3, 4-31 and >= 32 times) and the kernel time per unique row. Writes
 ``DIR/bench_tbe_cuda_production.md`` / ``.json``.
 
-Usage: python benchmarks/bench_tbe_cuda.py [--suite default|production] [--out DIR] [--tune]
-       [--tune-forward] [--quick]
+Usage: python benchmarks/bench_tbe_cuda.py [--suite default|production] [--methods M,...] [--out DIR]
+       [--tune] [--tune-forward] [--quick]
 """
 
 from __future__ import annotations
@@ -42,10 +43,12 @@ import torchrec_ftrl
 from torchrec_ftrl import FTRLTableBatchedEmbeddingBags
 from torchrec_ftrl.kernels import triton_backend
 from torchrec_ftrl.fbgemm_enums import BoundsCheckMode, EmbOptimType, PoolingMode, SparseType
+from torchrec_ftrl.state_dtype import parse_state_dtypes, state_bytes_per_element as _state_bytes
 
 FTRL_KW = dict(learning_rate=0.05, ftrl_l1_reg=1e-4, ftrl_l2_reg=1e-4, ftrl_beta=1.0)
 LABELS = {
     "ours": "torchrec_ftrl FTRL (Triton)",
+    "ours_bf16": "torchrec_ftrl FTRL (Triton), bf16 state",
     "ours_ignore": "torchrec_ftrl FTRL (Triton), bounds check IGNORE",
     "fbgemm_adam": "FBGEMM ADAM",
     "fbgemm_adam_rbc": "FBGEMM ADAM, row-wise bias correction",
@@ -55,6 +58,19 @@ LABELS = {
 }
 FB_OPT = {"fbgemm_adam": "ADAM", "fbgemm_adam_rbc": "ADAM",
           "fbgemm_rowwise_adagrad": "EXACT_ROWWISE_ADAGRAD", "fbgemm_sgd": "EXACT_SGD"}
+BF16_STATE = {"accum": SparseType.BF16, "linear": SparseType.BF16}
+# Ours: the TBE's optimizer_state_dtypes and bounds_check_mode of each method.
+OURS = {"ours": (None, BoundsCheckMode.WARNING), "ours_bf16": (BF16_STATE, BoundsCheckMode.WARNING),
+        "ours_ignore": (None, BoundsCheckMode.IGNORE)}
+# Optimizer state of each method: (bytes per weight element, bytes per row). Ours from its state
+# dtypes (accum + linear: 8 fp32, 4 bf16); the eager baseline's FTRL and ADAM's m + v are fp32; ADAM
+# rbc adds a per-row fp32 step counter; row-wise Adagrad keeps one fp32 per row; SGD none.
+STATE_BYTES = {**{m: (_state_bytes(parse_state_dtypes(sd)), 0) for m, (sd, _) in OURS.items()},
+               "eager": (8, 0), "fbgemm_adam": (8, 0), "fbgemm_adam_rbc": (8, 4),
+               "fbgemm_rowwise_adagrad": (0, 4), "fbgemm_sgd": (0, 0)}
+DEFAULT_METHODS = ("ours", "ours_bf16", "ours_ignore", "fbgemm_rowwise_adagrad", "fbgemm_adam", "fbgemm_adam_rbc",
+                   "fbgemm_sgd", "eager")
+HOST_FLOOR_METHODS = ("ours", "ours_bf16", "fbgemm_adam", "fbgemm_sgd")
 
 
 def make_batches(T, E, B, L, dist, n, zipf_a=1.15, seed=0):
@@ -107,23 +123,31 @@ def bytes_model(method, N, U, T, B, D, wbytes):
 
     Forward: the N indices once (8 B each), each of the U unique rows' weight once, the T*B pooled
     fp32 outputs written. Backward: the T*B fp32 output gradients read once; per unique row its
-    weight read again and written, and its optimizer state read and written."""
+    weight read again and written, and its optimizer state read and written (``state_bytes_per_row``:
+    the method's own state bytes, e.g. ours with bf16 state half of ours with fp32 state)."""
     fwd = N * 8 + U * D * wbytes + T * B * D * 4
     bwd = T * B * D * 4 + U * (2 * D * wbytes + 2 * state_bytes_per_row(method, D))  # state read + written
     return fwd, bwd
 
 
+def state_bytes_per_element(method):
+    """Optimizer state bytes per weight element of ``method`` (``STATE_BYTES``)."""
+    return STATE_BYTES[method][0]
+
+
 def state_bytes_per_row(method, D):
-    """Optimizer state bytes per row of ``method``: FTRL accum + linear (ours, and the eager
-    baseline) and ADAM m + v (fp32, 8*D), ADAM rbc's per-row step counter (+4), row-wise Adagrad's
-    one fp32 (4), SGD none."""
-    return {"ours": 8 * D, "ours_ignore": 8 * D, "eager": 8 * D, "fbgemm_adam": 8 * D,
-            "fbgemm_adam_rbc": 8 * D + 4, "fbgemm_rowwise_adagrad": 4, "fbgemm_sgd": 0}[method]
+    """Optimizer state bytes per row of ``method`` at dim ``D`` (``STATE_BYTES``): e.g. FTRL with fp32
+    state 8*D, with bf16 state 4*D, row-wise Adagrad 4, SGD 0."""
+    per_element, per_row = STATE_BYTES[method]
+    return per_element * D + per_row
 
 
-def build_ours(T, E, D, precision, bounds=BoundsCheckMode.WARNING):
+def build_ours(T, E, D, precision, method="ours"):
+    """Our TBE for ``method`` (a key of ``OURS``: its state dtypes and bounds check mode)."""
+    state_dtypes, bounds = OURS[method]
     return FTRLTableBatchedEmbeddingBags([(E, D)] * T, device="cuda", weights_precision=precision,
-                                         bounds_check_mode=bounds, **FTRL_KW)
+                                         bounds_check_mode=bounds, optimizer_state_dtypes=state_dtypes,
+                                         **FTRL_KW)
 
 
 def build_fbgemm(T, E, D, precision, method):
@@ -225,13 +249,13 @@ def tune_forward(T, E, B, L, batches_by_dist, log):
         del m
 
 
-def profile_step(step, batches, log):
+def profile_step(step, batches, log, method="ours"):
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for i in range(3):
             step(*batches[i % len(batches)])
         torch.cuda.synchronize()
-    log("kernel times of 3 steps of ours:\n" + prof.key_averages().table(
+    log(f"kernel times of 3 steps of {method}:\n" + prof.key_averages().table(
         sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
 
 
@@ -265,7 +289,7 @@ def host_floor_ms(step, batches, n=50):
 # ======================================================================== --suite production
 
 PROD_B = 16384                       # bags per table per step
-PROD_METHODS = ("ours", "fbgemm_adam", "fbgemm_rowwise_adagrad", "fbgemm_sgd")
+PROD_METHODS = ("ours", "ours_bf16", "fbgemm_rowwise_adagrad", "fbgemm_adam", "fbgemm_sgd")
 RUN_BINS = ((1, 1, "1"), (2, 3, "2-3"), (4, 31, "4-31"), (32, None, ">=32"))
 # Per-lookup device scratch of one training step (row keys, sort keys and positions, sorted copies
 # of offsets / factors / tables, segment starts, CUB's temporary storage; FBGEMM's backward keeps
@@ -414,37 +438,58 @@ def production_markdown(meta, rows):
                   f"{100 * rs['4-31']:.1f}% | {100 * rs['>=32']:.2f}% | "
                   f"{100 * r['lookups_share']['>=32']:.1f}% | {r['max_run']:,} |")
     md += ["", "Step time (ms). \"kernel ms\": ours' device time per step (torch.profiler, 3 steps); "
-           "\"ns / U\": that kernel time per unique row. \"vs X\" = X ms / ours ms; where plain ADAM "
-           "fails (fp16 weights in fbgemm_gpu 1.6.0) the ADAM column is ADAM with row-wise bias "
+           "\"ns / U\": that kernel time per unique row; \"bf16\": ours with bf16 accum and linear "
+           "(`optimizer_state_dtypes`). \"X vs RW Adagrad\" = EXACT_ROWWISE_ADAGRAD ms / X ms. Where plain "
+           "ADAM fails (fp16 weights in fbgemm_gpu 1.6.0) the ADAM columns are ADAM with row-wise bias "
            "correction (marked *).", "",
-           "| table | L | ids | ours ms | kernel ms | ns / U | FBGEMM ADAM ms | vs ADAM | ROWWISE_ADAGRAD ms | vs RW Adagrad | SGD ms | vs SGD |",
-           "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "| table | L | ids | ours ms | kernel ms | ns / U | bf16 ms | bf16 kernel ms | bf16 ns / U | "
+           "ROWWISE_ADAGRAD ms | FBGEMM ADAM ms | SGD ms | ours vs RW Adagrad | bf16 vs RW Adagrad | "
+           "ADAM vs RW Adagrad | SGD vs RW Adagrad |",
+           "|---|---:|---|" + "---:|" * 13]
 
-    def cell(r, m, ratio=True):
-        o, x = r["ms"].get("ours"), r["ms"].get(m)
+    def ms_cell(r, m):
+        x = r["ms"].get(m)
         if x is None:
             return "fails" if m in r["errors"] else "–"
-        if not ratio:
-            return f"{x:.3f}"
-        return f"{x / o:.2f}x" if o else "–"
+        return f"{x:.3f}"
 
+    def ratio(r, m, base):   # base ms / m ms
+        x, b = r["ms"].get(m), r["ms"].get(base)
+        return f"{b / x:.2f}x" if x and b else "–"
+
+    def kernel_cells(r, m):
+        k = r["device_ms"].get(m)
+        return (f"{k:.3f}", f"{k * 1e6 / r['unique_rows']:.2f}") if k else ("–", "–")
+
+    def adam_of(r):
+        return "fbgemm_adam_rbc" if "fbgemm_adam" not in r["ms"] and "fbgemm_adam_rbc" in r["ms"] \
+            else "fbgemm_adam"
+
+    rwa = "fbgemm_rowwise_adagrad"
     for r in done:
-        adam = "fbgemm_adam" if "fbgemm_adam" in r["ms"] else (
-            "fbgemm_adam_rbc" if "fbgemm_adam_rbc" in r["ms"] else "fbgemm_adam")
+        adam = adam_of(r)
         star = "*" if adam == "fbgemm_adam_rbc" else ""
-        k = r["device_ms"].get("ours")
-        ours = f"{r['ms']['ours']:.3f}" if "ours" in r["ms"] else ("fails" if "ours" in r["errors"] else "–")
-        kern = f"{k:.3f}" if k else "–"
-        per_u = f"{k * 1e6 / r['unique_rows']:.2f}" if k else "–"
-        md.append(f"| {r['table']} | {r['L']} | {r['ids']} | {ours} | {kern} | {per_u} | "
-                  f"{cell(r, adam, False)}{star} | {cell(r, adam)}{star} | "
-                  f"{cell(r, 'fbgemm_rowwise_adagrad', False)} | {cell(r, 'fbgemm_rowwise_adagrad')} | "
-                  f"{cell(r, 'fbgemm_sgd', False)} | {cell(r, 'fbgemm_sgd')} |")
-    md += ["", "Compulsory traffic (benchmarks/README.md, `bytes_model()`) per time, as a share of the "
-           "measured copy bandwidth and (after the slash) of the H200's 4.8 TB/s; ours by kernel time "
-           "and by step time, the baselines by step time.", "",
-           "| table | L | ids | GB / step (ours) | ours, kernel | ours, step | FBGEMM ADAM | ROWWISE_ADAGRAD | SGD |",
-           "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+        md.append(f"| {r['table']} | {r['L']} | {r['ids']} | {ms_cell(r, 'ours')} | "
+                  f"{' | '.join(kernel_cells(r, 'ours'))} | {ms_cell(r, 'ours_bf16')} | "
+                  f"{' | '.join(kernel_cells(r, 'ours_bf16'))} | {ms_cell(r, rwa)} | {ms_cell(r, adam)}{star} | "
+                  f"{ms_cell(r, 'fbgemm_sgd')} | {ratio(r, 'ours', rwa)} | {ratio(r, 'ours_bf16', rwa)} | "
+                  f"{ratio(r, adam, rwa)}{star} | {ratio(r, 'fbgemm_sgd', rwa)} |")
+    md += ["", "Speed-up of ours (fp32 state, bf16 state) over the other baselines (X ms / ours ms), and of "
+           "bf16 state over fp32 state (ours ms / bf16 ms).", "",
+           "| table | L | ids | ours vs ADAM | ours vs SGD | bf16 vs ADAM | bf16 vs SGD | bf16 vs ours |",
+           "|---|---:|---|---:|---:|---:|---:|---:|"]
+    for r in done:
+        adam = adam_of(r)
+        star = "*" if adam == "fbgemm_adam_rbc" else ""
+        md.append(f"| {r['table']} | {r['L']} | {r['ids']} | {ratio(r, 'ours', adam)}{star} | "
+                  f"{ratio(r, 'ours', 'fbgemm_sgd')} | {ratio(r, 'ours_bf16', adam)}{star} | "
+                  f"{ratio(r, 'ours_bf16', 'fbgemm_sgd')} | {ratio(r, 'ours_bf16', 'ours')} |")
+    md += ["", "Compulsory traffic (benchmarks/README.md, `bytes_model()`: each method's own state bytes) per "
+           "time, as a share of the measured copy bandwidth and (after the slash) of the H200's 4.8 TB/s; "
+           "ours by kernel time and by step time, the baselines by step time.", "",
+           "| table | L | ids | GB / step (ours) | ours, kernel | ours, step | GB / step (bf16) | bf16, kernel | "
+           "bf16, step | ROWWISE_ADAGRAD | FBGEMM ADAM | SGD |",
+           "|---|---:|---|" + "---:|" * 9]
 
     def share(r, m, ms):
         if ms is None:
@@ -452,14 +497,15 @@ def production_markdown(meta, rows):
         _, c, h = bw_share(m, r, ms, meta["copy_bw"])
         return f"{100 * c:.0f}% / {100 * h:.0f}%"
 
+    def gb(r, m):
+        return f"{sum(bytes_model(m, r['lookups'], r['unique_rows'], r['T'], r['B'], r['D'], r['wbytes'])) / 1e9:.2f}"
+
     for r in done:
-        fb, bb = bytes_model("ours", r["lookups"], r["unique_rows"], r["T"], r["B"], r["D"], r["wbytes"])
-        adam = "fbgemm_adam" if "fbgemm_adam" in r["ms"] else "fbgemm_adam_rbc"
-        md.append(f"| {r['table']} | {r['L']} | {r['ids']} | {(fb + bb) / 1e9:.2f} | "
-                  f"{share(r, 'ours', r['device_ms'].get('ours'))} | {share(r, 'ours', r['ms'].get('ours'))} | "
-                  f"{share(r, adam, r['ms'].get(adam))} | "
-                  f"{share(r, 'fbgemm_rowwise_adagrad', r['ms'].get('fbgemm_rowwise_adagrad'))} | "
-                  f"{share(r, 'fbgemm_sgd', r['ms'].get('fbgemm_sgd'))} |")
+        adam = adam_of(r)
+        ours = " | ".join(f"{gb(r, m)} | {share(r, m, r['device_ms'].get(m))} | {share(r, m, r['ms'].get(m))}"
+                          for m in ("ours", "ours_bf16"))
+        md.append(f"| {r['table']} | {r['L']} | {r['ids']} | {ours} | {share(r, rwa, r['ms'].get(rwa))} | "
+                  f"{share(r, adam, r['ms'].get(adam))} | {share(r, 'fbgemm_sgd', r['ms'].get('fbgemm_sgd'))} |")
     md += ["", "Device memory per table (GiB): the estimate (every workload's batches + the largest "
            "method's weights and state + one step's workspace) and the measured peak allocated while "
            "each method ran (batches included).", ""]
@@ -502,8 +548,8 @@ def run_production(args) -> None:
     tiny = make_batches(8, 100_000, 64, 20, "zipf", n_batches)
     tiny_grad = torch.randn(64, 8 * 64, device="cuda")
     host_floor = {}
-    for m in ("ours", "fbgemm_adam", "fbgemm_sgd"):
-        mod = build_ours(8, 100_000, 64, SparseType.FP32) if m == "ours" else \
+    for m in (m for m in HOST_FLOOR_METHODS if m in args.method_list):
+        mod = build_ours(8, 100_000, 64, SparseType.FP32, m) if m in OURS else \
             build_fbgemm(8, 100_000, 64, SparseType.FP32, m)
         host_floor[m] = host_floor_ms(tbe_step(mod, tiny_grad), tiny)
         del mod
@@ -521,8 +567,9 @@ def run_production(args) -> None:
         shapes = [t for t in shapes if t["workloads"]]
     if args.quick:
         shapes = [dict(shapes[0], workloads=shapes[0]["workloads"][:1])]
+    prod_methods = [m for m in args.method_list if m in PROD_METHODS or m == "fbgemm_adam_rbc"]
     meta = dict(device=props.name, torch=torch.__version__, fbgemm_gpu=fbgemm_version,
-                copy_bw=bw_copy, warmup=warmup, iters=iters, batches=n_batches, B=PROD_B,
+                copy_bw=bw_copy, methods=prod_methods, warmup=warmup, iters=iters, batches=n_batches, B=PROD_B,
                 host_floor_ms=host_floor, tuning=triton_backend.TUNING, tables=tables_meta, phases_s=phases)
     os.makedirs(args.out, exist_ok=True)
 
@@ -541,7 +588,7 @@ def run_production(args) -> None:
         gc.collect()
         torch.cuda.empty_cache()
         free = torch.cuda.mem_get_info()[0]
-        est = memory_estimate(tbl, PROD_METHODS, n_batches)
+        est = memory_estimate(tbl, prod_methods, n_batches)
         tmeta = dict(name=tbl["name"], T=T, E=E, D=D, precision=tbl["precision"],
                      estimate_gib=_gib(est["peak"]), free_gib=_gib(free),
                      estimate_parts_gib=dict(batches=_gib(est["batches"]), workspace=_gib(est["workspace"]),
@@ -578,7 +625,7 @@ def run_production(args) -> None:
         torch.cuda.synchronize()
         tmeta["phases_s"]["batches + histograms"] = time.perf_counter() - t0
         phase("batches + histograms", t0)
-        methods = list(PROD_METHODS)
+        methods = list(prod_methods)
         while methods:
             m = methods.pop(0)
             gc.collect()
@@ -596,7 +643,7 @@ def run_production(args) -> None:
             mod = step = None
             try:
                 t0 = time.perf_counter()
-                mod = build_ours(T, E, D, prec) if m == "ours" else build_fbgemm(T, E, D, prec, m)
+                mod = build_ours(T, E, D, prec, m) if m in OURS else build_fbgemm(T, E, D, prec, m)
                 torch.cuda.synchronize()
                 dt = time.perf_counter() - t0
                 tmeta["phases_s"][f"build {m}"] = dt
@@ -615,7 +662,8 @@ def run_production(args) -> None:
                             if m not in r["ms"]:
                                 r["errors"][m] = err
                         log(f"    {w['name']:16s} {m} FAILED: {err}")
-                        if m == "fbgemm_adam" and prec == SparseType.FP16 and "fbgemm_adam_rbc" not in methods:
+                        if m == "fbgemm_adam" and prec == SparseType.FP16 and "fbgemm_adam_rbc" not in \
+                                prod_methods:
                             methods.insert(0, "fbgemm_adam_rbc")
                             log("    plain ADAM fails with fp16 weights: ADAM with row-wise bias "
                                 "correction stands in for it")
@@ -624,7 +672,7 @@ def run_production(args) -> None:
                     _, c, h = bw_share(m, row, ms, bw_copy)
                     msg = (f"    {w['name']:16s} {m:24s} step {ms:8.3f} ms  fwd {fwd_ms:7.3f} ms  "
                            f"traffic {100 * c:.0f}% of copy BW, {100 * h:.0f}% of 4.8 TB/s")
-                    if m == "ours":
+                    if m in OURS:
                         tp = time.perf_counter()
                         try:   # a profiler failure costs the kernel time, not the step time
                             k = device_ms(step, batches)
@@ -636,8 +684,8 @@ def run_production(args) -> None:
                                 msg += "  [kernel share above 100%: the bytes model or the timing is wrong]"
                             if args.profile and tbl["name"] == "T8_E2M_D128_fp32" and \
                                     w["name"] in ("L20_uniform", "L20_zipf1.2"):
-                                log(f"    {w['name']}:")
-                                profile_step(step, batches, log)
+                                log(f"    {w['name']}, {m}:")
+                                profile_step(step, batches, log, m)
                         except Exception as exc:  # noqa: BLE001
                             msg += f"; profiler FAILED: {type(exc).__name__}: {exc}"[:300]
                         phase("profiler", tp)
@@ -695,9 +743,18 @@ def main() -> None:
                          "L20_uniform and L20_zipf1.2)")
     ap.add_argument("--quick", action="store_true", help="first shape only (production: first workload)")
     ap.add_argument("--no-eager", action="store_true", help="skip the (slow) eager baseline")
+    ap.add_argument("--methods", default=None,
+                    help=f"comma list of methods to time (default all: {','.join(DEFAULT_METHODS)}; production: "
+                         f"{','.join(PROD_METHODS)}, and fbgemm_adam_rbc)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     production = args.suite == "production"
+    allowed = PROD_METHODS + ("fbgemm_adam_rbc",) if production else DEFAULT_METHODS
+    args.method_list = [m for m in (args.methods or ",".join(PROD_METHODS if production else DEFAULT_METHODS))
+                        .split(",") if m]
+    bad = [m for m in args.method_list if m not in allowed]
+    if bad or not args.method_list:
+        ap.error(f"--methods: {bad or args.method_list} not in {', '.join(allowed)} (suite {args.suite})")
     if args.warmup is None:
         args.warmup = 3 if production else 5
     if args.iters is None:
@@ -739,8 +796,8 @@ def main() -> None:
     tiny = make_batches(T, E, 64, L, "zipf", args.batches)
     tiny_grad = torch.randn(64, T * 64, device="cuda")
     host_floor = {}
-    for m in ("ours", "fbgemm_adam", "fbgemm_sgd"):
-        mod = build_ours(T, E, 64, SparseType.FP32) if m == "ours" else \
+    for m in (m for m in HOST_FLOOR_METHODS if m in args.method_list):
+        mod = build_ours(T, E, 64, SparseType.FP32, m) if m in OURS else \
             build_fbgemm(T, E, 64, SparseType.FP32, m)
         host_floor[m] = host_floor_ms(tbe_step(mod, tiny_grad), tiny)
         del mod
@@ -755,19 +812,16 @@ def main() -> None:
                 float(torch.unique(i.view(T, -1) + torch.arange(T, device="cuda")[:, None] * E).numel())
                 for i, _ in batches)
             wbytes = 2 if prec == SparseType.FP16 else 4
-            methods = ["ours", "ours_ignore", "fbgemm_adam", "fbgemm_adam_rbc", "fbgemm_rowwise_adagrad",
-                       "fbgemm_sgd"]
-            if D == 128 and prec == SparseType.FP32 and not args.no_eager:
-                methods.append("eager")
+            methods = [m for m in args.method_list if m != "eager" or (
+                D == 128 and prec == SparseType.FP32 and not args.no_eager)]
             row = dict(D=D, precision=prec.name, wbytes=wbytes, dist=dist, unique_rows=U, lookups=N,
                        ms={}, fwd_ms={}, device_ms={})
             log(f"[D={D} {prec.name} {dist}] N={N} lookups, U={U:.0f} unique rows")
             for m in methods:
                 try:
                     grad = torch.randn(B, T * D, device="cuda")
-                    if m.startswith("ours"):
-                        mod = build_ours(T, E, D, prec, BoundsCheckMode.IGNORE if m == "ours_ignore"
-                                         else BoundsCheckMode.WARNING)
+                    if m in OURS:
+                        mod = build_ours(T, E, D, prec, m)
                         step = tbe_step(mod, grad)
                     elif m in FB_OPT:
                         mod = build_fbgemm(T, E, D, prec, m)
@@ -783,11 +837,11 @@ def main() -> None:
                     fb, bb = bytes_model(m, N, U, T, B, D, wbytes)
                     log(f"  {m:24s} step {ms:8.3f} ms  fwd {fwd_ms:7.3f} ms  "
                         f"model {(fb + bb) / 1e9:.2f} GB -> {(fb + bb) / (ms * 1e-3) / 1e12:.2f} TB/s")
-                    if m == "ours":
+                    if m in ("ours", "ours_bf16"):
                         row["device_ms"][m] = device_ms(step, batches)
                         log(f"  {m:24s} kernel time {row['device_ms'][m]:.3f} ms per step")
-                    if args.profile and m == "ours" and D == 128 and prec == SparseType.FP32:
-                        profile_step(step, batches, log)
+                    if args.profile and m in ("ours", "ours_bf16") and D == 128 and prec == SparseType.FP32:
+                        profile_step(step, batches, log, m)
                         row_profiled = True
                     del mod, step
                 except Exception as exc:  # keep the other methods running
@@ -803,44 +857,53 @@ def main() -> None:
           f"events. Measured copy bandwidth {bw_copy / 1e12:.2f} TB/s. BW = compulsory bytes "
           f"(benchmarks/README.md) / step time. Ours uses bounds_check_mode=WARNING (FBGEMM's default) "
           f"unless marked IGNORE.", "",
-          "| D | weights | indices | unique rows | method | ms / step | fwd ms | vs FBGEMM ADAM | BW TB/s | % of copy BW | % of 4.8 TB/s |",
-          "|---:|---|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+          "| D | weights | indices | unique rows | method | ms / step | fwd ms | vs ROWWISE_ADAGRAD | vs FBGEMM ADAM | "
+          "BW TB/s | % of copy BW | % of 4.8 TB/s |",
+          "|---:|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for row in results:
-        adam = row["ms"].get("fbgemm_adam")
+        adam, rwa = row["ms"].get("fbgemm_adam"), row["ms"].get("fbgemm_rowwise_adagrad")
         for m, ms in row["ms"].items():
             fb, bb = bytes_model(m, N, row["unique_rows"], T, B, row["D"], row["wbytes"])
             bw = (fb + bb) / (ms * 1e-3)
             md.append(f"| {row['D']} | {row['precision']} | {row['dist']} | {row['unique_rows']:.0f} | "
                       f"{LABELS[m]} | {ms:.3f} | {row['fwd_ms'][m]:.3f} | "
-                      f"{f'{adam / ms:.2f}x' if adam else '–'} | {bw / 1e12:.2f} | "
+                      f"{f'{rwa / ms:.2f}x' if rwa else '–'} | {f'{adam / ms:.2f}x' if adam else '–'} | "
+                      f"{bw / 1e12:.2f} | "
                       f"{100 * bw / bw_copy:.0f}% | {100 * bw / HBM_SPEC:.0f}% |")
     md.append("")
-    md.append("Ours (WARNING): step time against kernel time (device time summed by torch.profiler; "
-              "a step above it waits on the host). Host time per step with B=64, where the GPU work "
+    md.append("Ours (WARNING; fp32 and bf16 state): step time against kernel time (device time summed by "
+              "torch.profiler; a step above it waits on the host). Host time per step with B=64, where the GPU work "
               "is negligible: " + ", ".join(f"{LABELS[m]} {v:.3f} ms" for m, v in host_floor.items())
               + ".")
     md.append("")
-    md.append("| D | weights | indices | ms / step | kernel ms / step | BW by kernel time | % of copy BW | % of 4.8 TB/s |")
-    md.append("|---:|---|---|---:|---:|---:|---:|---:|")
+    md.append("| D | weights | indices | method | ms / step | kernel ms / step | BW by kernel time | % of copy BW | "
+              "% of 4.8 TB/s |")
+    md.append("|---:|---|---|---|---:|---:|---:|---:|---:|")
     for row in results:
-        if "ours" in row["device_ms"]:
-            fb, bb = bytes_model("ours", N, row["unique_rows"], T, B, row["D"], row["wbytes"])
-            kbw = (fb + bb) / (row["device_ms"]["ours"] * 1e-3)
-            md.append(f"| {row['D']} | {row['precision']} | {row['dist']} | {row['ms']['ours']:.3f} | "
-                      f"{row['device_ms']['ours']:.3f} | {kbw / 1e12:.2f} TB/s | "
-                      f"{100 * kbw / bw_copy:.0f}% | {100 * kbw / HBM_SPEC:.0f}% |")
+        for m in ("ours", "ours_bf16"):
+            if m in row["device_ms"]:
+                fb, bb = bytes_model(m, N, row["unique_rows"], T, B, row["D"], row["wbytes"])
+                kbw = (fb + bb) / (row["device_ms"][m] * 1e-3)
+                md.append(f"| {row['D']} | {row['precision']} | {row['dist']} | {LABELS[m]} | {row['ms'][m]:.3f} | "
+                          f"{row['device_ms'][m]:.3f} | {kbw / 1e12:.2f} TB/s | "
+                          f"{100 * kbw / bw_copy:.0f}% | {100 * kbw / HBM_SPEC:.0f}% |")
     md.append("")
-    md.append("Speed-up of ours (WARNING) over each baseline (baseline ms / ours ms):")
+    md.append("Speed-up of ours (WARNING; fp32 and bf16 state) over each baseline (baseline ms / ours ms); "
+              "\"bf16 vs fp32 state\": ours ms / ours bf16 ms:")
     md.append("")
-    md.append("| D | weights | indices | vs ADAM | vs ADAM, row-wise bias corr. | vs ROWWISE_ADAGRAD | "
-              "vs SGD | vs eager |")
-    md.append("|---:|---|---|---:|---:|---:|---:|---:|")
+    md.append("| D | weights | indices | method | vs ROWWISE_ADAGRAD | vs ADAM | vs ADAM, row-wise bias corr. | "
+              "vs SGD | vs eager | bf16 vs fp32 state |")
+    md.append("|---:|---|---|---|---:|---:|---:|---:|---:|---:|")
     for row in results:
-        o = row["ms"].get("ours")
-        cell = lambda k: f"{row['ms'][k] / o:.2f}x" if o and k in row["ms"] else "-"  # noqa: E731
-        md.append(f"| {row['D']} | {row['precision']} | {row['dist']} | {cell('fbgemm_adam')} | "
-                  f"{cell('fbgemm_adam_rbc')} | {cell('fbgemm_rowwise_adagrad')} | {cell('fbgemm_sgd')} | "
-                  f"{cell('eager')} |")
+        for m in ("ours", "ours_bf16"):
+            o = row["ms"].get(m)
+            if o is None:
+                continue
+            cell = lambda k: f"{row['ms'][k] / o:.2f}x" if o and k in row["ms"] else "-"  # noqa: E731
+            md.append(f"| {row['D']} | {row['precision']} | {row['dist']} | {LABELS[m]} | "
+                      f"{cell('fbgemm_rowwise_adagrad')} | {cell('fbgemm_adam')} | {cell('fbgemm_adam_rbc')} | "
+                      f"{cell('fbgemm_sgd')} | {cell('eager')} | "
+                      f"{cell('ours') if m == 'ours_bf16' else '-'} |")
     text = "\n".join(md)
     print(text)
     os.makedirs(args.out, exist_ok=True)
@@ -848,7 +911,7 @@ def main() -> None:
         f.write(text + "\n\n```\n" + "\n".join(lines_log) + "\n```\n")
     with open(os.path.join(args.out, "bench_tbe_cuda.json"), "w") as f:
         json.dump(dict(copy_bw=bw_copy, host_floor_ms=host_floor, tuning=triton_backend.TUNING,
-                       results=results), f, indent=1)
+                       methods=args.method_list, results=results), f, indent=1)
 
 
 if __name__ == "__main__":

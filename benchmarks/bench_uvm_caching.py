@@ -1,23 +1,25 @@
 """CUDA benchmark of FTRL tables larger than the HBM cache: ``fused_uvm_caching`` (and ``fused_uvm``).
 
 One TBE training step (forward + backward with the fused optimizer update) of ours
-(``FTRLTableBatchedEmbeddingBags``) and FBGEMM's ``SplitTableBatchedEmbeddingBagsCodegen`` under ADAM
-and EXACT_ROWWISE_ADAGRAD, side by side in one process, each under the same placements: all in HBM
-(``DEVICE``), unified memory (``MANAGED``, ours only) and unified memory with an HBM cache
-(``MANAGED_CACHING``, LRU) at cache load factors 0.05, 0.2 and 1.0.
+(``FTRLTableBatchedEmbeddingBags``, fp32 state and bf16 state) and FBGEMM's
+``SplitTableBatchedEmbeddingBagsCodegen`` under ADAM and EXACT_ROWWISE_ADAGRAD, side by side in one
+process, each under the same placements: all in HBM (``DEVICE``), unified memory (``MANAGED``, ours
+only) and unified memory with an HBM cache (``MANAGED_CACHING``, LRU) at cache load factors 0.05, 0.2
+and 1.0.
 
 Shape: T=2 tables of E=10M rows x D=128, fp32, B=16384, L=20 indices per bag, SUM pooling; ids
 uniform or Zipf(1.1) (ranks scattered by a random permutation of each table's rows). Every step gets
 a fresh batch (``--warmup + --iters`` distinct batches, made before timing), so the cache never holds
 a replayed working set. Time: CUDA events around each step, median. Cache hit rate: 1 - unique
 misses / unique indices, from FBGEMM's cache statistics over the timed steps (``gather_uvm_cache_stats``).
-Miss traffic: each unique miss moves one row in (weight + 2 x D fp32 state for ours; FBGEMM caches
-only the weight) and, once the cache is full, one evicted row out. PCIe is full duplex, so the rows
-in are reported against the pinned host-to-device copy rate and the rows out against the
-device-to-host rate, both measured here. ``--profile`` adds the kernel-time breakdown of one cached
-step of ours (Zipf, load factor 0.2).
+Miss traffic: each unique miss moves one row in (the weight and, for ours, accum + linear at the
+cache row: 2 x D fp32 or 2 x D bf16, ``row_bytes``; FBGEMM caches only the weight) and, once the
+cache is full, one evicted row out. PCIe is full duplex, so the rows in are reported against the
+pinned host-to-device copy rate and the rows out against the device-to-host rate, both measured
+here. ``--profile`` adds the kernel-time breakdown of one cached step of ours, fp32 and bf16 state
+(Zipf, load factor 0.2).
 
-Usage: python benchmarks/bench_uvm_caching.py [--out DIR] [--quick]
+Usage: python benchmarks/bench_uvm_caching.py [--out DIR] [--quick] [--methods M,...]
 """
 
 from __future__ import annotations
@@ -34,12 +36,24 @@ from bench_tbe_cuda import FTRL_KW, time_steps
 from torchrec_ftrl import FTRLTableBatchedEmbeddingBags
 from torchrec_ftrl.fbgemm_enums import (BoundsCheckMode, CacheAlgorithm, ComputeDevice, EmbeddingLocation,
                                         EmbOptimType, PoolingMode, SparseType)
+from torchrec_ftrl.state_dtype import parse_state_dtypes, state_bytes_per_element
 
-LABELS = {"ours": "torchrec_ftrl FTRL", "fbgemm_adam": "FBGEMM ADAM",
-          "fbgemm_rowwise_adagrad": "FBGEMM EXACT_ROWWISE_ADAGRAD"}
-# Bytes per row a cache miss moves each way: the weight (and, for ours, both FTRL states).
-ROW_BYTES = {"ours": lambda D: D * 4 + 8 * D, "fbgemm_adam": lambda D: D * 4,
-             "fbgemm_rowwise_adagrad": lambda D: D * 4}
+METHODS = ("ours", "ours_bf16", "fbgemm_adam", "fbgemm_rowwise_adagrad")
+LABELS = {"ours": "torchrec_ftrl FTRL", "ours_bf16": "torchrec_ftrl FTRL, bf16 state",
+          "fbgemm_adam": "FBGEMM ADAM", "fbgemm_rowwise_adagrad": "FBGEMM EXACT_ROWWISE_ADAGRAD"}
+# Ours: the TBE's optimizer_state_dtypes of each method.
+OURS_STATE_DTYPES = {"ours": None, "ours_bf16": {"accum": SparseType.BF16, "linear": SparseType.BF16}}
+# Cached state bytes per weight element that a miss moves with the row: ours' accum + linear in their
+# dtypes (8 fp32, 4 bf16; the state cache rows beside the weight's); FBGEMM caches only the weight.
+CACHED_STATE_BYTES = {**{m: state_bytes_per_element(parse_state_dtypes(sd))
+                         for m, sd in OURS_STATE_DTYPES.items()},
+                      "fbgemm_adam": 0, "fbgemm_rowwise_adagrad": 0}
+
+
+def row_bytes(method, D, weight_bytes=4):
+    """Bytes per row a cache miss moves each way: the weight and the cached optimizer state
+    (ours, D=128 fp32 weights: 1,536 B with fp32 state, 1,024 B with bf16 state; FBGEMM: 512 B)."""
+    return D * (weight_bytes + CACHED_STATE_BYTES[method])
 
 
 def fresh_batches(T, E, B, L, dist, n, zipf_a=1.1, seed=0):
@@ -77,10 +91,10 @@ def build(method, T, E, D, location, load_factor):
     specs = [(E, D, location, ComputeDevice.CUDA)] * T
     cache = dict(cache_load_factor=load_factor, cache_algorithm=CacheAlgorithm.LRU,
                  gather_uvm_cache_stats=location == EmbeddingLocation.MANAGED_CACHING)
-    if method == "ours":
+    if method in OURS_STATE_DTYPES:
         # WARNING: TorchRec's default for fused tables (FATAL checks on the host, one sync per step).
         m = FTRLTableBatchedEmbeddingBags(specs, device="cuda", bounds_check_mode=BoundsCheckMode.WARNING,
-                                          **FTRL_KW, **cache)
+                                          optimizer_state_dtypes=OURS_STATE_DTYPES[method], **FTRL_KW, **cache)
     else:
         from fbgemm_gpu.split_table_batched_embeddings_ops_training import \
             SplitTableBatchedEmbeddingBagsCodegen
@@ -160,8 +174,14 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="E=1M rows, fewer steps (a smoke run)")
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--iters", type=int, default=30)
-    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--profile", action="store_true",
+                    help="kernel-time breakdown of one cached step of ours and ours_bf16 (Zipf, load factor 0.2)")
+    ap.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {', '.join(METHODS)}")
     args = ap.parse_args()
+    methods = [m for m in args.methods.split(",") if m]
+    bad = [m for m in methods if m not in METHODS]
+    if bad or not methods:
+        ap.error(f"--methods: {bad or methods} not in {', '.join(METHODS)}")
     T, E, D, B, L = 2, (1_000_000 if args.quick else 10_000_000), 128, 16384, 20
     out_dir = args.out or "."
     os.makedirs(out_dir, exist_ok=True)
@@ -171,7 +191,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         rows.append(row)
         with open(os.path.join(out_dir, "uvm_caching.json"), "w") as f:
-            json.dump(dict(shape=dict(T=T, E=E, D=D, B=B, L=L, precision="fp32", algorithm="LRU"),
+            json.dump(dict(shape=dict(T=T, E=E, D=D, B=B, L=L, precision="fp32", algorithm="LRU"), methods=methods,
                            h2d_GBps=h2d / 1e9, d2h_GBps=d2h / 1e9,
                            device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
     h2d, d2h = pcie_bandwidth()   # before log() is called: it writes both
@@ -180,14 +200,14 @@ def main() -> None:
     n = args.warmup + args.iters
     for dist in ("zipf", "uniform"):
         batches = fresh_batches(T, E, B, L, dist, n)
-        for method in ("ours", "fbgemm_adam", "fbgemm_rowwise_adagrad"):
+        for method in methods:
             placements = [(EmbeddingLocation.DEVICE, None)]
-            if method == "ours":
+            if method in OURS_STATE_DTYPES:
                 placements.append((EmbeddingLocation.MANAGED, None))
             placements += [(EmbeddingLocation.MANAGED_CACHING, lf) for lf in (0.05, 0.2, 1.0)]
             for location, lf in placements:
                 try:
-                    prof = 3 if (args.profile and method == "ours" and dist == "zipf" and lf == 0.2) \
+                    prof = 3 if (args.profile and method in OURS_STATE_DTYPES and dist == "zipf" and lf == 0.2) \
                         else 0
                     row = measure(method, location, lf, batches, T, E, D, B, args.warmup, args.iters,
                                   prof)
@@ -196,7 +216,8 @@ def main() -> None:
                                error=f"{type(exc).__name__}: {exc}"[:300])
                 row["dist"] = dist
                 if row.get("unique_misses_per_step"):
-                    rate = row["unique_misses_per_step"] * ROW_BYTES[method](D) / (row["ms"] * 1e-3)
+                    row["row_bytes"] = row_bytes(method, D)
+                    rate = row["unique_misses_per_step"] * row["row_bytes"] / (row["ms"] * 1e-3)
                     row["rows_in_share_of_h2d"] = rate / h2d
                     row["rows_out_share_of_d2h"] = rate / d2h   # an upper bound: once the cache is full
                 log(row)

@@ -1,7 +1,8 @@
 """The pure-Python parts of the GPU benchmarks, on CPU: ``benchmarks/bench_tbe_cuda.py``'s production
-shapes, memory estimate, run-length histogram and bytes model; ``benchmarks/bench_dmp.py``'s profile
-attribution; ``benchmarks/bench_job.py``'s tiling of the binary folder and summary reading; and
-(slow) CPU smoke runs of bench_dmp and bench_job."""
+shapes, memory estimate, run-length histogram and bytes model (fp32 and bf16 FTRL state);
+``benchmarks/bench_uvm_caching.py``'s bytes per cache miss; ``benchmarks/bench_dmp.py``'s fused_params,
+method flags and profile attribution; ``benchmarks/bench_job.py``'s tiling of the binary folder and
+summary reading; every GPU script's ``--help``; and (slow) CPU smoke runs of bench_dmp and bench_job."""
 
 from __future__ import annotations
 
@@ -122,6 +123,67 @@ def test_bench_tbe_cuda_help():
                        capture_output=True, text=True, timeout=300, cwd=REPO)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "--suite {default,production}" in p.stdout and "--shapes" in p.stdout
+    assert "--methods" in p.stdout and "ours_bf16" in "".join(p.stdout.split())   # argparse wraps long words
+
+
+def test_bench_tbe_cuda_methods_flag_refuses_unknown():
+    # checked before any CUDA call; ours_ignore and eager are not in the production suite
+    for argv in (["--methods", "ours,nope"], ["--suite", "production", "--methods", "eager"]):
+        p = subprocess.run([sys.executable, os.path.join(BENCH, "bench_tbe_cuda.py"), *argv],
+                           capture_output=True, text=True, timeout=300, cwd=REPO)
+        assert p.returncode == 2 and "--methods" in p.stderr, p.stderr[-2000:]
+
+
+@pytest.mark.parametrize("script", ["bench_dmp.py", "bench_uvm_caching.py"])
+def test_bench_gpu_scripts_help(script):
+    p = subprocess.run([sys.executable, os.path.join(BENCH, script), "--help"],
+                       capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert ("--optimizers" if script == "bench_dmp.py" else "--methods") in p.stdout
+
+
+def test_state_bytes_by_method(tbe_bench):
+    # one table of methods: ours' state from its optimizer_state_dtypes (8 B fp32, 4 B bf16 per element)
+    assert tbe_bench.OURS["ours_bf16"][0] == {"accum": tbe_bench.SparseType.BF16, "linear": tbe_bench.SparseType.BF16}
+    assert {m: tbe_bench.state_bytes_per_element(m) for m in ("ours", "ours_ignore", "ours_bf16", "eager")} == \
+        {"ours": 8, "ours_ignore": 8, "ours_bf16": 4, "eager": 8}
+    assert set(tbe_bench.STATE_BYTES) == set(tbe_bench.LABELS)
+    assert set(tbe_bench.DEFAULT_METHODS) == set(tbe_bench.LABELS)
+    assert set(tbe_bench.PROD_METHODS) <= set(tbe_bench.DEFAULT_METHODS) and "ours_bf16" in tbe_bench.PROD_METHODS
+    # D=128: per row 1024 B of fp32 state, 512 B of bf16 state; row-wise Adagrad 4 B, ADAM rbc 1024 + 4
+    assert [tbe_bench.state_bytes_per_row(m, 128) for m in
+            ("ours", "ours_bf16", "fbgemm_adam", "fbgemm_adam_rbc", "fbgemm_rowwise_adagrad", "fbgemm_sgd")] == \
+        [1024, 512, 1024, 1028, 4, 0]
+
+
+def test_bytes_model_bf16_state_by_hand(tbe_bench):
+    # D=128 fp32 weights: an updated row's weight + state is 512 + 1024 = 1,536 B with fp32 state and
+    # 512 + 512 = 1,024 B with bf16 state, each read and written once in the backward.
+    # N=10 lookups, U=5 unique rows, T=1, B=2: forward 10*8 + 5*512 + 2*512 = 3,664 B for both;
+    # backward 2*512 (output gradients) + 5 * 2 * 1,536 = 16,384 B (fp32), + 5 * 2 * 1,024 = 11,264 B (bf16)
+    assert tbe_bench.bytes_model("ours", 10, 5, 1, 2, 128, 4) == (3664, 16384)
+    assert tbe_bench.bytes_model("ours_bf16", 10, 5, 1, 2, 128, 4) == (3664, 11264)
+    # fp16 weights, D=64: a row is 128 B of weight + 256 B of bf16 state (fp32: 512 B)
+    assert tbe_bench.bytes_model("ours_bf16", 10, 5, 1, 2, 64, 2)[1] == 2 * 256 + 5 * 2 * (128 + 256)
+    # the README case with bf16 state: backward 134,217,728 + 2,578,456 x 2,048 B = 5.41 GB, 6.91 GB per step
+    fwd, bwd = tbe_bench.bytes_model("ours_bf16", 5_242_880, 2_578_456, 32, 8192, 128, 4)
+    assert bwd == 134_217_728 + 2_578_456 * 2048
+    assert round(fwd / 1e9, 2) == 1.50 and round(bwd / 1e9, 2) == 5.41 and round((fwd + bwd) / 1e9, 2) == 6.91
+    # memory: T=2 x 1000 x 16 fp32 weights 128,000 B + bf16 state 2*1000*16*4 = 128,000 B
+    t = dict(name="x", T=2, E=1000, D=16, precision="FP32", wbytes=4, B=8,
+             workloads=[dict(name="a", L=3, dist="uniform", zipf_a=None)])
+    est = tbe_bench.memory_estimate(t, ("ours", "ours_bf16"), 1)
+    assert est["per_method"] == {"ours": 384000, "ours_bf16": 256000}
+    assert est["peak"] == est["batches"] + est["workspace"] + 384000
+    assert tbe_bench.memory_estimate(t, ("ours_bf16",), 1)["peak"] == est["batches"] + est["workspace"] + 256000
+
+
+def test_uvm_caching_row_bytes(tbe_bench):
+    import bench_uvm_caching as u
+    # a unique miss moves the weight and (ours) accum + linear at the cache row, D=128 fp32 weights
+    assert [u.row_bytes(m, 128) for m in u.METHODS] == [1536, 1024, 512, 512]
+    assert set(u.METHODS) == set(u.LABELS) == set(u.CACHED_STATE_BYTES)
+    assert u.OURS_STATE_DTYPES["ours"] is None and set(u.OURS_STATE_DTYPES["ours_bf16"]) == {"accum", "linear"}
 
 
 def test_production_markdown_renders(tbe_bench):
@@ -138,6 +200,31 @@ def test_production_markdown_renders(tbe_bench):
     assert "| T8_E2M_D128_fp32 | 20 | uniform | 2,621,440 |" in md
     assert "4.500*" in md and "1.50x*" in md and "| fails |" not in md.split("Compulsory")[0].split("ROWWISE")[0]
     assert f"{2.9e6 / 2.2e6:.2f}" in md   # ns per unique row
+
+
+def test_production_markdown_bf16_and_rowwise_ratios(tbe_bench):
+    row = dict(table="T8_E2M_D128_fp32", workload="L20_uniform", T=8, E=2_000_000, B=16384, L=20, D=128,
+               precision="FP32", wbytes=4, dist="uniform", zipf_a=None, ids="uniform", lookups=2_621_440,
+               unique_rows=2e6, max_run=6, rows_share={"1": 0.8, "2-3": 0.19, "4-31": 0.01, ">=32": 0.0},
+               lookups_share={"1": 0.6, "2-3": 0.35, "4-31": 0.05, ">=32": 0.0},
+               ms={"ours": 3.0, "ours_bf16": 2.5, "fbgemm_rowwise_adagrad": 2.0, "fbgemm_adam": 4.0,
+                   "fbgemm_sgd": 1.6},
+               fwd_ms={}, device_ms={"ours": 2.8, "ours_bf16": 2.4}, errors={})
+    meta = dict(device="H200", torch="2.x", fbgemm_gpu="1.6.0", copy_bw=4.25e12, warmup=3, iters=10, batches=3,
+                host_floor_ms={"ours": 1.0, "ours_bf16": 1.0}, phases_s={},
+                tables=[dict(name="T8_E2M_D128_fp32", estimate_gib=25.0, free_gib=130.0,
+                             peak_gib={"ours": 24.0, "ours_bf16": 17.0})])
+    md = tbe_bench.production_markdown(meta, [row])
+    # step times: ours, kernel, ns/U, bf16, kernel, ns/U, ROWWISE_ADAGRAD, ADAM, SGD, then each vs ROWWISE_ADAGRAD
+    assert ("| T8_E2M_D128_fp32 | 20 | uniform | 3.000 | 2.800 | 1.40 | 2.500 | 2.400 | 1.20 | 2.000 | 4.000 | "
+            "1.600 | 0.67x | 0.80x | 0.50x | 1.25x |") in md
+    # ours vs ADAM, ours vs SGD, bf16 vs ADAM, bf16 vs SGD, bf16 vs ours
+    assert "| T8_E2M_D128_fp32 | 20 | uniform | 1.33x | 0.53x | 1.60x | 0.64x | 1.20x |" in md
+    # traffic: bf16 moves U * 2 * 512 B less than fp32 state
+    f32 = sum(tbe_bench.bytes_model("ours", 2_621_440, 2e6, 8, 16384, 128, 4))
+    b16 = sum(tbe_bench.bytes_model("ours_bf16", 2_621_440, 2e6, 8, 16384, 128, 4))
+    assert f32 - b16 == 2e6 * 1024 and f"| {f32 / 1e9:.2f} |" in md and f"| {b16 / 1e9:.2f} |" in md
+    assert "torchrec_ftrl FTRL (Triton), bf16 state" in md and "| 17.0 |" in md
 
 
 # -------------------------------------------------------------------------------- bench_dmp.py
@@ -219,12 +306,37 @@ def test_dmp_parse_and_skips():
     import bench_dmp as b
     a = b.parse(["--device", "cpu", "--optimizers", "ftrl,sgd", "--sharding", "table_wise"])
     assert a.optimizer_list == ["ftrl", "sgd"] and a.sharding_list == ["table_wise"] and a.batch == 8192
+    assert b.parse([]).optimizer_list == ["ftrl", "ftrl_bf16", "rowwise_adagrad", "adam", "sgd"]
+    assert b.parse(["--optimizers", "ftrl_bf16"]).optimizer_list == ["ftrl_bf16"]
     with pytest.raises(SystemExit):
         b.parse(["--optimizers", "adagrad"])
     sh = [SimpleNamespace(sharding_types=lambda dev: ["table_wise"] + (["row_wise"] if dev == "cuda" else []))]
     assert "no ADAM" in b.skip_reason("adam", "table_wise", torch.device("cpu"), sh)
     assert "row_wise" in b.skip_reason("sgd", "row_wise", torch.device("cpu"), sh)
     assert b.skip_reason("sgd", "row_wise", torch.device("cuda"), sh) is None
+
+
+def test_dmp_ftrl_bf16_fused_params():
+    import bench_dmp as b
+    from torchrec_ftrl.fbgemm_enums import SparseType
+    fp = b.fused_params("ftrl_bf16", 0.01)
+    assert fp["optimizer_state_dtypes"] == {"accum": SparseType.BF16, "linear": SparseType.BF16}
+    assert "optimizer_state_dtypes" not in b.fused_params("ftrl", 0.01)
+    assert {k: v for k, v in fp.items() if k != "optimizer_state_dtypes"} == b.fused_params("ftrl", 0.01)
+    # torchrec_ftrl.sharders holds the hashable form TorchRec groups tables by
+    sh = b.make_sharders("ftrl_bf16", 0.01)
+    bf16 = SparseType.BF16.as_int()
+    assert sh[0].fused_params["optimizer_state_dtypes"] == frozenset({("accum", bf16), ("linear", bf16)})
+    hash(frozenset(sh[0].fused_params.items()))
+    assert "optimizer_state_dtypes" not in b.make_sharders("ftrl", 0.01)[0].fused_params
+    # the report: ftrl_bf16 beside ftrl, ratios vs ROWWISE_ADAGRAD (first) and ADAM, same sharding
+    rows = [dict(optimizer=o, sharding="table_wise", throughput_ms=ms, examples_per_s=1.0, latency_ms_median=ms)
+            for o, ms in (("ftrl", 2.0), ("ftrl_bf16", 1.6), ("rowwise_adagrad", 2.4), ("adam", 3.2), ("sgd", 1.2))]
+    meta = dict(world_size=1, device="H200", torch="2.x", torchrec="1.6.1", fbgemm_gpu="1.6.0", tables=8,
+                rows=2_000_000, dim=128, batch=8192, pooling=20, steps=100, latency_steps=40, warmup=10)
+    md = b.markdown(meta, rows)
+    assert "| torchrec_ftrl FTRL, bf16 state (ours) | table_wise | 1.600 | 1 | 1.50x | 2.00x | 1.600 | 1.50x | 2.00x |" in md
+    assert "| FBGEMM EXACT_SGD | table_wise | 1.200 | 1 | 2.00x | 2.67x |" in md
 
 
 @pytest.mark.slow
@@ -237,14 +349,16 @@ def test_dmp_cpu_smoke(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     res = json.loads((out / "bench_dmp.json").read_text())
     by = {(r["optimizer"], r["sharding"]): r for r in res["results"]}
-    assert len(by) == 8
-    for opt in ("ftrl", "rowwise_adagrad", "sgd"):
+    assert len(by) == 10
+    for opt in ("ftrl", "ftrl_bf16", "rowwise_adagrad", "sgd"):
         r = by[(opt, "table_wise")]
         assert r["throughput_ms"] > 0 and r["latency_ms_median"] > 0 and r["examples_per_s"] > 0
         assert r["profile"]["host_ms"]["tbe_forward"] > 0
     assert "no ADAM" in by[("adam", "table_wise")]["skipped"]
-    assert all("skipped" in by[(o, "row_wise")] for o in ("ftrl", "adam", "rowwise_adagrad", "sgd"))
-    assert "| torchrec_ftrl FTRL (ours) | table_wise |" in (out / "bench_dmp.md").read_text()
+    assert all("skipped" in by[(o, "row_wise")] for o in ("ftrl", "ftrl_bf16", "adam", "rowwise_adagrad", "sgd"))
+    md = (out / "bench_dmp.md").read_text()
+    assert "| torchrec_ftrl FTRL (ours) | table_wise |" in md
+    assert "| torchrec_ftrl FTRL, bf16 state (ours) | table_wise |" in md
 
 
 # -------------------------------------------------------------------------------- bench_job.py

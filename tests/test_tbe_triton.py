@@ -803,7 +803,7 @@ def test_cuda_ops_under_torch_compile():
                 b.bag_out_offset, b.feature_table, b.table_w_offset, b.table_dim, b.table_rows,
                 b.table_row_base, True, *lin[:4], None, 0, b.max_D, b.total_rows, vec, even,
                 hp.learning_rate, -hp.learning_rate_power, hp.l1_reg, hp.l2_effective, hp.beta,
-                2.0 * hp.l2_shrinkage)
+                2.0 * hp.l2_shrinkage, m.iter)
             return out
         fn = torch.compile(fwd_bwd, fullgraph=True) if compiled else fwd_bwd
         return fn(m.weights_dev, m.accum_dev, m.linear_dev, m.nonfinite_grad_rows)

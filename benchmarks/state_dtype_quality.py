@@ -18,13 +18,11 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import json
 import os
-import platform
 import statistics
 import tempfile
 
-from sweep_l1 import run_job
+from sweep_l1 import run_job, write_table
 
 BATCHES = (256, 1024, 4096, 16384, 65536)
 DTYPES = ("fp32", "bf16")
@@ -88,11 +86,8 @@ def main() -> None:
                         f"{'yes' if ok else 'no'} |")
     table = "\n".join(rows)
     print(table)
-    with open(a.out + ".json", "w") as fh:
-        json.dump({"args": vars(a), "machine": platform.platform(), "runs": runs}, fh, indent=1)
-    with open(a.out + ".md", "w") as fh:
-        fh.write(f"Seeds {a.seeds}, device {a.device}; means over seeds; targets: |dAUC| <= "
-                 f"{AUC_TARGET}, |dzero| <= {100 * ZERO_TARGET:.0f} point, every seed.\n\n{table}\n")
+    write_table(a.out, a, runs, f"Seeds {a.seeds}, device {a.device}; means over seeds; targets: "
+                f"|dAUC| <= {AUC_TARGET}, |dzero| <= {100 * ZERO_TARGET:.0f} point, every seed.", table)
 
 
 if __name__ == "__main__":

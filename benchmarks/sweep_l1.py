@@ -45,6 +45,15 @@ def run_job(flags: list[str], out_dir: str, name: str) -> dict:
             "rows": so["rows"], "zch": s.get("zch")}
 
 
+def write_table(stem: str, args, runs: list, caption: str, table: str) -> None:
+    """``STEM.json`` (the flags, the machine, every run) and ``STEM.md`` (``caption``, then the
+    Markdown ``table``) of a study built on :func:`run_job`."""
+    with open(stem + ".json", "w") as f:
+        json.dump({"args": vars(args), "machine": platform.platform(), "runs": runs}, f, indent=1)
+    with open(stem + ".md", "w") as f:
+        f.write(f"{caption}\n\n{table}\n")
+
+
 def plot(result: dict, png: str) -> None:
     import matplotlib
     matplotlib.use("Agg")

@@ -13,12 +13,10 @@ means over seeds).
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import tempfile
 
-from sweep_l1 import run_job
+from sweep_l1 import run_job, write_table
 
 
 def main() -> None:
@@ -59,11 +57,8 @@ def main() -> None:
                             f"{100 * statistics.mean(r['zero_weight_share'] for r in rs):.1f}% | {reset} |")
     table = "\n".join(rows)
     print(table)
-    with open(a.out + ".json", "w") as f:
-        json.dump({"args": vars(a), "machine": platform.platform(), "runs": runs}, f, indent=1)
-    with open(a.out + ".md", "w") as f:
-        f.write(f"Seeds {a.seeds}, batch {a.batch_size}, {a.epochs} epochs of {a.data}; means over "
-                f"seeds (min, max).\n\n{table}\n")
+    write_table(a.out, a, runs, f"Seeds {a.seeds}, batch {a.batch_size}, {a.epochs} epochs of "
+                f"{a.data}; means over seeds (min, max).", table)
 
 
 if __name__ == "__main__":

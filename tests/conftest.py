@@ -317,6 +317,21 @@ def run_interpreter_suite(test_file: str, timeout: int = 900) -> None:
     assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
 
 
+@pytest.fixture
+def interp(monkeypatch):
+    """Run the Triton backend under the interpreter on CPU tensors (the ``interp`` tests of a file,
+    in the child pytest of :func:`run_interpreter_suite`), with tiny launch shapes: SEG=4 (runs longer
+    than 4 are cut into pieces and combined), few segments per program, small 1-D blocks. Returns the
+    device, ``"cpu"``."""
+    if not INTERP:
+        pytest.skip("runs in the child process of test_interpreter_suite (TRITON_INTERPRET=1)")
+    from torchrec_ftrl.kernels import triton_backend
+    for k, v in dict(seg=4, seg_launch={8: (32, 4)}, combine_cp=4, combine_nb=2, block=16,
+                     repair_block=4).items():
+        monkeypatch.setitem(triton_backend.TUNING, k, v)
+    return "cpu"
+
+
 # -------------------------------------------------------------------------------- the CTR job
 
 JOB_SCRIPT = os.path.join(REPO, "examples", "train_ctr.py")

@@ -34,16 +34,6 @@ KNOBS = dict(learning_rate=0.05, ftrl_l1_reg=0.002, ftrl_l2_reg=0.01, ftrl_beta=
 BF16_STATES = {"accum": SparseType.BF16, "linear": SparseType.BF16}
 
 
-@pytest.fixture
-def interp(monkeypatch):
-    """Tiny launch shapes under the interpreter (SEG=4: runs longer than 4 are cut and combined)."""
-    if not INTERP:
-        pytest.skip("runs in the child process of test_interpreter_suite (TRITON_INTERPRET=1)")
-    for k, v in dict(seg=4, seg_launch={8: (32, 4)}, combine_cp=4, combine_nb=2, block=16,
-                     repair_block=4).items():
-        monkeypatch.setitem(triton_backend.TUNING, k, v)
-
-
 @interpreter_parent
 def test_interpreter_suite():
     """Runs the ``interp`` tests below in a child pytest with TRITON_INTERPRET=1 (CPU tensors)."""

@@ -307,20 +307,26 @@ def test_tbe_bf16_state_nonfinite_rows_keep_their_bits(backend):
     _check_nonfinite_rows_keep_bf16_bits(backend)
 
 
+def _assert_same_bits_where_fp32_agrees(a: str, b: str) -> None:
+    """One step from the same state on backends ``a`` and ``b``, with bf16 state and with fp32 state:
+    wherever the fp32-state updates agree (most elements), the bf16 states agree bitwise."""
+    mods = {k: _tbe_module(k, STATES["both"]) for k in (a, b)}
+    twins = {k: _tbe_module(k, None) for k in (a, b)}
+    batch = _batches(1, seed=8)
+    for k in (a, b):
+        _train(mods[k], batch)
+        _train(twins[k], batch)
+    for name in ("accum_dev", "linear_dev"):
+        same = getattr(twins[a], name) == getattr(twins[b], name)
+        assert same.float().mean() > 0.5
+        assert torch.equal(bits(getattr(mods[a], name)[same]), bits(getattr(mods[b], name)[same]))
+
+
 def test_cpp_and_torch_store_the_same_bits_for_the_same_fp32_values():
     """One step from the same state on both CPU backends: wherever their fp32 updates agree (the
     twins compute the same rule; rounding differences are rare), the bf16 states agree bitwise:
     the C++ hash is the torch one."""
-    mods = {b: _tbe_module(b, STATES["both"]) for b in CPU}
-    twins = {b: _tbe_module(b, None) for b in CPU}
-    batch = _batches(1, seed=8)
-    for b in CPU:
-        _train(mods[b], batch)
-        _train(twins[b], batch)
-    for name in ("accum_dev", "linear_dev"):
-        same = getattr(twins["cpp"], name) == getattr(twins["torch"], name)
-        assert same.float().mean() > 0.5
-        assert torch.equal(bits(getattr(mods["cpp"], name)[same]), bits(getattr(mods["torch"], name)[same]))
+    _assert_same_bits_where_fp32_agrees("cpp", "torch")
 
 
 def test_tbe_state_dtype_surface():
@@ -357,17 +363,6 @@ def test_backends_refuse_bf16_state_without_a_step():
 
 
 # ------------------------------------------------------------------ Triton under the interpreter
-@pytest.fixture
-def interp(monkeypatch):
-    """Tiny launch shapes under the interpreter (SEG=4: the long bag's runs are cut and combined)."""
-    if not INTERP:
-        pytest.skip("runs in the child process of test_interpreter_suite (TRITON_INTERPRET=1)")
-    from torchrec_ftrl.kernels import triton_backend
-    for k, v in dict(seg=4, seg_launch={8: (32, 4)}, combine_cp=4, combine_nb=2, block=16,
-                     repair_block=4).items():
-        monkeypatch.setitem(triton_backend.TUNING, k, v)
-
-
 @interpreter_parent
 def test_interpreter_suite():
     """Runs the ``interp`` tests below in a child pytest with TRITON_INTERPRET=1 (CPU tensors)."""
@@ -399,17 +394,7 @@ def test_interp_tbe_bf16_state_nonfinite_rows_keep_their_bits(interp):
 def test_interp_triton_stores_the_torch_backend_bits(interp):
     """The Triton uint32 hash is the torch one: from the same state, wherever the two backends'
     fp32 updates agree, their bf16 states agree bitwise."""
-    mods = {b: _tbe_module(b, STATES["both"]) for b in ("triton", "torch")}
-    twins = {b: _tbe_module(b, None) for b in ("triton", "torch")}
-    batch = _batches(1, seed=8)
-    for b in mods:
-        _train(mods[b], batch)
-        _train(twins[b], batch)
-    for name in ("accum_dev", "linear_dev"):
-        same = getattr(twins["triton"], name) == getattr(twins["torch"], name)
-        assert same.float().mean() > 0.5
-        assert torch.equal(bits(getattr(mods["triton"], name)[same]),
-                           bits(getattr(mods["torch"], name)[same]))
+    _assert_same_bits_where_fp32_agrees("triton", "torch")
 
 
 @pytest.mark.parametrize("states", ["both", "linear"])

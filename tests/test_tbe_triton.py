@@ -31,18 +31,6 @@ from torchrec_ftrl.kernels import triton_backend  # noqa: E402
 KNOBS = dict(learning_rate=0.05, ftrl_l1_reg=0.002, ftrl_l2_reg=0.01, ftrl_beta=0.3)
 
 
-@pytest.fixture
-def interp(monkeypatch):
-    """Run the Triton backend under the interpreter on CPU tensors, with tiny launch shapes: SEG=4 (runs
-    longer than 4 are cut into pieces and combined), few segments per program, small 1-D blocks."""
-    if not INTERP:
-        pytest.skip("runs in the child process of test_interpreter_suite (TRITON_INTERPRET=1)")
-    for k, v in dict(seg=4, seg_launch={8: (32, 4)}, combine_cp=4, combine_nb=2, block=16,
-                     repair_block=4).items():
-        monkeypatch.setitem(triton_backend.TUNING, k, v)
-    return "cpu"
-
-
 # ---------------------------------------------------------------------------- case + float64 oracle
 def make_case(seed, *, specs, fmap, B, pooling, max_len=5, psw=False, vbe=None, hot=False,
               int32=False):

@@ -88,6 +88,22 @@ def _as_sparse_type(name: str, value: Any) -> SparseType:
     raise ValueError(f"{name} must be SparseType.FP32, FP16 or BF16 (or the torch dtype), got {value!r}")
 
 
+def _check_int_vector(name: str, t: Any, device: torch.device, cpu_too: bool = False) -> None:
+    """Raises ValueError, naming ``name`` and the value, unless ``t`` is a 1-D int32/int64 tensor on
+    ``device`` (or, with ``cpu_too``, on the CPU)."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name} must be int32 or int64, got dtype={t.dtype}")
+    if t.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape={tuple(t.shape)}")
+    if cpu_too and t.device.type != "cpu" and t.device != device:
+        raise ValueError(f"{name} must be on the CPU or on {device} (the tables' device), got "
+                         f"device={t.device}")
+    if not cpu_too and t.device != device:
+        raise ValueError(f"{name} must be on {device} (the tables' device), got device={t.device}")
+
+
 def _allocate(numel: int, dtype: torch.dtype, device: torch.device, unified: bool,
               host_mapped: bool) -> torch.Tensor:
     """An uninitialised flat buffer on ``device``, or in unified memory (FBGEMM's
@@ -481,14 +497,7 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         dev = self.weights_dev.device
         F = len(self.feature_table_map)
         for name, t in (("indices", indices), ("offsets", offsets)):
-            if not isinstance(t, torch.Tensor):
-                raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            if t.dtype not in (torch.int32, torch.int64):
-                raise ValueError(f"{name} must be int32 or int64, got dtype={t.dtype}")
-            if t.dim() != 1:
-                raise ValueError(f"{name} must be 1-D, got shape={tuple(t.shape)}")
-            if t.device != dev:
-                raise ValueError(f"{name} must be on {dev} (the tables' device), got device={t.device}")
+            _check_int_vector(name, t, dev)
         if offsets.numel() < 1:
             raise ValueError("offsets must have at least 1 element, got shape=(0,)")
         N, num_bags = indices.numel(), offsets.numel() - 1
@@ -862,15 +871,7 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         args = dict(pruned_indices=pruned_indices, pruned_indices_offsets=pruned_indices_offsets,
                     logical_table_ids=logical_table_ids, buffer_ids=buffer_ids)
         for name, t in args.items():
-            if not isinstance(t, torch.Tensor):
-                raise ValueError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
-            if t.dtype not in (torch.int32, torch.int64):
-                raise ValueError(f"{where}: {name} must be int32 or int64, got dtype={t.dtype}")
-            if t.dim() != 1:
-                raise ValueError(f"{where}: {name} must be 1-D, got shape={tuple(t.shape)}")
-            if t.device.type != "cpu" and t.device != dev:
-                raise ValueError(f"{where}: {name} must be on the CPU or on {dev} (the tables' "
-                                 f"device), got device={t.device}")
+            _check_int_vector(f"{where}: {name}", t, dev, cpu_too=True)
         tables, bufs = logical_table_ids.tolist(), buffer_ids.tolist()
         if len(tables) != len(bufs):
             raise ValueError(f"{where}: logical_table_ids and buffer_ids must have one entry per reset, "

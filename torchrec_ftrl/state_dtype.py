@@ -64,8 +64,9 @@ def _as_sparse_type(where: str, state: str, value: Any) -> SparseType:
         st = None
     if st is None or st not in _SUPPORTED:
         got = st.name if st is not None else repr(value)
-        raise ValueError(f"{where}[{state!r}] must be SparseType.FP32 or SparseType.BF16 (fp16 is refused: "
-                         f"accum overflows its range), got {got}")
+        why = " (fp16 is refused: accum grows without bound and overflows its range)" \
+            if st == SparseType.FP16 else ""
+        raise ValueError(f"{where}[{state!r}] must be SparseType.FP32 or SparseType.BF16{why}, got {got}")
     return st
 
 

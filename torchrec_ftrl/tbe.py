@@ -843,7 +843,7 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
                 in ``[0, len(feature_table_map))``.
             buffer_ids: int32 (or int64) ``[K]``, the segment of each reset, in ``[0, S)``.
             Each on the CPU or on the tables' device (FBGEMM moves them to its device). The
-            arguments are checked on the host (one sync).
+            arguments are checked on the host (a few syncs per call when they are on the device).
 
         Raises:
             ValueError: an argument that is not a 1-D int32/int64 tensor on the CPU or the tables'

@@ -279,21 +279,32 @@ def data_path_cost(results):
     return out
 
 
+def binary_desc(binary) -> str:
+    """The binary folder's sentence of the report ('' when no binary source ran)."""
+    if not binary or "sample_rows" not in binary:
+        return ""
+    return (f"Binary folder: the Criteo sample ({binary['sample_rows']:,} rows) tiled to "
+            f"{binary.get('rows', 0):,} rows in {binary.get('files', '?')} day files. ")
+
+
 def markdown(meta, results):
     cost = data_path_cost(results)
     md = [f"CTR job throughput, {meta['nproc']} process(es) on {meta['device']}; batch {meta['batch']:,} per "
           f"process, {meta['steps']} steps, the job's default model "
-          f"({' '.join(meta['job_args']) or 'no extra flags'}). Binary folder: the Criteo sample "
-          f"({meta['binary'].get('sample_rows', '?'):,} rows) tiled to {meta['binary'].get('rows', 0):,} rows "
-          f"in {meta['binary'].get('files', '?')} day files. examples/s: the job's summary "
-          f"(steps x batch x processes / training-loop time, first steps included). Data-path cost = "
+          f"({' '.join(meta['job_args']) or 'no extra flags'}). " + binary_desc(meta.get('binary'))
+          + "examples/s: the job's summary "
+          f"(steps x batch x processes / training-loop time, first steps included); steady: the "
+          f"job's steady_examples_per_s (the steps after the first 10). Data-path cost = "
           f"1 - binary / synthetic examples/s.", "",
-          "| sparse optimizer | data | examples/s | train time s | data-path cost | wall s (whole run) |",
-          "|---|---|---:|---:|---:|---:|"]
+          "| sparse optimizer | data | examples/s | steady examples/s | train time s | data-path cost | "
+          "wall s (whole run) |",
+          "|---|---|---:|---:|---:|---:|---:|"]
     for r in results:
         ex = r.get("examples_per_s")
         c = cost.get(r["optimizer"]) if r["source"] == "binary" else None
+        st = r.get("steady_examples_per_s")
         md.append(f"| {r['optimizer']} | {r['source']} | {f'{ex:,.0f}' if ex else 'failed'} | "
+                  f"{f'{st:,.0f}' if st else ''} | "
                   f"{r.get('train_time_s') or float('nan'):.2f} | {'' if c is None else f'{100 * c:.1f}%'} | "
                   f"{r['wall_s']:.1f} |")
     prof = [r for r in results if r.get("step_profile")]
@@ -397,12 +408,14 @@ def main(argv=None) -> int:
                 log(f"[{optimizer} / {source}] FAILED (exit {rc}, {wall:.1f} s):\n{out[-3000:]}")
             else:
                 row.update(examples_per_s=summary.get("examples_per_s"), train_time_s=summary.get("train_time_s"),
+                           steady_examples_per_s=summary.get("steady_examples_per_s"),
                            steps=summary.get("steps"), world_size=summary.get("world_size"),
                            device=summary.get("device"), plan=summary.get("plan"),
                            reader=(summary.get("data") or {}).get("reader"))
                 if inline:
                     row["step_profile"] = read_profile(summary)
-                msg = (f"[{optimizer} / {source}] {row['examples_per_s'] or 0:,.0f} examples/s "
+                msg = (f"[{optimizer} / {source}] {row['examples_per_s'] or 0:,.0f} examples/s, steady "
+                       f"{row['steady_examples_per_s'] or 0:,.0f} "
                        f"(train time {row['train_time_s'] or 0:.2f} s, run {wall:.1f} s)")
                 if row.get("step_profile"):
                     msg += "; step profile host ms " + json.dumps(

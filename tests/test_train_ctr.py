@@ -166,6 +166,48 @@ def test_plain_loop_gives_bitwise_the_same_model(synthetic_run, tmp_path):
         _assert_same_checkpoint(d / "ckpt" / step, tmp_path / "ckpt" / step, tmp_path)
 
 
+def test_data_workers_give_bitwise_the_same_model(synthetic_run, tmp_path):
+    """Batches built on the training thread (``--data-workers 0``) and by 2 DataLoader workers against
+    the fixture run (``auto``): the same losses, validation metrics and checkpoints; then a resume
+    from step 10 with 2 workers reproduces the fixture's final checkpoint."""
+    d, args, _ = synthetic_run
+    for workers in ("0", "2"):
+        out = tmp_path / f"w{workers}"
+        run_args = [a if a != str(d / "ckpt") else str(out / "ckpt") for a in args]
+        stdout = _run([*run_args, "--data-workers", workers, "--output-dir", str(out)])
+        assert f"{workers} data worker(s)/rank" in stdout
+        s, ref = _summary(out), _summary(d / "out")
+        assert s["loss_history"] == ref["loss_history"]
+        assert s["validation_history"] == ref["validation_history"]
+        for step in ("step_00000010", "step_00000020"):
+            _assert_same_checkpoint(d / "ckpt" / step, out / "ckpt" / step, tmp_path)
+    res = tmp_path / "resumed"
+    run_args = [a if a != str(d / "ckpt") else str(res / "ckpt") for a in args]
+    _run([*run_args, "--data-workers", "2", "--resume", str(d / "ckpt" / "step_00000010"),
+          "--output-dir", str(res)])
+    assert _summary(res)["loss_history"] == _summary(d / "out")["loss_history"]
+    _assert_same_checkpoint(d / "ckpt" / "step_00000020", res / "ckpt" / "step_00000020", tmp_path)
+
+
+def test_compile_dense_trains_the_same_model_to_rounding(synthetic_run, tmp_path):
+    """``--compile-dense`` (inductor) against the eager fixture run: losses and validation AUC within
+    float32 rounding of the eager ones, and checkpoints with the same keys, shapes and dtypes (so
+    either run resumes from the other's checkpoints)."""
+    d, args, _ = synthetic_run
+    args = [a if a != str(d / "ckpt") else str(tmp_path / "ckpt") for a in args]
+    _run([*args, "--compile-dense", "--output-dir", str(tmp_path)])
+    got, ref = _summary(tmp_path), _summary(d / "out")
+    assert [s for s, _ in got["loss_history"]] == [s for s, _ in ref["loss_history"]]
+    assert [v for _, v in got["loss_history"]] == pytest.approx([v for _, v in ref["loss_history"]],
+                                                                 rel=1e-4)
+    for g, r in zip(got["validation_history"], ref["validation_history"]):
+        assert g["auc"] == pytest.approx(r["auc"], abs=2e-3) and g["rows"] == r["rows"]
+    a = flat_checkpoint(d / "ckpt" / "step_00000020", tmp_path)
+    b = flat_checkpoint(tmp_path / "ckpt" / "step_00000020", tmp_path)
+    assert sorted(a) == sorted(b)
+    assert all(a[k].shape == b[k].shape and a[k].dtype == b[k].dtype for k in a)
+
+
 PHASES = ("data", "input_dist", "sparse", "dense", "optimizer", "metrics")
 
 
@@ -348,11 +390,18 @@ def test_pipeline_and_profile_flags(capsys):
 
     a = cli.parse_args([])
     assert (a.pipeline, a.profile_steps) == ("sparse_dist", 0)
-    a = cli.parse_args(["--pipeline", "none", "--profile-steps", "7"])
-    assert (a.pipeline, a.profile_steps) == ("none", 7)
+    a = cli.parse_args(["--pipeline", "none", "--profile-steps", "7", "--data-workers", "3"])
+    assert (a.pipeline, a.profile_steps, a.data_workers) == ("none", 7, 3)
+    assert cli.data_workers(3, 8) == 3 and cli.data_workers(0, 1) == 0
+    cpus = len(os.sched_getaffinity(0))
+    assert cli.data_workers("auto", 1) == max(0, min(4, cpus - 1))
+    assert cli.data_workers("auto", cpus) == 0   # one CPU per rank: the batches stay on the rank's thread
     for argv, text in ((["--pipeline", "fast"], "argument --pipeline: invalid choice: 'fast'"),
                        (["--profile-steps", "-1"], "argument --profile-steps: must be >= 0, got -1"),
-                       (["--profile-steps", "two"], "argument --profile-steps: expected an integer")):
+                       (["--profile-steps", "two"], "argument --profile-steps: expected an integer"),
+                       (["--data-workers", "-1"], "--data-workers must be an integer >= 0 or auto, got -1"),
+                       (["--data-workers", "many"],
+                        "--data-workers must be an integer >= 0 or auto, got 'many'")):
         with pytest.raises(SystemExit) as e:
             cli.parse_args(argv)
         assert e.value.code == 2 and text in capsys.readouterr().err

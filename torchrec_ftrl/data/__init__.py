@@ -4,7 +4,7 @@ Modules: ``spec`` (column specs, presets), ``hashing`` (stable ids, log transfor
 (streaming parse, malformed-row handling; the per-line parser), ``arrow_reader`` (the same rows
 through pyarrow's CSV parser), ``line_chunks`` (line-aligned byte chunks and their line index),
 ``columns`` (vectorised field decoders), ``split`` (train/validation), ``batching`` (rows -> torchrec
-``Batch``), ``synthetic`` (planted-signal generator), ``sources`` (rank-sharded batch streams);
+``Batch``), ``synthetic`` (planted-signal generator), ``sources`` (rank-sharded batch streams), ``loader`` (those batches from DataLoader workers);
 TorchRec's binary Criteo layout: ``npy_layout`` (triplets and their checks), ``binary_source``
 (rank-sharded batches from it), ``npy_convert`` (one raw file -> one triplet), ``preprocess`` (the
 ``python -m torchrec_ftrl.data.preprocess`` command).
@@ -13,6 +13,7 @@ TorchRec's binary Criteo layout: ``npy_layout`` (triplets and their checks), ``b
 from .batching import make_batch
 from .binary_source import BinarySource, BinaryStats
 from .hashing import hex_id, log_transform, string_id
+from .loader import train_loader
 from .npy_layout import BinaryLayoutError
 from .reader import CTRFileReader, MalformedRowError, NoUsableRowsError, ReadStats, Row, RowChunk
 from .sources import FileSource, SyntheticSource
@@ -24,5 +25,5 @@ __all__ = [
     "AVAZU_SPEC", "BinaryLayoutError", "BinarySource", "BinaryStats", "CRITEO_SPEC", "PRESETS",
     "CTRFileReader", "ColumnSpec", "FileSource", "MalformedRowError", "NoUsableRowsError", "ReadStats",
     "Row", "RowChunk", "Split", "SyntheticCTR", "SyntheticSource", "get_spec", "hex_id", "log_transform",
-    "make_batch", "string_id",
+    "make_batch", "string_id", "train_loader",
 ]

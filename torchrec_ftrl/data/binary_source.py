@@ -159,19 +159,35 @@ class BinarySource:
             NoUsableRowsError: no training row (e.g. every row is validation).
         """
         _check_rank(rank, world_size, batch_size)
-        if self.n_train < 1:
-            raise NoUsableRowsError(f"{self.folder}: no training rows under --split {self.split}")
-        offsets = np.arange(batch_size, dtype=np.int64)
+        self._check_train()
         step = int(start_step)
         rows_per_step = world_size * batch_size
         self.epoch = step * rows_per_step // self.n_train
         while True:
-            first = (step * world_size + rank) * batch_size
-            t = (first + offsets) % self.n_train
-            batch = self._batch(self.split.train_index(t, self.num_rows))
+            batch = self.train_batch(rank, world_size, batch_size, step)
             step += 1
             self.epoch = step * rows_per_step // self.n_train
             yield batch
+
+    def train_batch(self, rank: int, world_size: int, batch_size: int, step: int):
+        """Training step ``step`` of ``rank``: the batch :meth:`train_batches` yields at that step (a
+        pure function of its arguments, so data-loader workers can build steps in any order).
+
+        Raises:
+            ValueError: bad rank, batch size or step.
+            NoUsableRowsError: no training row.
+        """
+        _check_rank(rank, world_size, batch_size)
+        self._check_train()
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        first = (int(step) * world_size + rank) * batch_size
+        t = (first + np.arange(batch_size, dtype=np.int64)) % self.n_train
+        return self._batch(self.split.train_index(t, self.num_rows))
+
+    def _check_train(self) -> None:
+        if self.n_train < 1:
+            raise NoUsableRowsError(f"{self.folder}: no training rows under --split {self.split}")
 
     def validation_batches(self, rank: int, world_size: int,
                            batch_size: int) -> List[Tuple[object, int]]:

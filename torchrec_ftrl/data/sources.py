@@ -172,8 +172,18 @@ class SyntheticSource:
         _check_rank(rank, world_size, batch_size)
         step = start_step
         while True:
-            yield self.gen.batch("train", step * world_size + rank, batch_size)
+            yield self.train_batch(rank, world_size, batch_size, step)
             step += 1
+
+    def train_batch(self, rank: int, world_size: int, batch_size: int, step: int):
+        """Training step ``step`` of ``rank`` (synthetic batch ``step * world_size + rank``): the
+        batch :meth:`train_batches` yields at that step.
+
+        Raises:
+            ValueError: bad rank, batch size or step.
+        """
+        _check_rank(rank, world_size, batch_size)
+        return self.gen.batch("train", step * world_size + rank, batch_size)
 
     def validation_batches(self, rank: int, world_size: int,
                            batch_size: int) -> List[Tuple[object, int]]:

@@ -145,6 +145,16 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--cpu-threads", type=int, default=1,
                    help="torch intra-op threads per process on CPU (1 avoids oversubscription when "
                         "several ranks share few cores)")
+    r.add_argument("--compile-dense", action="store_true",
+                   help="torch.compile the dense part (bottom MLP, interaction, top MLP; "
+                        "nn.Module.compile, so checkpoint keys stay the same): fewer kernel launches per "
+                        "step for a one-off compile at the first steps; results match the eager model "
+                        "to float32 rounding, not bitwise")
+    r.add_argument("--data-workers", default="auto", metavar="N",
+                   help="DataLoader worker processes per rank that read, parse and assemble the "
+                        "training batches off the training thread (0: on it; a text --data uses one); "
+                        "auto: min(4, CPUs per rank - 1). The batches and their order do not depend "
+                        "on N")
     r.add_argument("--pipeline", choices=PIPELINES, default="sparse_dist",
                    help="sparse_dist: TorchRec's TrainPipelineSparseDist (batch i+1's input all-to-all "
                         "and batch i+2's copy overlap batch i's compute); none: one batch at a time")
@@ -167,6 +177,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                  "zch_eviction_interval"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    if a.data_workers != "auto":
+        try:
+            a.data_workers = int(a.data_workers)
+        except ValueError:
+            p.error(f"--data-workers must be an integer >= 0 or auto, got {a.data_workers!r}")
+        if a.data_workers < 0:
+            p.error(f"--data-workers must be an integer >= 0 or auto, got {a.data_workers}")
     if a.checkpoint_every < 0:
         p.error(f"--checkpoint-every must be >= 0, got {a.checkpoint_every}")
     if a.resume is not None and a.checkpoint_dir is None and a.resume == "latest":
@@ -329,3 +346,13 @@ def sparse_fused_params(args: argparse.Namespace, world_size: Optional[int] = No
         fused["optimizer_state_dtypes"] = hashable_state_dtypes({"accum": state, "linear": state},
                                                                 "--ftrl-state-dtype")
     return fused
+
+
+def data_workers(flag, local_world_size: int) -> int:
+    """``--data-workers``: the number given, or for ``auto`` ``min(4, CPUs per rank - 1)`` (0 when the
+    ranks of a host have fewer than 2 CPUs each; CPUs: this process's affinity set)."""
+    if flag != "auto":
+        return int(flag)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(0, min(4, cpus // max(local_world_size, 1) - 1))
+

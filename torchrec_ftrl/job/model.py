@@ -102,3 +102,12 @@ def build_optimizer(dmp: nn.Module, name: str, lr: float):
     dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
                                   lambda params: cls(params, lr=lr))
     return CombinedOptimizer([dmp.fused_optimizer, dense])
+
+
+def compile_dense(model: nn.Module) -> None:
+    """``nn.Module.compile()`` (in place, same parameter names) on the DLRM's ``dense_arch``,
+    ``inter_arch`` and ``over_arch``; the sharded embedding module stays eager (TorchRec's train
+    pipelines rewrite its forward)."""
+    for name in ("dense_arch", "inter_arch", "over_arch"):
+        getattr(model, name).compile(dynamic=False)
+

@@ -69,8 +69,8 @@ class PlainLoop:
 
 class SparseDistLoop:
     """``--pipeline sparse_dist``: ``TrainPipelineSparseDist(model, optimizer, device,
-    execute_all_batches=True)`` over ``batches`` (pinned first on a GPU); one ``progress`` per
-    :meth:`step`."""
+    execute_all_batches=True)`` over ``batches`` (pinned by the caller on a GPU, so that the
+    pipeline's host-to-device copy is asynchronous); one ``progress`` per :meth:`step`."""
 
     def __init__(self, model: torch.nn.Module, optimizer, device: torch.device, batches: Iterator,
                  on_batch: Callable) -> None:
@@ -78,12 +78,11 @@ class SparseDistLoop:
 
         self._pending = collections.deque()  # CPU KJTs of the batches read but not yet trained
         self._on_batch = on_batch
-        pin = device.type == "cuda"  # pinned host memory: the pipeline's copy is asynchronous
 
         def read():
             for batch in batches:
                 self._pending.append(batch.sparse_features)
-                yield batch.pin_memory() if pin else batch
+                yield batch
 
         self._batches = read()
         self.pipeline = TrainPipelineSparseDist(model, optimizer, device, execute_all_batches=True)

@@ -8,6 +8,7 @@ all_reduce a per-row count of non-zero shards.
 
 from __future__ import annotations
 
+import itertools
 import re
 from typing import Dict, Optional
 
@@ -30,43 +31,63 @@ def _tables(state_dict: dict) -> Dict[str, object]:
 
 
 class TouchTracker:
-    """Which rows the training data has looked up, per table (``bool [num_embeddings]`` on CPU).
+    """Which rows the training data has looked up, per table: one flat ``bool`` mask over the rows of
+    all tables, on ``device`` (the training device, so that marking a batch launches a few device ops
+    and never waits for them).
 
-    ``update(kjt)`` marks this rank's ids; ``reduce()`` (a collective) ORs the masks of all ranks.
-    Under FTRL a touched row is recomputed from its (accum, linear) state, an untouched one keeps its
-    random initial value, so sparsity among touched rows is the figure that says what L1 did.
+    ``update(kjt)`` marks this rank's ids; ``reduce()`` (a collective) ORs the masks of all ranks;
+    ``masks`` is ``{table: bool [num_embeddings]}`` on the CPU (a copy). Under FTRL a touched row is
+    recomputed from its (accum, linear) state, an untouched one keeps its random initial value, so
+    sparsity among touched rows is the figure that says what L1 did.
     """
 
-    def __init__(self, features, sizes) -> None:
-        self.masks = {f"t_{f}": torch.zeros(int(n), dtype=torch.bool) for f, n in zip(features, sizes)}
+    def __init__(self, features, sizes, device: torch.device = torch.device("cpu")) -> None:
+        self.device = torch.device(device)
+        self.features = [str(f) for f in features]
+        self.sizes = [int(n) for n in sizes]
+        self._base = dict(zip(self.features, [0, *itertools.accumulate(self.sizes)]))
+        self._flat = torch.zeros(sum(self.sizes), dtype=torch.bool, device=self.device)
+        self._bases = {}   # keys -> int64 [F] first flat row of each key's table, on the device
 
     def update(self, kjt) -> None:
-        values = kjt.values()
-        off = 0
-        for key, n in zip(kjt.keys(), kjt.length_per_key()):
-            if n:
-                self.masks[f"t_{key}"][values[off:off + n]] = True
-            off += n
+        """Mark the ids of ``kjt`` (a KJT whose keys are tracked features, values int64 row ids, on the
+        CPU, pinned for an asynchronous copy when the tracker is on a GPU)."""
+        keys = tuple(kjt.keys())
+        n = kjt.values().numel()
+        if n == 0:
+            return
+        if keys not in self._bases:
+            self._bases[keys] = torch.tensor([self._base[k] for k in keys], dtype=torch.int64,
+                                             device=self.device)
+        cuda = self.device.type == "cuda"
+        per_key = torch.tensor(kjt.length_per_key(), dtype=torch.int64)
+        if cuda:
+            per_key = per_key.pin_memory()
+        per_key = per_key.to(self.device, non_blocking=True)
+        values = kjt.values().to(self.device, non_blocking=True)
+        rows = values + torch.repeat_interleave(self._bases[keys], per_key, output_size=n)
+        self._flat.index_fill_(0, rows, True)
+
+    @property
+    def masks(self) -> Dict[str, torch.Tensor]:
+        flat = self._flat.cpu()
+        return {f"t_{f}": flat[self._base[f]:self._base[f] + n].clone()
+                for f, n in zip(self.features, self.sizes)}
 
     def reduce(self, device: torch.device) -> None:
-        if not (dist.is_initialized() and dist.get_world_size() > 1):
+        """OR the masks of all ranks (every rank calls it); ``device``: where the collective runs."""
+        if not (dist.is_initialized() and dist.get_world_size() > 1) or not self.sizes:
             return
-        names = list(self.masks)
-        flat = torch.cat([self.masks[n].to(torch.int32) for n in names]).to(device)
-        dist.all_reduce(flat)
-        flat = (flat > 0).cpu()
-        off = 0
-        for n in names:
-            k = self.masks[n].numel()
-            self.masks[n] = flat[off:off + k].clone()
-            off += k
+        flat = self._flat.to(device=device, dtype=torch.uint8)
+        dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+        self._flat = flat.to(device=self.device, dtype=torch.bool)
 
     def state_dict(self) -> dict:
         return {n: m.to(torch.uint8) for n, m in self.masks.items()}
 
     def load_state_dict(self, state: dict) -> None:
-        for n in self.masks:
-            self.masks[n] = state[n].to(torch.bool).cpu()
+        for f, n in zip(self.features, self.sizes):
+            self._flat[self._base[f]:self._base[f] + n] = state[f"t_{f}"].to(torch.bool)
 
 
 @torch.no_grad()

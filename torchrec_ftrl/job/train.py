@@ -31,6 +31,10 @@ from torch.autograd.profiler import record_function
 from . import (checkpoint, cli, dist_env, evaluate, faults, model as model_lib, pipeline,
                profile as profile_lib, report, sparsity, zch)
 from .source import make_source, steps_for_epochs
+from torchrec_ftrl.data import train_loader
+
+
+STEADY_AFTER = 10   # steps left out of ``steady_examples_per_s``
 
 
 def _sum_over_ranks(x: float, device: torch.device) -> float:
@@ -98,6 +102,8 @@ def _run(args, env, fused_params, rank0) -> dict:
 
     net = model_lib.build_dlrm(features, sizes, args.embedding_dim, num_dense, args.dense_arch_list,
                                args.over_arch_list, env.device)
+    if args.compile_dense:
+        model_lib.compile_dense(net)
     sharders = torchrec_ftrl.sharders(fused_params)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
     tables = [f"t_{f}" for f in features]
@@ -114,7 +120,8 @@ def _run(args, env, fused_params, rank0) -> dict:
     opt = model_lib.build_optimizer(dmp, args.dense_optimizer, args.dense_lr)
 
     # Touched rows are counted from the batches' ids; --zch batches hold raw ids, not rows.
-    tracker = sparsity.TouchTracker([] if args.zch else features, [] if args.zch else sizes)
+    tracker = sparsity.TouchTracker([] if args.zch else features, [] if args.zch else sizes,
+                                    env.device)
     start_step, loss_history, val_history = 0, [], []
     resumed_window = None
     if args.resume is not None:
@@ -140,7 +147,10 @@ def _run(args, env, fused_params, rank0) -> dict:
                                                                   args.batch_size)
     if rank0 and source.stats() is not None:
         print(f"data: {source.stats().summary()}", flush=True)
-    train_iter = source.train_batches(env.rank, env.world_size, args.batch_size, start_step=start_step)
+    workers = cli.data_workers(args.data_workers, local_world)
+    train_iter = train_loader(source, env.rank, env.world_size, args.batch_size, start_step,
+                                     steps - start_step, workers=workers,
+                                     pin_memory=env.device.type == "cuda")
     if rank0:
         opt_name = args.sparse_optimizer
         if opt_name == "ftrl":
@@ -148,7 +158,8 @@ def _run(args, env, fused_params, rank0) -> dict:
         print(f"train_ctr: {env.world_size} rank(s), {env.device} ({env.backend}), data={data_desc['kind']}, "
               f"{len(features)} tables x {args.embedding_dim} dims, sparse={opt_name} "
               f"lr={args.sparse_lr}, dense={args.dense_optimizer} lr={args.dense_lr}, "
-              f"steps {start_step}->{steps}, batch {args.batch_size}/rank", flush=True)
+              f"steps {start_step}->{steps}, batch {args.batch_size}/rank, {workers} data "
+              f"worker(s)/rank", flush=True)
 
     bar = None
     if rank0 and not args.no_progress:
@@ -198,7 +209,15 @@ def _run(args, env, fused_params, rank0) -> dict:
         window_n = int(resumed_window["n"])
         window_loss = torch.tensor(resumed_window["sums"][env.rank], dtype=torch.float64, device=env.device)
     shown = {}
+    # Steady-state throughput: timed from the end of the first STEADY_AFTER steps of this run (one
+    # device sync there), so one-off costs (kernel compiles, first allocations) are left out.
+    steady_from = start_step + STEADY_AFTER if steps - start_step > 2 * STEADY_AFTER else None
+    t_steady = None
     for step in range(start_step + 1, steps + 1):
+        if step - 1 == steady_from:
+            if env.device.type == "cuda":
+                torch.cuda.synchronize(env.device)
+            t_steady = time.perf_counter()
         loss = loop.step()
         faults.maybe_fail(env.rank, step, "step")
         with record_function(profile_lib.METRICS_LABEL):
@@ -244,6 +263,8 @@ def _run(args, env, fused_params, rank0) -> dict:
         "steps": steps, "start_step": start_step, "batch_size_per_rank": args.batch_size,
         "examples_per_s": done * args.batch_size * env.world_size / train_time if done else None,
         "train_time_s": train_time,
+        "steady_examples_per_s": ((steps - steady_from) * args.batch_size * env.world_size
+                                  / (t0 + train_time - t_steady) if t_steady is not None else None),
         "final_train_loss": loss_history[-1][1] if loss_history else None,
         "final_validation": val_history[-1] if val_history else None,
         "validation_history": val_history,
@@ -278,7 +299,9 @@ def _run(args, env, fused_params, rank0) -> dict:
                      f"{so['zero_weight_share']:.1%} of weights and {so['zero_row_share']:.1%} of "
                      f"rows are exactly zero")
         print(f"done: {steps} steps, final train loss {summary['final_train_loss']:.4f}, {val}; "
-              f"{zeros}; {summary['examples_per_s'] or 0:.0f} examples/s", flush=True)
+              f"{zeros}; {summary['examples_per_s'] or 0:.0f} examples/s"
+              + (f" ({summary['steady_examples_per_s']:.0f} after step {steady_from})"
+                 if summary["steady_examples_per_s"] else ""), flush=True)
         print(f"wrote {out} and {png}", flush=True)
         ps = summary["step_profile"]
         if ps is not None:

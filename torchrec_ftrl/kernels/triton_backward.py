@@ -1,6 +1,9 @@
 """Triton kernels of the FTRL TBE backward: sum gradients per unique row, one FTRL update per row.
 
-Pipeline (all on the device, buffers sized from ``N = indices.numel()``, no host sync):
+Pipeline (all on the device, buffers sized from ``N = indices.numel()``, no host sync). The integer
+arguments that change from batch to batch (``N``, tile counts) are not specialised
+(``do_not_specialize``): Triton would otherwise compile a variant for each of their divisibility
+classes, seconds of compile inside a training run whenever a new class first appears.
 
 1. :func:`linearize_kernel` (one program per block of bags) writes, for every index position, its
    linearised row id ``row_base[table] + index`` (the sort key), the element offset of its bag's
@@ -113,7 +116,7 @@ def publish_and_look_back(status_ptr, t, own, LOOKBACK: tl.constexpr, MAX: tl.co
     return prefix
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_indices"])
 def repair_offsets_tile(offsets_ptr, fixed_ptr, ws_ptr, num_bags, num_indices, BAGS: tl.constexpr,
                         LOOKBACK: tl.constexpr):
     """One tile of the ``BoundsCheckMode.WARNING`` offsets repair, in one pass over all tiles:
@@ -147,7 +150,7 @@ def repair_offsets_tile(offsets_ptr, fixed_ptr, ws_ptr, num_bags, num_indices, B
     return bags, bmask, start, end, tl.sum(changed, axis=0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_indices"])
 def linearize_kernel(
     indices_ptr, offsets_ptr, bag_feature_ptr, bag_out_ptr, feature_table_ptr, row_base_ptr,
     table_rows_ptr, psw_ptr, key_ptr, gofs_ptr, scale_ptr, tid_ptr, warn_ptr, fixed_ptr, ws_ptr,
@@ -206,7 +209,7 @@ def linearize_kernel(
         tl.atomic_add(warn_ptr, total_bad, mask=total_bad > 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "num_tiles"])
 def segment_mark_kernel(key_ptr, perm_ptr, gofs_ptr, scale_ptr, tid_ptr, loc_ptr, sk_ptr, sgofs_ptr,
                         sscale_ptr, stid_ptr, sloc_ptr, seg_ptr, ws_ptr, N, num_tiles,
                         SEG: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_TID: tl.constexpr,
@@ -411,7 +414,7 @@ def sum_gradient_rows(grad_ptr, go, sc, lm, m3c, cols, HAS_SCALE: tl.constexpr, 
     return tl.sum(g, axis=1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def segment_update_kernel(
     seg_ptr, count_ptr, sk_ptr, sgofs_ptr, sscale_ptr, stid_ptr, sloc_ptr, grad_ptr,
     w_ptr, n_ptr, z_ptr, cw_ptr, cn_ptr, cz_ptr, table_w_offset_ptr, table_dim_ptr, row_base_ptr,
@@ -479,7 +482,7 @@ def segment_update_kernel(
                           HAS_SHRINK, LIBDEVICE_POW, N_BF16, Z_BF16)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def segment_combine_kernel(
     sk_ptr, stid_ptr, sloc_ptr, part_ptr,
     w_ptr, n_ptr, z_ptr, cw_ptr, cn_ptr, cz_ptr, table_w_offset_ptr, table_dim_ptr, row_base_ptr,

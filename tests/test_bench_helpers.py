@@ -2,7 +2,9 @@
 shapes, memory estimate, run-length histogram and bytes model (fp32 and bf16 FTRL state);
 ``benchmarks/bench_uvm_caching.py``'s bytes per cache miss; ``benchmarks/bench_dmp.py``'s fused_params,
 method flags and profile attribution; ``benchmarks/bench_job.py``'s tiling of the binary folder and
-summary reading; every GPU script's ``--help``; and (slow) CPU smoke runs of bench_dmp and bench_job."""
+summary reading; ``benchmarks/bench_torchrec_dlrm.py``'s flag mapping, 24-day view and throughput;
+every GPU script's ``--help``; and (slow) CPU smoke runs of bench_dmp, bench_job and
+bench_torchrec_dlrm."""
 
 from __future__ import annotations
 
@@ -415,3 +417,97 @@ def test_job_cpu_smoke(tmp_path):
     assert {r["source"] for r in res["results"]} == {"synthetic", "binary"}
     assert all(r["examples_per_s"] > 0 for r in res["results"])
     assert "ftrl" in res["data_path_cost"]
+
+
+# ----------------------------------------------------------------------- bench_torchrec_dlrm.py
+
+
+def test_dlrm_example_argv_mapping():
+    import bench_torchrec_dlrm as b
+    a = b.parse(["--device", "cuda", "--dense-arch", "128,64", "--over-arch", "256", "--embedding-dim", "32",
+                 "--num-embeddings", "5000", "--steps", "7", "--batch", "99", "--example-args", "--seed 3"])
+    argv = b.example_argv(a, "/days")
+    flag = lambda f: argv[argv.index(f) + 1]  # noqa: E731
+    assert flag("--dense_arch_layer_sizes") == "128,64,32" and flag("--over_arch_layer_sizes") == "256,1"
+    assert flag("--in_memory_binary_criteo_path") == "/days" and flag("--num_embeddings") == "5000"
+    assert flag("--limit_train_batches") == "7" and flag("--batch_size") == "99" and flag("--epochs") == "1"
+    assert flag("--limit_val_batches") == "1" and flag("--limit_test_batches") == "1"
+    assert "--adagrad" in argv and "--pin_memory" in argv and argv[-2:] == ["--seed", "3"]
+    a = b.parse(["--device", "cpu", "--optimizer", "sgd", "--num-embeddings", ",".join(["10"] * 26)])
+    argv = b.example_argv(a, "/days")
+    assert "--adagrad" not in argv and "--pin_memory" not in argv and "--num_embeddings" not in argv
+    assert argv[argv.index("--num_embeddings_per_feature") + 1] == ",".join(["10"] * 26)
+    # the job's defaults for the two MLPs, with the example's last layers appended
+    from torchrec_ftrl.job import cli
+    d = cli.build_parser().parse_args([])
+    a = b.parse([])
+    assert a.bottom == [int(x) for x in d.dense_arch.split(",")] + [64]
+    assert a.top == [int(x) for x in d.over_arch.split(",")] + [1]
+    cmd = b.launch_cmd(a, "/t", ["--x"])
+    assert cmd[1:4] == ["-m", "torch.distributed.run", "--standalone"] and cmd[-2:] == ["--", "--x"]
+    assert b.launch_env(b.parse(["--device", "cpu"]))["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_dlrm_day_view_reads_like_the_source(tmp_path):
+    """The 24-day view: symlinked training days, empty padding days, a small day_23; TorchRec's
+    in-memory pipe yields the source's rows in order from it."""
+    import bench_job
+    import bench_torchrec_dlrm as b
+    from torchrec.datasets.criteo import InMemoryBinaryCriteoIterDataPipe
+    rng = np.random.default_rng(0)
+    src = tmp_path / "src"
+    arrays = dict(dense=rng.random((7, 13), dtype=np.float32), sparse=rng.integers(0, 1 << 32, (7, 26)),
+                  labels=rng.integers(0, 2, (7, 1)).astype(np.int32))
+    bench_job.tile_arrays(arrays, str(src), 1, 3)
+    folder, info = b.build_days(str(src), str(tmp_path / "days"), 4)
+    assert info["view"] and info["source_days"] == 3 and info["train_rows"] == 21 and info["empty_days"] == 20
+    assert os.path.islink(os.path.join(folder, "day_2_sparse.npy"))
+    empty = np.load(os.path.join(folder, "day_22_sparse.npy"))
+    assert empty.shape == (0, 26) and empty.dtype == arrays["sparse"].dtype
+    assert np.array_equal(np.load(os.path.join(folder, "day_23_dense.npy")), arrays["dense"][:4])
+    paths = [[os.path.join(folder, f"day_{d}_{k}.npy") for d in range(b.DAYS - 1)] for k in b.ARRAYS]
+    pipe = InMemoryBinaryCriteoIterDataPipe("train", *paths, batch_size=5, rank=0, world_size=1,
+                                            hashes=[1000] * 26)
+    got = list(pipe)
+    assert [len(x.labels) for x in got] == [5, 5, 5, 5, 1]
+    dense = torch.cat([x.dense_features for x in got]).numpy()
+    assert np.array_equal(dense, np.concatenate([arrays["dense"]] * 3))
+    # a folder that already has the 24 days is used as it is
+    full = tmp_path / "full"
+    bench_job.tile_arrays(arrays, str(full), 1, b.DAYS)
+    assert b.build_days(str(full), str(tmp_path / "unused"), 4) == (str(full), dict(
+        source=str(full), view=False, source_days=b.DAYS, train_rows=7 * (b.DAYS - 1), val_test_rows=7))
+
+
+def test_dlrm_throughput_by_hand():
+    import bench_torchrec_dlrm as b
+    recs = [dict(steps=10, warmup=2, train_s=2.0, steady_s=1.0, setup_s=5.0, after_train_s=0.5),
+            dict(steps=10, warmup=2, train_s=2.5, steady_s=1.6, setup_s=6.0, after_train_s=0.4)]
+    r = b.throughput(recs, 100)
+    assert r["examples_per_s"] == pytest.approx(10 * 100 * 2 / 2.5)
+    assert r["steady_examples_per_s"] == pytest.approx(8 * 100 * 2 / 1.6) and r["setup_s"] == 6.0
+    assert b.example_iterations("x\nTotal number of iterations: 42\ny") == 42
+    assert b.example_iterations("nothing") is None
+
+
+@pytest.mark.slow
+def test_dlrm_example_cpu_smoke(tmp_path):
+    """TorchRec's DLRM example, unmodified (``.anchor/torchrec_dlrm``, see the benchmark's
+    ``--extract``), 2 gloo processes on the tiled sample."""
+    import bench_job
+    import bench_torchrec_dlrm as b
+    dlrm_main = os.path.join(b.ANCHOR_DIR, "torchrec_dlrm", "dlrm_main.py")
+    if not os.path.isfile(dlrm_main) or bench_job.default_tsv() is None or b.missing_modules():
+        pytest.skip("no extracted dlrm_main.py, Criteo sample or the example's extra packages")
+    out = tmp_path / "out"
+    p = subprocess.run([sys.executable, os.path.join(BENCH, "bench_torchrec_dlrm.py"), "--device", "cpu",
+                        "--rows", "20000", "--files", "2", "--work-dir", str(tmp_path / "work"), "--batch", "256",
+                        "--steps", "12", "--warmup", "4", "--num-embeddings", "1000", "--nproc", "2",
+                        "--out", str(out)], capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads((out / "bench_torchrec_dlrm.json").read_text())
+    r = res["result"]
+    assert r["steps"] == 12 == r["example_iterations"] and r["world_size"] == 2
+    assert r["examples_per_s"] > 0 and r["steady_steps"] == 8 and r["steady_examples_per_s"] > 0
+    assert res["example"]["sha256"] and res["data"]["view"]
+    assert (out / "bench_torchrec_dlrm.md").read_text().count("TorchRec DLRM example") == 1

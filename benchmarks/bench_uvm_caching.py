@@ -1,25 +1,52 @@
-"""CUDA benchmark of FTRL tables larger than the HBM cache: ``fused_uvm_caching`` (and ``fused_uvm``).
+"""CUDA benchmark of FTRL tables behind an HBM cache (``fused_uvm_caching``) in steady state.
 
-One TBE training step (forward + backward with the fused optimizer update) of ours
-(``FTRLTableBatchedEmbeddingBags``, fp32 state and bf16 state) and FBGEMM's
-``SplitTableBatchedEmbeddingBagsCodegen`` under ADAM and EXACT_ROWWISE_ADAGRAD, side by side in one
-process, each under the same placements: all in HBM (``DEVICE``), unified memory (``MANAGED``, ours
-only) and unified memory with an HBM cache (``MANAGED_CACHING``, LRU) at cache load factors 0.05, 0.2
-and 1.0.
+What is measured: one TBE training step (forward + backward with the fused optimizer update) of
+tables in unified memory behind an LRU HBM cache (``EmbeddingLocation.MANAGED_CACHING``), once the
+cache is warm. Methods, side by side in one process: ours (``FTRLTableBatchedEmbeddingBags``) with
+fp32 state (``ours``) and bf16 state (``ours_bf16``), FBGEMM's ``SplitTableBatchedEmbeddingBagsCodegen``
+under EXACT_ROWWISE_ADAGRAD and ADAM, all at cache load factors 0.05, 0.2 and 1.0, and ours with the
+tables all in HBM (``ours_hbm``, ``DEVICE``) as the reference. Default shape: T=2 tables of
+E=10M rows x D=128, fp32, B=16384, L=20 indices per bag, SUM pooling; ids uniform or Zipf(1.1)
+(ranks scattered by a random permutation of each table's rows).
 
-Shape: T=2 tables of E=10M rows x D=128, fp32, B=16384, L=20 indices per bag, SUM pooling; ids
-uniform or Zipf(1.1) (ranks scattered by a random permutation of each table's rows). Every step gets
-a fresh batch (``--warmup + --iters`` distinct batches, made before timing), so the cache never holds
-a replayed working set. Time: CUDA events around each step, median. Cache hit rate: 1 - unique
-misses / unique indices, from FBGEMM's cache statistics over the timed steps (``gather_uvm_cache_stats``).
-Miss traffic: each unique miss moves one row in (the weight and, for ours, accum + linear at the
-cache row: 2 x D fp32 or 2 x D bf16, ``row_bytes``; FBGEMM caches only the weight) and, once the
-cache is full, one evicted row out. PCIe is full duplex, so the rows in are reported against the
-pinned host-to-device copy rate and the rows out against the device-to-host rate, both measured
-here. ``--profile`` adds the kernel-time breakdown of one cached step of ours, fp32 and bf16 state
-(Zipf, load factor 0.2).
+How:
+
+* Batches: a fresh batch every step, drawn on the GPU just before the step and outside its timed
+  region from one seeded stream per id distribution (every method gets the same batches, so the
+  same FBGEMM LRU makes the same cache decisions and the hit rates agree across methods).
+* Warm-up to steady state: train on fresh batches, reading FBGEMM's cache statistics
+  (``get_uvm_cache_stats``: unique indices, unique misses, misses left uncached) and the occupied
+  slots (``lxu_cache_state != -1``) after every step. Per step, ``inserted = unique misses - misses
+  left uncached`` rows enter the cache, ``filled`` (the growth of the occupied slots) of them into
+  empty slots, and ``evicted = inserted - filled`` displace a cached row (written back). A step is
+  steady when it evicted rows and the cache grew by at most ``--fill-tol`` (1%) of the rows it
+  inserted; the warm-up ends after ``--window`` (5) steady steps in a row, or at ``--max-warmup``
+  steps, and the row says whether steady state was reached. A full cache (every slot holds a row)
+  cannot grow; at load factor 1.0 a set-associative cache never fills (rows hash unevenly to sets
+  of 32: sets with fewer distinct rows than ways keep empty slots), so there "no longer filling"
+  stands in for "full"; Zipf ids at load factor 1.0 keep bringing first-seen rows into empty slots
+  for far longer than a run can wait (reported as not reached).
+* Time: CUDA events around each of ``--iters`` steps after the warm-up, median (and mean). The
+  cache counts of the timed steps come from the statistics before and after them.
+* Traffic model per step (``traffic_bytes``), from the counts of the timed steps: an inserted row
+  moves in the weight plus, for ours, its cached state (``row_bytes``: D x (4 + 8) B fp32 state,
+  D x (4 + 4) B bf16 state, FBGEMM D x 4 B: its cache holds weights only); an evicted row moves
+  the same out (FBGEMM writes back the weight of every evicted row, ours the weight and states). A
+  miss left uncached is read in place (forward: weight; update: weight and cached state) and
+  written in place. FBGEMM keeps its optimizer state in unified memory, read and written for every
+  unique row each step (ADAM: m and v, 2 x D x 4 B; row-wise Adagrad: 4 B, counted as one 32 B
+  sector). In and out are compared with the pinned host-to-device and device-to-host copy rates
+  measured at the start of the same run (PCIe is full duplex): the share of the rate the modelled
+  bytes need in the measured step time, and the floor time (bytes / rate). A share above 100%
+  means the model counts bytes that did not cross the link; such a row is flagged.
+* ``--profile``: the kernel-time breakdown of a few steady steps of ours and ours_bf16 (Zipf,
+  load factor 0.2, or the first one given).
+
+Writes ``DIR/uvm_caching.json`` and ``DIR/uvm_caching.md`` after every row (a run cut short keeps
+what it measured); ``--time-budget`` stops starting new measurements after that many seconds.
 
 Usage: python benchmarks/bench_uvm_caching.py [--out DIR] [--quick] [--methods M,...]
+       [--load-factors 0.05,0.2,1.0] [--dists zipf,uniform] [--max-warmup N] [--iters N] [--profile]
 """
 
 from __future__ import annotations
@@ -27,99 +54,349 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import statistics
+import time
 
 import torch
 
-from bench_tbe_cuda import FTRL_KW, time_steps
-from torchrec_ftrl import FTRLTableBatchedEmbeddingBags
 from torchrec_ftrl.fbgemm_enums import (BoundsCheckMode, CacheAlgorithm, ComputeDevice, EmbeddingLocation,
                                         EmbOptimType, PoolingMode, SparseType)
 from torchrec_ftrl.state_dtype import parse_state_dtypes, state_bytes_per_element
 
-METHODS = ("ours", "ours_bf16", "fbgemm_adam", "fbgemm_rowwise_adagrad")
+METHODS = ("ours", "ours_bf16", "fbgemm_rowwise_adagrad", "fbgemm_adam", "ours_hbm")
+CACHED_METHODS = METHODS[:4]
 LABELS = {"ours": "torchrec_ftrl FTRL", "ours_bf16": "torchrec_ftrl FTRL, bf16 state",
-          "fbgemm_adam": "FBGEMM ADAM", "fbgemm_rowwise_adagrad": "FBGEMM EXACT_ROWWISE_ADAGRAD"}
+          "fbgemm_rowwise_adagrad": "FBGEMM EXACT_ROWWISE_ADAGRAD", "fbgemm_adam": "FBGEMM ADAM",
+          "ours_hbm": "torchrec_ftrl FTRL, all in HBM (DEVICE)"}
+DISTS = ("zipf", "uniform")
+LOAD_FACTORS = (0.05, 0.2, 1.0)
 # Ours: the TBE's optimizer_state_dtypes of each method.
-OURS_STATE_DTYPES = {"ours": None, "ours_bf16": {"accum": SparseType.BF16, "linear": SparseType.BF16}}
-# Cached state bytes per weight element that a miss moves with the row: ours' accum + linear in their
-# dtypes (8 fp32, 4 bf16; the state cache rows beside the weight's); FBGEMM caches only the weight.
-CACHED_STATE_BYTES = {**{m: state_bytes_per_element(parse_state_dtypes(sd))
-                         for m, sd in OURS_STATE_DTYPES.items()},
+OURS_STATE_DTYPES = {"ours": None, "ours_bf16": {"accum": SparseType.BF16, "linear": SparseType.BF16},
+                     "ours_hbm": None}
+# Cached state bytes per weight element that an inserted or evicted row moves with its weight: ours'
+# accum + linear in their dtypes (8 fp32, 4 bf16; the state cache rows beside the weight's);
+# FBGEMM caches only the weight.
+CACHED_STATE_BYTES = {**{m: state_bytes_per_element(parse_state_dtypes(OURS_STATE_DTYPES[m]))
+                         for m in ("ours", "ours_bf16")},
                       "fbgemm_adam": 0, "fbgemm_rowwise_adagrad": 0}
+# Optimizer state left in unified memory, read and written for every unique row of a step:
+# (bytes per weight element, bytes per row). FBGEMM places its states in unified memory under
+# MANAGED_CACHING (only the weights are cached): ADAM's m and v in fp32, row-wise Adagrad's one fp32
+# per row. Ours caches both states with the weight.
+UVM_STATE_BYTES = {"ours": (0, 0), "ours_bf16": (0, 0), "fbgemm_adam": (8, 0), "fbgemm_rowwise_adagrad": (0, 4)}
+SECTOR = 32          # bytes: the smallest GPU memory transaction; a 4 B access moves one sector
+STATS = ("num_calls", "num_requested_indices", "num_unique_indices", "num_unique_misses",
+         "num_conflict_unique_misses", "num_conflict_misses")   # FBGEMM's order (uvm_cache_stats)
 
+
+# ------------------------------------------------------------------------------ pure logic (CPU)
 
 def row_bytes(method, D, weight_bytes=4):
-    """Bytes per row a cache miss moves each way: the weight and the cached optimizer state
-    (ours, D=128 fp32 weights: 1,536 B with fp32 state, 1,024 B with bf16 state; FBGEMM: 512 B)."""
+    """Bytes an inserted (or evicted) row moves: the weight and the cached optimizer state
+    (D=128 fp32 weights: ours 1,536 B with fp32 state, 1,024 B with bf16 state; FBGEMM 512 B)."""
     return D * (weight_bytes + CACHED_STATE_BYTES[method])
 
 
-def fresh_batches(T, E, B, L, dist, n, zipf_a=1.1, seed=0):
-    """``n`` distinct batches on the GPU (indices int64 [T*B*L], offsets int64 [T*B+1])."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    if dist == "zipf":
-        cdf = torch.cumsum(torch.arange(1, E + 1, dtype=torch.float64, device="cuda") ** -zipf_a, 0)
-        cdf /= cdf[-1].clone()
-        perms = torch.stack([torch.randperm(E, device="cuda", generator=g) for _ in range(T)])
-    out = []
-    for _ in range(n):
-        if dist == "uniform":
-            idx = torch.randint(0, E, (T, B * L), device="cuda", generator=g)
+def uvm_state_bytes(method, D):
+    """Bytes of ``method``'s optimizer state per row that stay in unified memory (read and written
+    for every unique row of a step), rounded up to whole :data:`SECTOR` s: ADAM 2 x D x 4, row-wise
+    Adagrad 4 -> 32, ours 0."""
+    per_element, per_row = UVM_STATE_BYTES[method]
+    b = per_element * D + per_row
+    return -(-b // SECTOR) * SECTOR
+
+
+def step_counts(prev, cur):
+    """Cache counts between two snapshots (``STATS`` then the occupied slots, 7 ints each).
+
+    ``unique``: unique rows looked up; ``misses``: of them not cached before the step; ``uncached``:
+    misses the populate could not insert (their set's slots all taken by this step's rows);
+    ``inserted`` = misses - uncached; ``filled``: growth of the occupied slots (inserts into empty
+    slots); ``evicted`` = inserted - filled (inserts that displaced a cached row); ``lookups``:
+    indices; ``calls``: populates."""
+    d = [int(c) - int(p) for p, c in zip(prev, cur)]
+    inserted = d[3] - d[4]
+    return dict(calls=d[0], lookups=d[1], unique=d[2], misses=d[3], uncached=d[4],
+                inserted=inserted, filled=d[6], evicted=inserted - d[6])
+
+
+def is_steady_step(counts, fill_tol=0.01):
+    """A steady step evicted rows and grew the cache by at most ``fill_tol`` of the rows it inserted
+    (a full cache does not grow)."""
+    return counts["evicted"] > 0 and counts["filled"] <= fill_tol * counts["inserted"]
+
+
+class SteadyState:
+    """Counts steady steps in a row (:func:`is_steady_step`); ``reached`` after ``window`` of them."""
+
+    def __init__(self, window=5, fill_tol=0.01):
+        self.window, self.fill_tol = int(window), float(fill_tol)
+        self.streak = 0
+        self.steps = 0
+
+    def update(self, counts):
+        self.steps += 1
+        self.streak = self.streak + 1 if is_steady_step(counts, self.fill_tol) else 0
+        return self.reached
+
+    @property
+    def reached(self):
+        return self.streak >= self.window
+
+
+def traffic_bytes(method, D, c, weight_bytes=4):
+    """Modelled bytes over the host link per step from per-step counts ``c`` (``step_counts`` keys,
+    floats allowed): ``(in, out, parts)``.
+
+    In: each inserted row (weight + cached state, :func:`row_bytes`); each uncached miss read in
+    place by the forward (weight) and the update (weight + cached state); the unified-memory state
+    of every unique row (:func:`uvm_state_bytes`). Out: each evicted row written back (FBGEMM: the
+    weight; ours: weight and state), each uncached miss's update written in place, the
+    unified-memory state of every unique row written."""
+    rb = row_bytes(method, D, weight_bytes)
+    us = uvm_state_bytes(method, D)
+    parts = dict(insert_in=c["inserted"] * rb, uncached_in=c["uncached"] * (D * weight_bytes + rb),
+                 state_in=c["unique"] * us, evict_out=c["evicted"] * rb, uncached_out=c["uncached"] * rb,
+                 state_out=c["unique"] * us)
+    return (parts["insert_in"] + parts["uncached_in"] + parts["state_in"],
+            parts["evict_out"] + parts["uncached_out"] + parts["state_out"], parts)
+
+
+def traffic_report(method, D, c, ms, h2d, d2h, weight_bytes=4):
+    """The traffic model of one measured row: bytes in / out per step, their floor times at the
+    measured copy rates (bytes/s), the share of those rates they need in ``ms`` per step, and
+    ``model_over_100`` where a share exceeds 1 (the model counts bytes that did not move)."""
+    b_in, b_out, parts = traffic_bytes(method, D, c, weight_bytes)
+    floor_in, floor_out = 1e3 * b_in / h2d, 1e3 * b_out / d2h
+    share_in, share_out = floor_in / ms, floor_out / ms
+    return dict(in_bytes_per_step=b_in, out_bytes_per_step=b_out, bytes_parts=parts,
+                floor_in_ms=floor_in, floor_out_ms=floor_out, floor_ms=max(floor_in, floor_out),
+                share_of_h2d=share_in, share_of_d2h=share_out, model_over_100=max(share_in, share_out) > 1.0)
+
+
+def per_step(counts, steps):
+    return {k: v / steps for k, v in counts.items()}
+
+
+def _num(x, digits=0):
+    return "" if x is None else f"{x:,.{digits}f}"
+
+
+def markdown(meta, rows):
+    """The report: one table per id distribution, a row per (load factor, method)."""
+    sh = meta["shape"]
+    out = [f"# bench_uvm_caching: {meta.get('device', '?')}", "",
+           f"T={sh['T']} tables x E={sh['E']:,} rows x D={sh['D']}, fp32, B={sh['B']:,}, L={sh['L']}, SUM, LRU; "
+           f"torch {meta.get('torch', '?')}, fbgemm_gpu {meta.get('fbgemm_gpu', '?')}. Pinned copies measured in "
+           f"this run: {meta['h2d_GBps']:.1f} GB/s host to device, {meta['d2h_GBps']:.1f} GB/s device to host "
+           f"(both at once: {meta.get('duplex_h2d_GBps', float('nan')):.1f} / "
+           f"{meta.get('duplex_d2h_GBps', float('nan')):.1f}).", "",
+           f"Steady state: {meta['window']} steps in a row that evicted rows and grew the cache by at most "
+           f"{100 * meta['fill_tol']:g}% of the rows they inserted, within {meta['max_warmup']} warm-up steps; "
+           f"then {meta['iters']} timed steps (median ms). Traffic per step from the timed steps' counts "
+           "(module docstring): MB in / out, the floor time at the measured rate, and the share of the "
+           "rate the bytes need in the step time.", ""]
+    for dist in meta["dists"]:
+        rs = [r for r in rows if r.get("dist") == dist]
+        if not rs:
+            continue
+        out += [f"## {dist} ids", "",
+                "| load factor | method | steady (warm-up steps) | occupied | ms/step | hit rate | unique misses/step "
+                "| evictions/step | in MB/step | in floor ms | % of H2D | out MB/step | out floor ms | % of D2H |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in rs:
+            lf = "HBM" if r.get("load_factor") is None else f"{r['load_factor']:g}"
+            if "error" in r or "skipped" in r:
+                out.append(f"| {lf} | {r['method']} | {r.get('error') or r.get('skipped')} |" + " |" * 11)
+                continue
+            if r.get("load_factor") is None:
+                out.append(f"| {lf} | {r['method']} | | | {r['ms']:.2f} |" + " |" * 9)
+                continue
+            steady = ("yes" if r["steady"] else "NO") + f" ({r['warmup_steps']})"
+            flag = " (model > 100%)" if r["model_over_100"] else ""
+            out.append(
+                f"| {lf} | {r['method']} | {steady} | {100 * r['occupancy']:.1f}% | {r['ms']:.2f} | "
+                f"{r['hit_rate']:.3f} | {_num(r['misses_per_step'])} | {_num(r['evictions_per_step'])} | "
+                f"{r['in_bytes_per_step'] / 1e6:,.1f} | {r['floor_in_ms']:.2f} | {100 * r['share_of_h2d']:.0f}%{flag} | "
+                f"{r['out_bytes_per_step'] / 1e6:,.1f} | {r['floor_out_ms']:.2f} | {100 * r['share_of_d2h']:.0f}%{flag} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=".", help="folder for uvm_caching.json / .md (default: .)")
+    ap.add_argument("--quick", action="store_true",
+                    help="tiny smoke run: E=200,000, B=2,048, --max-warmup 60, --iters 10")
+    ap.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {', '.join(METHODS)}")
+    ap.add_argument("--load-factors", default=",".join(f"{x:g}" for x in LOAD_FACTORS),
+                    help="comma list of cache load factors in (0, 1] (default 0.05,0.2,1)")
+    ap.add_argument("--dists", default=",".join(DISTS), help="comma list of zipf, uniform")
+    ap.add_argument("--max-warmup", type=int, default=None, help="warm-up step cap (default 400; --quick 60)")
+    ap.add_argument("--window", type=int, default=5, help="steady steps in a row that end the warm-up")
+    ap.add_argument("--fill-tol", type=float, default=0.01,
+                    help="a steady step grows the cache by at most this share of the rows it inserts")
+    ap.add_argument("--iters", type=int, default=None, help="timed steps (default 50; --quick 10)")
+    ap.add_argument("--hbm-warmup", type=int, default=10, help="warm-up steps of the all-in-HBM reference")
+    ap.add_argument("--T", type=int, default=2)
+    ap.add_argument("--E", type=int, default=None, help="rows per table (default 10,000,000)")
+    ap.add_argument("--D", type=int, default=128)
+    ap.add_argument("--B", type=int, default=None, help="batch (default 16,384)")
+    ap.add_argument("--L", type=int, default=20)
+    ap.add_argument("--zipf-a", type=float, default=1.1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--time-budget", type=float, default=0.0,
+                    help="seconds after which no new measurement starts (0: none)")
+    ap.add_argument("--profile", action="store_true",
+                    help="kernel-time breakdown of steady steps of ours and ours_bf16 (Zipf, load factor 0.2)")
+    args = ap.parse_args(argv)
+    methods = [m for m in args.methods.split(",") if m]
+    bad = [m for m in methods if m not in METHODS]
+    if bad or not methods:
+        ap.error(f"--methods: {bad or methods} not in {', '.join(METHODS)}")
+    args.methods = [m for m in METHODS if m in methods]
+    try:
+        args.load_factors = [float(x) for x in args.load_factors.split(",") if x]
+    except ValueError:
+        ap.error(f"--load-factors: not a comma list of numbers: {args.load_factors!r}")
+    if not args.load_factors or any(not 0 < x <= 1 for x in args.load_factors):
+        ap.error(f"--load-factors: each in (0, 1], got {args.load_factors}")
+    dists = [d for d in args.dists.split(",") if d]
+    if not dists or any(d not in DISTS for d in dists):
+        ap.error(f"--dists: {dists} not in {', '.join(DISTS)}")
+    args.dists = dists
+    q = args.quick
+    args.E = args.E or (200_000 if q else 10_000_000)
+    args.B = args.B or (2048 if q else 16384)
+    args.max_warmup = args.max_warmup if args.max_warmup is not None else (60 if q else 400)
+    args.iters = args.iters or (10 if q else 50)
+    if args.window < 1 or args.max_warmup < 1 or args.iters < 1:
+        ap.error("--window, --max-warmup and --iters must be >= 1")
+    return args
+
+
+# ------------------------------------------------------------------------------------- GPU parts
+
+class BatchStream:
+    """Fresh batches (indices int64 ``[T*B*L]``, offsets int64 ``[T*B+1]``) drawn on ``device`` per
+    call; :meth:`restart` replays the same sequence (every method gets the same batches). Zipf: rank
+    ``r`` with probability ~ ``r^-a`` (inverse CDF), scattered by a fixed permutation per table."""
+
+    def __init__(self, T, E, B, L, dist, zipf_a=1.1, seed=0, device="cuda"):
+        self.T, self.E, self.B, self.L, self.dist, self.device = T, E, B, L, dist, torch.device(device)
+        self.seed = seed
+        g = torch.Generator(device=self.device).manual_seed(seed)
+        if dist == "zipf":
+            cdf = torch.cumsum(torch.arange(1, E + 1, dtype=torch.float64, device=self.device) ** -zipf_a, 0)
+            self.cdf = cdf / cdf[-1]
+            self.perms = torch.stack([torch.randperm(E, device=self.device, generator=g) for _ in range(T)])
+        self.offsets = torch.arange(0, T * B * L + 1, L, dtype=torch.int64, device=self.device)
+        self.restart()
+
+    def restart(self):
+        self.gen = torch.Generator(device=self.device).manual_seed(self.seed + 1)
+
+    def next(self):
+        T, E, n = self.T, self.E, self.B * self.L
+        if self.dist == "uniform":
+            idx = torch.randint(0, E, (T, n), device=self.device, generator=self.gen)
         else:
-            u = torch.rand(T * B * L, device="cuda", generator=g, dtype=torch.float64)
-            ranks = torch.searchsorted(cdf, u).clamp_(max=E - 1).view(T, B * L)
-            idx = torch.gather(perms, 1, ranks)
-        off = torch.arange(0, T * B * L + 1, L, dtype=torch.int64, device="cuda")
-        out.append((idx.reshape(-1).contiguous(), off))
-    return out
+            u = torch.rand(T * n, device=self.device, generator=self.gen, dtype=torch.float64)
+            ranks = torch.searchsorted(self.cdf, u).clamp_(max=E - 1).view(T, n)
+            idx = torch.gather(self.perms, 1, ranks)
+        return idx.reshape(-1), self.offsets
 
 
-def pcie_bandwidth():
-    """(host-to-device, device-to-host) pinned copy rates, bytes/s (1 GiB each way)."""
-    n = 1 << 28
-    host = torch.empty(n, dtype=torch.float32, pin_memory=True).uniform_()
-    dev = torch.empty(n, dtype=torch.float32, device="cuda")
-    h2d = time_steps(lambda *_: dev.copy_(host, non_blocking=True), [(None, None)], 2, 10)
-    d2h = time_steps(lambda *_: host.copy_(dev, non_blocking=True), [(None, None)], 2, 10)
-    del host, dev
-    return 4 * n / (h2d * 1e-3), 4 * n / (d2h * 1e-3)
+def _event():
+    return torch.cuda.Event(enable_timing=True)
 
 
-def build(method, T, E, D, location, load_factor):
+def _sync():
+    torch.cuda.synchronize()
+
+
+def _median_ms(evs):
+    return statistics.median(a.elapsed_time(b) for a, b in evs)
+
+
+def pcie_rates(nbytes=1 << 30, reps=10):
+    """Pinned copy rates, bytes/s: host to device and device to host alone, and each direction while
+    both run at once (two streams)."""
+    n = nbytes // 4
+    host_a = torch.empty(n, dtype=torch.float32, pin_memory=True).uniform_()
+    host_b = torch.empty(n, dtype=torch.float32, pin_memory=True)
+    dev_a = torch.empty(n, dtype=torch.float32, device="cuda")
+    dev_b = torch.empty(n, dtype=torch.float32, device="cuda").uniform_()
+
+    def timed(fn):
+        fn()
+        torch.cuda.synchronize()
+        evs = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            evs.append((a, b))
+        torch.cuda.synchronize()
+        return nbytes / (_median_ms(evs) * 1e-3)
+
+    h2d = timed(lambda: dev_a.copy_(host_a, non_blocking=True))
+    d2h = timed(lambda: host_b.copy_(dev_b, non_blocking=True))
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    both = []
+    for _ in range(reps + 1):
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        ends = []
+        for s, (dst, src) in ((s1, (dev_a, host_a)), (s2, (host_b, dev_b))):
+            s.wait_event(start)
+            with torch.cuda.stream(s):
+                dst.copy_(src, non_blocking=True)
+                e = torch.cuda.Event(enable_timing=True)
+                e.record()
+                ends.append(e)
+        torch.cuda.synchronize()
+        both.append([start.elapsed_time(e) for e in ends])
+    both = both[1:]
+    duplex = [nbytes / (statistics.median(x[i] for x in both) * 1e-3) for i in range(2)]
+    del host_a, host_b, dev_a, dev_b
+    torch.cuda.empty_cache()
+    return dict(h2d=h2d, d2h=d2h, duplex_h2d=duplex[0], duplex_d2h=duplex[1])
+
+
+def build(method, T, E, D, load_factor):
+    from torchrec_ftrl import FTRLTableBatchedEmbeddingBags
+    from bench_tbe_cuda import FTRL_KW
+    location = EmbeddingLocation.DEVICE if method == "ours_hbm" else EmbeddingLocation.MANAGED_CACHING
     specs = [(E, D, location, ComputeDevice.CUDA)] * T
-    cache = dict(cache_load_factor=load_factor, cache_algorithm=CacheAlgorithm.LRU,
+    cache = dict(cache_load_factor=load_factor or 0.2, cache_algorithm=CacheAlgorithm.LRU,
                  gather_uvm_cache_stats=location == EmbeddingLocation.MANAGED_CACHING)
     if method in OURS_STATE_DTYPES:
-        # WARNING: TorchRec's default for fused tables (FATAL checks on the host, one sync per step).
-        m = FTRLTableBatchedEmbeddingBags(specs, device="cuda", bounds_check_mode=BoundsCheckMode.WARNING,
-                                          optimizer_state_dtypes=OURS_STATE_DTYPES[method], **FTRL_KW, **cache)
-    else:
-        from fbgemm_gpu.split_table_batched_embeddings_ops_training import \
-            SplitTableBatchedEmbeddingBagsCodegen
-        opt = {"fbgemm_adam": EmbOptimType.ADAM,
-               "fbgemm_rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD}[method]
-        m = SplitTableBatchedEmbeddingBagsCodegen(
-            specs, optimizer=opt, learning_rate=0.05, eps=1e-8, weights_precision=SparseType.FP32,
-            output_dtype=SparseType.FP32, pooling_mode=PoolingMode.SUM, device=torch.device("cuda"),
-            cache_precision=SparseType.FP32, **cache)
-    return m
+        # WARNING: TorchRec's default for fused tables.
+        return FTRLTableBatchedEmbeddingBags(specs, device="cuda", bounds_check_mode=BoundsCheckMode.WARNING,
+                                             optimizer_state_dtypes=OURS_STATE_DTYPES[method], **FTRL_KW, **cache)
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
+    opt = {"fbgemm_adam": EmbOptimType.ADAM, "fbgemm_rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD}[method]
+    return SplitTableBatchedEmbeddingBagsCodegen(
+        specs, optimizer=opt, learning_rate=0.05, eps=1e-8, weights_precision=SparseType.FP32,
+        output_dtype=SparseType.FP32, pooling_mode=PoolingMode.SUM, device=torch.device("cuda"),
+        cache_precision=SparseType.FP32, **cache)
 
 
-def reset_stats(m):
-    if hasattr(m, "cache") and m.cache is not None:
-        m.cache.uvm_cache_stats.zero_()
-    elif hasattr(m, "reset_uvm_cache_stats"):
-        m.reset_uvm_cache_stats()
+def cache_state(m):
+    """The ``[sets, 32]`` row key of every cache slot (-1: empty): ours' ``tbe.cache``, FBGEMM's TBE."""
+    return m.cache.lxu_cache_state if getattr(m, "cache", None) is not None else m.lxu_cache_state
 
 
-def hit_rate(m):
-    stats = m.get_uvm_cache_stats() if hasattr(m, "get_uvm_cache_stats") else None
-    if stats is None or stats.numel() < 4 or int(stats[2]) == 0:
-        return None, 0
-    stats = stats.cpu()
-    return 1.0 - int(stats[3]) / int(stats[2]), int(stats[3])
+def snapshot(m):
+    """``STATS`` (cumulative) and the occupied slots, as 7 ints (one host sync)."""
+    stats = m.get_uvm_cache_stats().to(torch.int64).reshape(-1)[:len(STATS)]
+    occ = (cache_state(m) != -1).sum().reshape(1)
+    return torch.cat([stats, occ]).tolist()
 
 
 def kernel_breakdown(step, batches, top=12):
@@ -129,100 +406,145 @@ def kernel_breakdown(step, batches, top=12):
         for b in batches:
             step(*b)
         torch.cuda.synchronize()
-    rows = [(e.key[:80], getattr(e, "device_time_total", 0) / 1e3 / len(batches))
-            for e in prof.key_averages()]
+    rows = [(e.key[:80], getattr(e, "device_time_total", 0) / 1e3 / len(batches)) for e in prof.key_averages()]
     rows.sort(key=lambda r: -r[1])
     return rows[:top]
 
 
-def measure(method, location, lf, batches, T, E, D, B, warmup, iters, profile_steps=0):
-    m = build(method, T, E, D, location, lf)
-    grad = torch.randn(B, T * D, device="cuda")
+def measure(m, method, lf, stream, args, profile=False):
+    """Warm-up (to steady state for a cached table), then ``args.iters`` timed steps: one row."""
+    cached = lf is not None
+    grad = torch.randn(args.B, args.T * args.D, device=stream.device)
 
     def step(idx, off):
         m(idx, off).backward(grad)
-    for i in range(warmup):
-        step(*batches[i])
-    torch.cuda.synchronize()
-    cached = location == EmbeddingLocation.MANAGED_CACHING
+
+    stream.restart()
+    row = dict(method=method, label=LABELS[method], dist=stream.dist, load_factor=lf,
+               location="MANAGED_CACHING" if cached else "DEVICE")
+    t0 = time.perf_counter()
     if cached:
-        reset_stats(m)
-    times = []
-    for i in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        m.reset_cache_states()
+        m.reset_uvm_cache_stats()
+        slots = cache_state(m).numel()
+        det = SteadyState(args.window, args.fill_tol)
+        prev = snapshot(m)
+        trace = []
+        while det.steps < args.max_warmup and not det.reached:
+            step(*stream.next())
+            cur = snapshot(m)
+            c = step_counts(prev, cur)
+            prev = cur
+            det.update(c)
+            if det.steps <= 3 or det.steps % 25 == 0 or det.reached:
+                trace.append(dict(step=det.steps, occupancy=cur[6] / slots, misses=c["misses"],
+                                  filled=c["filled"], evicted=c["evicted"]))
+        row.update(slots=slots, warmup_steps=det.steps, steady=det.reached, warmup_trace=trace)
+        before = prev
+    else:
+        for _ in range(args.hbm_warmup):
+            step(*stream.next())
+    _sync()
+    row["warmup_s"] = time.perf_counter() - t0
+    evs = []
+    for _ in range(args.iters):
+        idx, off = stream.next()          # drawn outside the timed region
+        a, b = _event(), _event()
         a.record()
-        step(*batches[warmup + i])
+        step(idx, off)
         b.record()
-        times.append((a, b))
-    torch.cuda.synchronize()
-    ms = statistics.median(x.elapsed_time(y) for x, y in times)
-    hr, misses = hit_rate(m) if cached else (None, 0)
-    row = dict(method=method, label=LABELS[method], location=location.name,
-               load_factor=lf if cached else None, ms=ms,
-               hit_rate=hr, unique_misses_per_step=misses / iters if misses else None)
-    if profile_steps:
-        row["kernels_ms_per_step"] = kernel_breakdown(step, batches[:profile_steps])
-    del m
-    gc.collect()
-    torch.cuda.empty_cache()
+        evs.append((a, b))
+    _sync()
+    times = [a.elapsed_time(b) for a, b in evs]
+    row.update(ms=statistics.median(times), ms_mean=statistics.fmean(times))
+    if cached:
+        after = snapshot(m)
+        c = per_step(step_counts(before, after), args.iters)
+        row.update(occupancy=after[6] / row["slots"], full=after[6] == row["slots"],
+                   steady_during_timing=is_steady_step(c, args.fill_tol),
+                   hit_rate=1.0 - c["misses"] / c["unique"] if c["unique"] else None,
+                   unique_per_step=c["unique"], misses_per_step=c["misses"], inserted_per_step=c["inserted"],
+                   uncached_per_step=c["uncached"], filled_per_step=c["filled"], evictions_per_step=c["evicted"],
+                   row_bytes=row_bytes(method, args.D), uvm_state_bytes_per_row=uvm_state_bytes(method, args.D))
+        row.update(traffic_report(method, args.D, c, row["ms"], args.rates["h2d"], args.rates["d2h"]))
+    if profile:
+        row["kernels_ms_per_step"] = kernel_breakdown(step, [stream.next() for _ in range(3)])
     return row
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--quick", action="store_true", help="E=1M rows, fewer steps (a smoke run)")
-    ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--iters", type=int, default=30)
-    ap.add_argument("--profile", action="store_true",
-                    help="kernel-time breakdown of one cached step of ours and ours_bf16 (Zipf, load factor 0.2)")
-    ap.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {', '.join(METHODS)}")
-    args = ap.parse_args()
-    methods = [m for m in args.methods.split(",") if m]
-    bad = [m for m in methods if m not in METHODS]
-    if bad or not methods:
-        ap.error(f"--methods: {bad or methods} not in {', '.join(METHODS)}")
-    T, E, D, B, L = 2, (1_000_000 if args.quick else 10_000_000), 128, 16384, 20
-    out_dir = args.out or "."
-    os.makedirs(out_dir, exist_ok=True)
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    import fbgemm_gpu
+    t_start = time.perf_counter()
+    os.makedirs(args.out, exist_ok=True)
+    print("measuring pinned copy rates", flush=True)
+    args.rates = pcie_rates()
+    meta = dict(shape=dict(T=args.T, E=args.E, D=args.D, B=args.B, L=args.L, zipf_a=args.zipf_a,
+                           precision="fp32", algorithm="LRU"),
+                methods=args.methods, load_factors=args.load_factors, dists=args.dists,
+                window=args.window, fill_tol=args.fill_tol, max_warmup=args.max_warmup, iters=args.iters,
+                device=torch.cuda.get_device_name(), torch=torch.__version__,
+                fbgemm_gpu=getattr(fbgemm_gpu, "__version__", "?"),
+                **{f"{k}_GBps": v / 1e9 for k, v in args.rates.items()})
+    print(json.dumps(meta), flush=True)
     rows = []
 
     def log(row):   # printed and written as it comes: a run cut short keeps what it measured
-        print(json.dumps(row), flush=True)
         rows.append(row)
-        with open(os.path.join(out_dir, "uvm_caching.json"), "w") as f:
-            json.dump(dict(shape=dict(T=T, E=E, D=D, B=B, L=L, precision="fp32", algorithm="LRU"), methods=methods,
-                           h2d_GBps=h2d / 1e9, d2h_GBps=d2h / 1e9,
-                           device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
-    h2d, d2h = pcie_bandwidth()   # before log() is called: it writes both
-    print(json.dumps(dict(h2d_GBps=h2d / 1e9, d2h_GBps=d2h / 1e9,
-                          device=torch.cuda.get_device_name())), flush=True)
-    n = args.warmup + args.iters
-    for dist in ("zipf", "uniform"):
-        batches = fresh_batches(T, E, B, L, dist, n)
-        for method in methods:
-            placements = [(EmbeddingLocation.DEVICE, None)]
-            if method in OURS_STATE_DTYPES:
-                placements.append((EmbeddingLocation.MANAGED, None))
-            placements += [(EmbeddingLocation.MANAGED_CACHING, lf) for lf in (0.05, 0.2, 1.0)]
-            for location, lf in placements:
+        short = {k: v for k, v in row.items() if k not in ("warmup_trace", "bytes_parts", "kernels_ms_per_step")}
+        print(f"[{time.perf_counter() - t_start:6.0f}s] " + json.dumps(short), flush=True)
+        if row.get("model_over_100"):
+            print("WARNING: a modelled share exceeds 100% of the measured copy rate: the traffic model "
+                  "counts bytes that did not move", flush=True)
+        meta["elapsed_s"] = time.perf_counter() - t_start
+        with open(os.path.join(args.out, "uvm_caching.json"), "w") as f:
+            json.dump(dict(meta, rows=rows), f, indent=1)
+        with open(os.path.join(args.out, "uvm_caching.md"), "w") as f:
+            f.write(markdown(meta, rows))
+
+    streams = {}
+
+    def stream_of(dist):
+        if dist not in streams:
+            streams[dist] = BatchStream(args.T, args.E, args.B, args.L, dist, args.zipf_a, args.seed)
+        return streams[dist]
+
+    profile_lf = 0.2 if 0.2 in args.load_factors else args.load_factors[0]
+    # The all-in-HBM reference first (one build, quick), then every cached method per load factor.
+    configs = [(None, "ours_hbm")] if "ours_hbm" in args.methods else []
+    configs += [(lf, m) for lf in args.load_factors for m in args.methods if m in CACHED_METHODS]
+    for lf, method in configs:
+        if args.time_budget and time.perf_counter() - t_start > args.time_budget:
+            for dist in args.dists:
+                log(dict(method=method, dist=dist, load_factor=lf, skipped="skipped: --time-budget"))
+            continue
+        print(f"[{time.perf_counter() - t_start:6.0f}s] building {method} load factor {lf}", flush=True)
+        m = None
+        try:
+            t0 = time.perf_counter()
+            m = build(method, args.T, args.E, args.D, lf)
+            torch.cuda.synchronize()
+            build_s = time.perf_counter() - t0
+        except Exception as exc:  # noqa: BLE001 - a failed build is reported, not fatal
+            for dist in args.dists:
+                log(dict(method=method, dist=dist, load_factor=lf, error=f"{type(exc).__name__}: {exc}"[:300]))
+            m = None
+        if m is not None:
+            for dist in args.dists:
+                if args.time_budget and time.perf_counter() - t_start > args.time_budget:
+                    log(dict(method=method, dist=dist, load_factor=lf, skipped="skipped: --time-budget"))
+                    continue
                 try:
-                    prof = 3 if (args.profile and method in OURS_STATE_DTYPES and dist == "zipf" and lf == 0.2) \
-                        else 0
-                    row = measure(method, location, lf, batches, T, E, D, B, args.warmup, args.iters,
-                                  prof)
-                except Exception as exc:  # noqa: BLE001 - a failed baseline is reported, not fatal
-                    row = dict(method=method, location=location.name, load_factor=lf,
-                               error=f"{type(exc).__name__}: {exc}"[:300])
-                row["dist"] = dist
-                if row.get("unique_misses_per_step"):
-                    row["row_bytes"] = row_bytes(method, D)
-                    rate = row["unique_misses_per_step"] * row["row_bytes"] / (row["ms"] * 1e-3)
-                    row["rows_in_share_of_h2d"] = rate / h2d
-                    row["rows_out_share_of_d2h"] = rate / d2h   # an upper bound: once the cache is full
+                    prof = args.profile and method in ("ours", "ours_bf16") and dist == "zipf" and lf == profile_lf
+                    row = measure(m, method, lf, stream_of(dist), args, prof)
+                    row["build_s"] = build_s
+                except Exception as exc:  # noqa: BLE001
+                    row = dict(method=method, dist=dist, load_factor=lf, error=f"{type(exc).__name__}: {exc}"[:300])
                 log(row)
-        del batches
+        del m
+        gc.collect()
         torch.cuda.empty_cache()
+    print(f"done in {time.perf_counter() - t_start:.0f} s", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The pure-Python parts of the GPU benchmarks, on CPU: ``benchmarks/bench_tbe_cuda.py``'s production
 shapes, memory estimate, run-length histogram and bytes model (fp32 and bf16 FTRL state);
-``benchmarks/bench_uvm_caching.py``'s bytes per cache miss; ``benchmarks/bench_dmp.py``'s fused_params,
+``benchmarks/bench_uvm_caching.py``'s bytes per cache row, steady-state detection (on a CPU model of
+the LRU cache), traffic model, batch stream and report; ``benchmarks/bench_dmp.py``'s fused_params,
 method flags and profile attribution; ``benchmarks/bench_job.py``'s tiling of the binary folder and
 summary reading; ``benchmarks/bench_torchrec_dlrm.py``'s flag mapping, 24-day view and throughput;
 every GPU script's ``--help``; and (slow) CPU smoke runs of bench_dmp, bench_job and
@@ -13,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -180,12 +182,238 @@ def test_bytes_model_bf16_state_by_hand(tbe_bench):
     assert tbe_bench.memory_estimate(t, ("ours_bf16",), 1)["peak"] == est["batches"] + est["workspace"] + 256000
 
 
-def test_uvm_caching_row_bytes(tbe_bench):
-    import bench_uvm_caching as u
-    # a unique miss moves the weight and (ours) accum + linear at the cache row, D=128 fp32 weights
-    assert [u.row_bytes(m, 128) for m in u.METHODS] == [1536, 1024, 512, 512]
-    assert set(u.METHODS) == set(u.LABELS) == set(u.CACHED_STATE_BYTES)
-    assert u.OURS_STATE_DTYPES["ours"] is None and set(u.OURS_STATE_DTYPES["ours_bf16"]) == {"accum", "linear"}
+# ------------------------------------------------------------------------- bench_uvm_caching.py
+
+
+@pytest.fixture(scope="module")
+def uvm():
+    import bench_uvm_caching
+    return bench_uvm_caching
+
+
+def test_uvm_caching_row_bytes(uvm):
+    # an inserted / evicted row moves the weight and (ours) accum + linear at the cache row, D=128 fp32
+    assert [uvm.row_bytes(m, 128) for m in uvm.CACHED_METHODS] == [1536, 1024, 512, 512]
+    assert set(uvm.METHODS) == set(uvm.LABELS) and set(uvm.CACHED_METHODS) == set(uvm.CACHED_STATE_BYTES)
+    assert uvm.OURS_STATE_DTYPES["ours"] is None and set(uvm.OURS_STATE_DTYPES["ours_bf16"]) == {"accum", "linear"}
+    # state left in unified memory per unique row: ADAM m + v = 2 x 128 x 4; row-wise Adagrad 4 B -> one 32 B sector
+    assert [uvm.uvm_state_bytes(m, 128) for m in uvm.CACHED_METHODS] == [0, 0, 32, 1024]
+    assert uvm.uvm_state_bytes("fbgemm_adam", 4) == 32 and uvm.uvm_state_bytes("fbgemm_adam", 12) == 96
+
+
+def test_uvm_step_counts_by_hand(uvm):
+    # stats: calls, requested, unique, unique misses, misses left uncached, uncached lookups; then occupied
+    prev = [3, 300, 200, 90, 2, 5, 1000]
+    cur = [4, 400, 260, 120, 3, 9, 1004]
+    c = uvm.step_counts(prev, cur)
+    # 30 misses, 1 left uncached -> 29 inserted; 4 into empty slots -> 25 evicted
+    assert c == dict(calls=1, lookups=100, unique=60, misses=30, uncached=1, inserted=29, filled=4, evicted=25)
+    assert not uvm.is_steady_step(c, 0.01)           # grew by 4 > 1% of 29
+    assert uvm.is_steady_step(c, 0.2)                # 4 <= 5.8
+    assert uvm.is_steady_step(dict(c, filled=0, evicted=29))
+    assert not uvm.is_steady_step(dict(c, inserted=0, filled=0, evicted=0))   # nothing evicted
+    assert uvm.per_step(dict(a=10, b=5), 5) == dict(a=2.0, b=1.0)
+
+
+def test_uvm_steady_state_streak(uvm):
+    det = uvm.SteadyState(window=3, fill_tol=0.0)
+    good = dict(inserted=10, filled=0, evicted=10)
+    cold = dict(inserted=10, filled=10, evicted=0)
+    seq = [cold, good, good, cold, good, good]
+    assert [det.update(c) for c in seq] == [False] * 6 and det.streak == 2 and det.steps == 6
+    assert det.update(good) and det.reached and det.steps == 7
+
+
+def test_uvm_traffic_model_by_hand(uvm):
+    # per step: 1,000 unique rows, 300 inserted, 10 uncached, 250 evicted, D=128 fp32 weights
+    c = dict(unique=1000, inserted=300, uncached=10, evicted=250)
+    b_in, b_out, parts = uvm.traffic_bytes("ours", 128, c)
+    # ours: in 300 x 1,536 + 10 x (512 + 1,536); out 250 x 1,536 + 10 x 1,536
+    assert (b_in, b_out) == (300 * 1536 + 10 * 2048, 250 * 1536 + 10 * 1536)
+    assert parts["state_in"] == parts["state_out"] == 0
+    b_in, b_out, _ = uvm.traffic_bytes("ours_bf16", 128, c)
+    assert (b_in, b_out) == (300 * 1024 + 10 * 1536, 260 * 1024)
+    # FBGEMM row-wise Adagrad: weights only in the cache (512 B), its 4 B per row of state in UVM (32 B)
+    b_in, b_out, _ = uvm.traffic_bytes("fbgemm_rowwise_adagrad", 128, c)
+    assert (b_in, b_out) == (300 * 512 + 10 * 1024 + 1000 * 32, 260 * 512 + 1000 * 32)
+    # ADAM: m + v of every unique row read and written in UVM, 1,024 B each way
+    b_in, b_out, _ = uvm.traffic_bytes("fbgemm_adam", 128, c)
+    assert (b_in, b_out) == (300 * 512 + 10 * 1024 + 1000 * 1024, 260 * 512 + 1000 * 1024)
+    # report: 50 GB/s in, 40 GB/s out, a 2 ms step
+    r = uvm.traffic_report("ours", 128, c, 2.0, 50e9, 40e9)
+    assert r["floor_in_ms"] == pytest.approx(1e3 * (300 * 1536 + 10 * 2048) / 50e9)
+    assert r["floor_out_ms"] == pytest.approx(1e3 * 260 * 1536 / 40e9)
+    assert r["floor_ms"] == max(r["floor_in_ms"], r["floor_out_ms"])
+    assert r["share_of_h2d"] == pytest.approx(r["floor_in_ms"] / 2.0) and not r["model_over_100"]
+    # the same bytes in 0.005 ms would need more than the link: flagged
+    assert uvm.traffic_report("ours", 128, c, 0.005, 50e9, 40e9)["model_over_100"]
+
+
+def test_uvm_batch_stream_on_cpu(uvm):
+    s = uvm.BatchStream(2, 1000, 8, 5, "zipf", 1.1, seed=3, device="cpu")
+    idx, off = s.next()
+    assert idx.shape == (2 * 8 * 5,) and idx.dtype == torch.int64 and off.tolist() == list(range(0, 81, 5))
+    assert int(idx.min()) >= 0 and int(idx.max()) < 1000
+    second = s.next()[0]
+    assert not torch.equal(idx, second)              # a fresh batch per call
+    s.restart()
+    assert torch.equal(s.next()[0], idx) and torch.equal(s.next()[0], second)   # the same sequence again
+    # Zipf: rank 0 (row perms[t][0]) is the most frequent row of each table
+    s = uvm.BatchStream(2, 1000, 256, 20, "zipf", 1.1, seed=0, device="cpu")
+    big = torch.cat([s.next()[0].view(2, -1) for _ in range(5)], 1)
+    for t in range(2):
+        assert int(torch.bincount(big[t], minlength=1000).argmax()) == int(s.perms[t][0])
+    u = uvm.BatchStream(1, 50, 4, 3, "uniform", seed=1, device="cpu").next()[0]
+    assert u.shape == (12,) and int(u.max()) < 50
+
+
+class _SetLRU:
+    """A CPU model of FBGEMM's set-associative LRU cache as the benchmark sees it: per populate, the
+    batch's unique rows; hits refresh their slot's time; misses of a set take its least recently
+    used slots, oldest first, but never a slot used by this batch (then they stay uncached); the
+    statistics in FBGEMM's order, the conflict misses counted by the lookup after the populate."""
+
+    def __init__(self, rows, slots, ways=32):
+        self.C, self.W = slots // ways, ways
+        self.state = np.full((self.C, ways), -1, np.int64)
+        self.ts = np.zeros((self.C, ways), np.int64)
+        self.stats = np.zeros(6, np.int64)
+        self.t = 1
+
+    def set_of(self, keys):
+        x = keys.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        x ^= x >> np.uint64(29)
+        return (x % np.uint64(self.C)).astype(np.int64)
+
+    def populate(self, keys):
+        self.t += 1
+        t, W = self.t, self.W
+        u = np.unique(keys)
+        sets = self.set_of(u)
+        match = self.state[sets] == u[:, None]
+        hit = match.any(1)
+        self.ts[sets[hit], match[hit].argmax(1)] = t
+        mk, ms = u[~hit], sets[~hit]
+        order = np.lexsort((mk, ms))
+        mk, ms = mk[order], ms[order]
+        self.stats[:4] += (1, keys.size, u.size, mk.size)
+        if mk.size:
+            first = np.r_[0, np.flatnonzero(np.diff(ms)) + 1]
+            run = np.diff(np.r_[first, ms.size])
+            rank = np.arange(ms.size) - np.repeat(first, run)
+            useq, inv = np.unique(ms, return_inverse=True)
+            slot_order = np.argsort(self.ts[useq], axis=1, kind="stable")
+            cost = np.take_along_axis(self.ts[useq], slot_order, 1)
+            r = np.minimum(rank, W - 1)
+            ok = (rank < W) & (cost[inv, r] != t)
+            slot = slot_order[inv[ok], r[ok]]
+            self.state[ms[ok], slot] = mk[ok]
+            self.ts[ms[ok], slot] = t
+            self.stats[4] += int((~ok).sum())
+        self.stats[5] += int((~(self.state[self.set_of(keys)] == keys[:, None]).any(1)).sum())
+
+
+class _FakeCachedTBE(torch.nn.Module):
+    """Stands in for a cached TBE in ``bench_uvm_caching.measure`` on CPU (the cache model above)."""
+
+    def __init__(self, T, E, D, slots):
+        super().__init__()
+        self.T, self.E, self.D = T, E, D
+        self.sim = _SetLRU(T * E, slots)
+        self.p = torch.nn.Parameter(torch.zeros(()))
+
+    @property
+    def lxu_cache_state(self):
+        return torch.from_numpy(self.sim.state)
+
+    def forward(self, idx, off):
+        per = idx.numel() // self.T
+        keys = idx.numpy() + np.repeat(np.arange(self.T) * self.E, per)
+        self.sim.populate(keys)
+        return torch.zeros((off.numel() - 1) // self.T, self.T * self.D) + self.p
+
+    def get_uvm_cache_stats(self):
+        return torch.from_numpy(self.sim.stats.copy())
+
+    def reset_uvm_cache_stats(self):
+        self.sim.stats[:] = 0
+
+    def reset_cache_states(self):
+        self.sim.state[:] = -1
+        self.sim.ts[:] = 0
+        self.sim.t = 1
+
+
+class _FakeEvent:
+    def record(self):
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, other):
+        return 1e3 * (other.t - self.t)
+
+
+def _measure_fake(uvm, monkeypatch, dist, load_factor, max_warmup=400, T=2, E=2000, B=16, L=5, iters=40):
+    monkeypatch.setattr(uvm, "_event", _FakeEvent)
+    monkeypatch.setattr(uvm, "_sync", lambda: None)
+    slots = -(-int(T * E * load_factor) // 32) * 32
+    m = _FakeCachedTBE(T, E, 16, slots)
+    args = SimpleNamespace(B=B, T=T, D=16, window=5, fill_tol=0.01, max_warmup=max_warmup, iters=iters,
+                           hbm_warmup=2, rates=dict(h2d=50e9, d2h=50e9))
+    stream = uvm.BatchStream(T, E, B, L, dist, 1.1, seed=0, device="cpu")
+    return uvm.measure(m, "ours", load_factor, stream, args)
+
+
+def test_uvm_measure_reaches_steady_state_on_a_cache_model(uvm, monkeypatch):
+    # uniform ids, load factor 0.2: the cache fills within a few steps, then every insert evicts
+    r = _measure_fake(uvm, monkeypatch, "uniform", 0.2)
+    assert r["steady"] and r["full"] and r["occupancy"] == 1.0 and r["warmup_steps"] < 50
+    assert r["filled_per_step"] == 0 and r["evictions_per_step"] == r["inserted_per_step"] > 0
+    assert r["unique_per_step"] > 0 and r["hit_rate"] == pytest.approx(0.2, abs=0.05)   # LRU on uniform ids
+    assert r["in_bytes_per_step"] == pytest.approx(r["inserted_per_step"] * 16 * 12 + r["uncached_per_step"] * 16 * 16)
+    assert r["out_bytes_per_step"] == pytest.approx((r["evictions_per_step"] + r["uncached_per_step"]) * 16 * 12)
+    assert r["steady_during_timing"] and r["warmup_trace"][-1]["step"] == r["warmup_steps"]
+    # load factor 1.0: some sets hash fewer rows than their 32 slots and never fill, yet the cache
+    # stops growing once every row was seen: steady, not full
+    r = _measure_fake(uvm, monkeypatch, "uniform", 1.0)
+    assert r["steady"] and not r["full"] and 0.8 < r["occupancy"] < 1.0
+    assert r["filled_per_step"] <= 0.01 * r["inserted_per_step"] and r["evictions_per_step"] > 0
+    # Zipf ids at load factor 1.0 keep bringing first-seen rows: not steady within 30 steps, and said so
+    r = _measure_fake(uvm, monkeypatch, "zipf", 1.0, max_warmup=30)
+    assert not r["steady"] and r["warmup_steps"] == 30
+
+
+def test_uvm_markdown_renders(uvm):
+    meta = dict(device="H200", torch="2.x", fbgemm_gpu="1.6.0", shape=dict(T=2, E=10_000_000, D=128, B=16384, L=20),
+                h2d_GBps=55.5, d2h_GBps=55.3, duplex_h2d_GBps=50.0, duplex_d2h_GBps=49.0, window=5, fill_tol=0.01,
+                max_warmup=400, iters=50, dists=["zipf", "uniform"])
+    c = dict(unique=150_000, inserted=60_000, uncached=0, evicted=60_000)
+    row = dict(method="ours", dist="zipf", load_factor=0.2, steady=True, warmup_steps=120, occupancy=1.0, ms=3.0,
+               hit_rate=0.6, misses_per_step=60_000, evictions_per_step=60_000,
+               **uvm.traffic_report("ours", 128, c, 3.0, 55.5e9, 55.3e9))
+    rows = [row, dict(row, load_factor=1.0, steady=False, warmup_steps=400, occupancy=0.7),
+            dict(method="ours_hbm", dist="zipf", load_factor=None, ms=1.1),
+            dict(method="fbgemm_adam", dist="uniform", load_factor=0.05, error="RuntimeError: x")]
+    md = uvm.markdown(meta, rows)
+    # 60,000 x 1,536 B = 92.16 MB each way; 92.16e6 / 55.5e9 = 1.66 ms in, / 55.3e9 = 1.67 ms out; of 3 ms
+    assert "| 0.2 | ours | yes (120) | 100.0% | 3.00 | 0.600 | 60,000 | 60,000 | 92.2 | 1.66 | 55% | 92.2 | 1.67 | 56% |" in md
+    assert "| 1 | ours | NO (400) | 70.0% |" in md
+    assert "| HBM | ours_hbm | | | 1.10 |" in md
+    assert "## uniform ids" in md and "| 0.05 | fbgemm_adam | RuntimeError: x |" in md
+    widths = {line.count("|") for line in md.splitlines() if line.startswith("| ")}
+    assert widths == {15}
+
+
+def test_uvm_parse_args(uvm):
+    a = uvm.parse_args([])
+    assert (a.E, a.B, a.max_warmup, a.iters, a.load_factors, a.dists) == \
+        (10_000_000, 16384, 400, 50, [0.05, 0.2, 1.0], ["zipf", "uniform"])
+    assert a.methods == list(uvm.METHODS)
+    q = uvm.parse_args(["--quick", "--methods", "ours_hbm,ours", "--load-factors", "0.5", "--dists", "uniform"])
+    assert (q.E, q.B, q.max_warmup, q.iters, q.methods, q.load_factors, q.dists) == \
+        (200_000, 2048, 60, 10, ["ours", "ours_hbm"], [0.5], ["uniform"])
+    for bad in (["--methods", "nope"], ["--load-factors", "0"], ["--load-factors", "x"], ["--dists", "normal"]):
+        with pytest.raises(SystemExit):
+            uvm.parse_args(bad)
 
 
 def test_production_markdown_renders(tbe_bench):

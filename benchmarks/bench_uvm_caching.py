@@ -54,7 +54,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import os
 import statistics
 import time
@@ -219,9 +218,11 @@ def markdown(meta, rows):
             flag = " (model > 100%)" if r["model_over_100"] else ""
             out.append(
                 f"| {lf} | {r['method']} | {steady} | {100 * r['occupancy']:.1f}% | {r['ms']:.2f} | "
-                f"{r['hit_rate']:.3f} | {_num(r['misses_per_step'])} | {_num(r['evictions_per_step'])} | "
-                f"{r['in_bytes_per_step'] / 1e6:,.1f} | {r['floor_in_ms']:.2f} | {100 * r['share_of_h2d']:.0f}%{flag} | "
-                f"{r['out_bytes_per_step'] / 1e6:,.1f} | {r['floor_out_ms']:.2f} | {100 * r['share_of_d2h']:.0f}%{flag} |")
+                f"{_num(r['hit_rate'], 3)} | {_num(r['misses_per_step'])} | {_num(r['evictions_per_step'])} | "
+                f"{r['in_bytes_per_step'] / 1e6:,.1f} | {r['floor_in_ms']:.2f} | "
+                f"{100 * r['share_of_h2d']:.0f}%{flag} | "
+                f"{r['out_bytes_per_step'] / 1e6:,.1f} | {r['floor_out_ms']:.2f} | "
+                f"{100 * r['share_of_d2h']:.0f}%{flag} |")
         out.append("")
     return "\n".join(out)
 

@@ -54,7 +54,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import os
 import statistics
 import time
@@ -86,6 +85,7 @@ CACHED_STATE_BYTES = {**{m: state_bytes_per_element(parse_state_dtypes(OURS_STAT
 # MANAGED_CACHING (only the weights are cached): ADAM's m and v in fp32, row-wise Adagrad's one fp32
 # per row. Ours caches both states with the weight.
 UVM_STATE_BYTES = {"ours": (0, 0), "ours_bf16": (0, 0), "fbgemm_adam": (8, 0), "fbgemm_rowwise_adagrad": (0, 4)}
+DEVICE = "cuda"      # where the batches are drawn (the tests draw them on the CPU)
 SECTOR = 32          # bytes: the smallest GPU memory transaction; a 4 B access moves one sector
 STATS = ("num_calls", "num_requested_indices", "num_unique_indices", "num_unique_misses",
          "num_conflict_unique_misses", "num_conflict_misses")   # FBGEMM's order (uvm_cache_stats)
@@ -218,9 +218,11 @@ def markdown(meta, rows):
             flag = " (model > 100%)" if r["model_over_100"] else ""
             out.append(
                 f"| {lf} | {r['method']} | {steady} | {100 * r['occupancy']:.1f}% | {r['ms']:.2f} | "
-                f"{r['hit_rate']:.3f} | {_num(r['misses_per_step'])} | {_num(r['evictions_per_step'])} | "
-                f"{r['in_bytes_per_step'] / 1e6:,.1f} | {r['floor_in_ms']:.2f} | {100 * r['share_of_h2d']:.0f}%{flag} | "
-                f"{r['out_bytes_per_step'] / 1e6:,.1f} | {r['floor_out_ms']:.2f} | {100 * r['share_of_d2h']:.0f}%{flag} |")
+                f"{_num(r['hit_rate'], 3)} | {_num(r['misses_per_step'])} | {_num(r['evictions_per_step'])} | "
+                f"{r['in_bytes_per_step'] / 1e6:,.1f} | {r['floor_in_ms']:.2f} | "
+                f"{100 * r['share_of_h2d']:.0f}%{flag} | "
+                f"{r['out_bytes_per_step'] / 1e6:,.1f} | {r['floor_out_ms']:.2f} | "
+                f"{100 * r['share_of_d2h']:.0f}%{flag} |")
         out.append("")
     return "\n".join(out)
 
@@ -239,7 +241,7 @@ def parse_args(argv=None):
     ap.add_argument("--window", type=int, default=5, help="steady steps in a row that end the warm-up")
     ap.add_argument("--fill-tol", type=float, default=0.01,
                     help="a steady step grows the cache by at most this share of the rows it inserts")
-    ap.add_argument("--iters", type=int, default=None, help="timed steps (default 50; --quick 10)")
+    ap.add_argument("--iters", type=int, default=None, help="timed steps (default 100; --quick 10)")
     ap.add_argument("--hbm-warmup", type=int, default=10, help="warm-up steps of the all-in-HBM reference")
     ap.add_argument("--T", type=int, default=2)
     ap.add_argument("--E", type=int, default=None, help="rows per table (default 10,000,000)")
@@ -272,7 +274,7 @@ def parse_args(argv=None):
     args.E = args.E or (200_000 if q else 10_000_000)
     args.B = args.B or (2048 if q else 16384)
     args.max_warmup = args.max_warmup if args.max_warmup is not None else (60 if q else 400)
-    args.iters = args.iters or (10 if q else 50)
+    args.iters = args.iters or (10 if q else 100)
     if args.window < 1 or args.max_warmup < 1 or args.iters < 1:
         ap.error("--window, --max-warmup and --iters must be >= 1")
     return args
@@ -479,11 +481,12 @@ def main(argv=None) -> None:
     os.makedirs(args.out, exist_ok=True)
     print("measuring pinned copy rates", flush=True)
     args.rates = pcie_rates()
+    device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     meta = dict(shape=dict(T=args.T, E=args.E, D=args.D, B=args.B, L=args.L, zipf_a=args.zipf_a,
                            precision="fp32", algorithm="LRU"),
                 methods=args.methods, load_factors=args.load_factors, dists=args.dists,
                 window=args.window, fill_tol=args.fill_tol, max_warmup=args.max_warmup, iters=args.iters,
-                device=torch.cuda.get_device_name(), torch=torch.__version__,
+                device=device_name, torch=torch.__version__,
                 fbgemm_gpu=getattr(fbgemm_gpu, "__version__", "?"),
                 **{f"{k}_GBps": v / 1e9 for k, v in args.rates.items()})
     print(json.dumps(meta), flush=True)
@@ -506,7 +509,7 @@ def main(argv=None) -> None:
 
     def stream_of(dist):
         if dist not in streams:
-            streams[dist] = BatchStream(args.T, args.E, args.B, args.L, dist, args.zipf_a, args.seed)
+            streams[dist] = BatchStream(args.T, args.E, args.B, args.L, dist, args.zipf_a, args.seed, DEVICE)
         return streams[dist]
 
     profile_lf = 0.2 if 0.2 in args.load_factors else args.load_factors[0]
@@ -523,7 +526,7 @@ def main(argv=None) -> None:
         try:
             t0 = time.perf_counter()
             m = build(method, args.T, args.E, args.D, lf)
-            torch.cuda.synchronize()
+            _sync()
             build_s = time.perf_counter() - t0
         except Exception as exc:  # noqa: BLE001 - a failed build is reported, not fatal
             for dist in args.dists:

@@ -382,6 +382,53 @@ def test_uvm_measure_reaches_steady_state_on_a_cache_model(uvm, monkeypatch):
     assert not r["steady"] and r["warmup_steps"] == 30
 
 
+class _FakeHBMTBE(torch.nn.Module):
+    def __init__(self, T, D):
+        super().__init__()
+        self.T, self.D = T, D
+        self.p = torch.nn.Parameter(torch.zeros(()))
+
+    def forward(self, idx, off):
+        return torch.zeros((off.numel() - 1) // self.T, self.T * self.D) + self.p
+
+
+def test_uvm_main_end_to_end_on_cpu(uvm, monkeypatch, tmp_path):
+    # main() with the TBEs replaced by the cache model and the copy rates fixed: every (method,
+    # load factor, dist) row is written to the JSON and the markdown, the failed build is reported
+    monkeypatch.setattr(uvm, "_event", _FakeEvent)
+    monkeypatch.setattr(uvm, "_sync", lambda: None)
+    monkeypatch.setattr(uvm, "DEVICE", "cpu")
+    monkeypatch.setattr(uvm, "pcie_rates", lambda: dict(h2d=50e9, d2h=50e9, duplex_h2d=40e9, duplex_d2h=40e9))
+
+    def build(method, T, E, D, lf):
+        if method == "fbgemm_adam":
+            raise RuntimeError("no ADAM here")
+        return _FakeHBMTBE(T, D) if lf is None else _FakeCachedTBE(T, E, D, -(-int(T * E * lf) // 32) * 32)
+    monkeypatch.setattr(uvm, "build", build)
+    uvm.main(["--out", str(tmp_path), "--E", "1000", "--B", "8", "--L", "5", "--D", "16", "--iters", "5",
+              "--max-warmup", "200", "--load-factors", "0.1,1", "--methods", "ours,fbgemm_adam,ours_hbm"])
+    res = json.loads((tmp_path / "uvm_caching.json").read_text())
+    rows = res["rows"]
+    keys = [(r["method"], r["load_factor"], r["dist"]) for r in rows]
+    assert keys == [("ours_hbm", None, "zipf"), ("ours_hbm", None, "uniform"),
+                    ("ours", 0.1, "zipf"), ("ours", 0.1, "uniform"),
+                    ("fbgemm_adam", 0.1, "zipf"), ("fbgemm_adam", 0.1, "uniform"),
+                    ("ours", 1.0, "zipf"), ("ours", 1.0, "uniform"),
+                    ("fbgemm_adam", 1.0, "zipf"), ("fbgemm_adam", 1.0, "uniform")]
+    assert res["h2d_GBps"] == 50 and res["duplex_d2h_GBps"] == 40 and res["iters"] == 5
+    ok = [r for r in rows if r["method"] == "ours"]
+    assert all(r["steady"] for r in ok if r["load_factor"] == 0.1)
+    assert all("hit_rate" in r and "share_of_h2d" in r and r["build_s"] >= 0 for r in ok)
+    assert all(r["error"] == "RuntimeError: no ADAM here" for r in rows if r["method"] == "fbgemm_adam")
+    md = (tmp_path / "uvm_caching.md").read_text()
+    assert md.count("| 0.1 | ours | yes (") == 2 and "| HBM | ours_hbm | | |" in md
+    # --time-budget: past the budget nothing more is measured, and the rows say so
+    uvm.main(["--out", str(tmp_path), "--E", "1000", "--B", "8", "--L", "5", "--D", "16", "--iters", "2",
+              "--methods", "ours", "--load-factors", "0.5", "--dists", "zipf", "--time-budget", "1e-9"])
+    rows = json.loads((tmp_path / "uvm_caching.json").read_text())["rows"]
+    assert rows == [dict(method="ours", dist="zipf", load_factor=0.5, skipped="skipped: --time-budget")]
+
+
 def test_uvm_markdown_renders(uvm):
     meta = dict(device="H200", torch="2.x", fbgemm_gpu="1.6.0", shape=dict(T=2, E=10_000_000, D=128, B=16384, L=20),
                 h2d_GBps=55.5, d2h_GBps=55.3, duplex_h2d_GBps=50.0, duplex_d2h_GBps=49.0, window=5, fill_tol=0.01,
@@ -406,7 +453,7 @@ def test_uvm_markdown_renders(uvm):
 def test_uvm_parse_args(uvm):
     a = uvm.parse_args([])
     assert (a.E, a.B, a.max_warmup, a.iters, a.load_factors, a.dists) == \
-        (10_000_000, 16384, 400, 50, [0.05, 0.2, 1.0], ["zipf", "uniform"])
+        (10_000_000, 16384, 400, 100, [0.05, 0.2, 1.0], ["zipf", "uniform"])
     assert a.methods == list(uvm.METHODS)
     q = uvm.parse_args(["--quick", "--methods", "ours_hbm,ours", "--load-factors", "0.5", "--dists", "uniform"])
     assert (q.E, q.B, q.max_warmup, q.iters, q.methods, q.load_factors, q.dists) == \

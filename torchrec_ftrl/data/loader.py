@@ -13,7 +13,7 @@ start_step)`` yields, in the same order, whatever the number of workers:
 
 ``pin_memory=True`` pins each batch in the DataLoader's pinning thread (page-locked host memory, so
 the host-to-device copy of TorchRec's train pipelines is asynchronous). ``workers=0`` builds and pins
-the batches on the calling thread (the loop the job had before workers).
+the batches on the calling thread.
 
 Workers are forked processes (the Linux default): they inherit the source (memory-mapped binary
 arrays included) and use no CUDA. A worker's changes to the source (a :class:`FileSource`'s reader
@@ -25,7 +25,6 @@ from __future__ import annotations
 import itertools
 from typing import Iterator
 
-import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 

@@ -355,4 +355,3 @@ def data_workers(flag, local_world_size: int) -> int:
         return int(flag)
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(0, min(4, cpus // max(local_world_size, 1) - 1))
-

@@ -110,4 +110,3 @@ def compile_dense(model: nn.Module) -> None:
     pipelines rewrite its forward)."""
     for name in ("dense_arch", "inter_arch", "over_arch"):
         getattr(model, name).compile(dynamic=False)
-

@@ -88,3 +88,34 @@ def test_touch_tracker_marks_exactly_the_ids_of_the_batches():
     other = TouchTracker(gen.categorical_names, gen.num_embeddings)
     other.load_state_dict(tracker.state_dict())
     assert all(torch.equal(other.masks[n], masks[n]) for n in masks)
+
+
+class _Boom:
+    """A source whose step 3 cannot be built; without ``train_batch`` it is a plain stream."""
+
+    def __init__(self, indexed: bool):
+        self.gen = SyntheticSource(SyntheticCTR(50, num_categorical=2))
+        if indexed:
+            self.train_batch = self._batch
+
+    def _batch(self, rank, world_size, batch_size, step):
+        if step == 3:
+            raise ValueError("row 77: malformed row (field_count)")
+        return self.gen.train_batch(rank, world_size, batch_size, step)
+
+    def train_batches(self, rank, world_size, batch_size, start_step=0):
+        step = start_step
+        while True:
+            yield self._batch(rank, world_size, batch_size, step)
+            step += 1
+
+
+@pytest.mark.parametrize("indexed", [True, False])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_error_in_a_worker_is_raised_unchanged_at_its_step(indexed, workers):
+    got = []
+    with pytest.raises(ValueError) as e:
+        for b in train_loader(_Boom(indexed), 0, 1, 8, 0, 6, workers=workers):
+            got.append(b)
+    assert str(e.value) == "row 77: malformed row (field_count)"   # no worker traceback in it
+    assert len(got) == 3   # steps 0, 1 and 2 were trained

@@ -340,6 +340,20 @@ def test_missing_data_file_fails_clearly(tmp_path):
     assert "CTR data file not found" in p.stderr and "none.tsv" in p.stderr
 
 
+def test_malformed_row_read_by_a_data_worker_fails_in_one_line(tmp_path, sample_data):
+    """--strict on a row that only the training stream reads (--split none: no counting pass in the
+    main process), parsed by a DataLoader worker: the same one line as without workers."""
+    with open(sample_data("criteo", "criteo_dac_combined.tsv")) as f:
+        head = [next(f) for _ in range(300)]
+    bad = tmp_path / "bad.tsv"
+    bad.write_text("".join(head) + "garbage line\n" + "".join(head))
+    p = run_job([*SMALL, "--data", str(bad), "--split", "none", "--strict", "--steps", "5",
+                 "--data-workers", "1", "--output-dir", str(tmp_path)])
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert f"train_ctr: error: {bad}:301: malformed row (field_count)" in p.stderr
+    assert "Traceback" not in p.stderr and "DataLoader worker" not in p.stderr
+
+
 def test_wrong_data_format_fails_in_one_line(tmp_path):
     bad = tmp_path / "comma.csv"  # a comma-separated file read with the default Criteo TSV layout
     bad.write_text("".join(f"{i % 2},1,2,3\n" for i in range(30)))

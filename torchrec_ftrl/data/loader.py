@@ -28,6 +28,22 @@ from typing import Iterator
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 
+class _Failed:
+    """What a worker returns in place of a batch when building it raised: the exception itself, which
+    the training thread raises as it was (DataLoader would otherwise re-raise it wrapped, with the
+    worker's traceback in its message)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _raising(batches: Iterator) -> Iterator:
+    for batch in batches:
+        if isinstance(batch, _Failed):
+            raise batch.error
+        yield batch
+
+
 class _StepBatches(Dataset):
     """Map-style: item ``step`` is ``source.train_batch(rank, world_size, batch_size, step)``."""
 
@@ -35,7 +51,10 @@ class _StepBatches(Dataset):
         self.source, self.rank, self.world_size, self.batch_size = source, rank, world_size, batch_size
 
     def __getitem__(self, step: int):
-        return self.source.train_batch(self.rank, self.world_size, self.batch_size, step)
+        try:
+            return self.source.train_batch(self.rank, self.world_size, self.batch_size, step)
+        except Exception as e:  # noqa: BLE001 - raised again, unchanged, on the training thread
+            return _Failed(e)
 
 
 class _StreamBatches(IterableDataset):
@@ -46,7 +65,10 @@ class _StreamBatches(IterableDataset):
 
     def __iter__(self):
         source, rank, world_size, batch_size, start_step = self.args
-        return source.train_batches(rank, world_size, batch_size, start_step=start_step)
+        try:
+            yield from source.train_batches(rank, world_size, batch_size, start_step=start_step)
+        except Exception as e:  # noqa: BLE001 - raised again, unchanged, on the training thread
+            yield _Failed(e)
 
 
 def _pinned(batches: Iterator) -> Iterator:
@@ -69,6 +91,8 @@ def train_loader(source, rank: int, world_size: int, batch_size: int, start_step
 
     Raises:
         ValueError: ``workers``, ``num_steps`` or ``start_step`` negative, or ``prefetch_factor < 1``.
+        Whatever building a batch raises (e.g. ``MalformedRowError``), unchanged, when that batch is
+        reached: in a worker too.
     """
     for name, value in (("workers", workers), ("num_steps", num_steps), ("start_step", start_step)):
         if value < 0:
@@ -86,7 +110,7 @@ def train_loader(source, rank: int, world_size: int, batch_size: int, start_step
         steps = range(start_step, start_step + num_steps)
         loader = DataLoader(_StepBatches(source, rank, world_size, batch_size), sampler=steps,
                             num_workers=min(workers, num_steps), **common)
-        return iter(loader)
+        return _raising(iter(loader))
     loader = DataLoader(_StreamBatches(source, rank, world_size, batch_size, start_step),
                         num_workers=1, **common)
-    return itertools.islice(iter(loader), num_steps)
+    return _raising(itertools.islice(iter(loader), num_steps))

@@ -149,8 +149,7 @@ def _run(args, env, fused_params, rank0) -> dict:
         print(f"data: {source.stats().summary()}", flush=True)
     workers = cli.data_workers(args.data_workers, local_world)
     train_iter = train_loader(source, env.rank, env.world_size, args.batch_size, start_step,
-                                     steps - start_step, workers=workers,
-                                     pin_memory=env.device.type == "cuda")
+                              steps - start_step, workers=workers, pin_memory=env.device.type == "cuda")
     if rank0:
         opt_name = args.sparse_optimizer
         if opt_name == "ftrl":

@@ -11,7 +11,8 @@ One process per GPU (1 GPU: run the script directly; more: torchrun or torchx ``
 
 Each process builds an ``EmbeddingBagCollection`` of ``--tables`` (8) tables of ``--rows``
 (2,000,000) x ``--dim`` (128), fp32, on the meta device; TorchRec's planner places it with the
-given sharding type and the ``fused`` compute kernel, and DMP shards it with the optimizer's
+given sharding type and ``--compute-kernel`` (``fused``, or ``fused_uvm_caching`` with
+``--cache-load-factor`` as TorchRec's ``CacheParams.load_factor``), and DMP shards it with the optimizer's
 sharders: ``ftrl`` through ``torchrec_ftrl.sharders(fused_params)`` (ours), ``ftrl_bf16`` the same
 with ``"optimizer_state_dtypes": {"accum": BF16, "linear": BF16}`` in its ``fused_params``, ``adam`` /
 ``rowwise_adagrad`` / ``sgd`` through TorchRec's stock ``EmbeddingBagCollectionSharder`` with
@@ -56,6 +57,7 @@ OPTIMIZERS = ("ftrl", "ftrl_bf16", "rowwise_adagrad", "adam", "sgd")
 OURS = ("ftrl", "ftrl_bf16")   # through torchrec_ftrl.sharders
 SHARDINGS = ("table_wise", "row_wise", "table_row_wise", "column_wise")
 MODES = ("throughput", "latency")
+COMPUTE_KERNELS = ("fused", "fused_uvm_caching")
 LABELS = {"ftrl": "torchrec_ftrl FTRL (ours)", "ftrl_bf16": "torchrec_ftrl FTRL, bf16 state (ours)",
           "rowwise_adagrad": "FBGEMM EXACT_ROWWISE_ADAGRAD", "adam": "FBGEMM ADAM", "sgd": "FBGEMM EXACT_SGD"}
 
@@ -98,6 +100,10 @@ def parse(argv=None):
     p.add_argument("--latency-steps", type=int, default=40, help="latency: steps timed one by one")
     p.add_argument("--batches", type=int, default=4, help="distinct batches, built before timing, cycled")
     p.add_argument("--lr", type=float, default=0.01, help="fused learning_rate of every optimizer")
+    p.add_argument("--compute-kernel", choices=COMPUTE_KERNELS, default="fused",
+                   help="the tables' compute kernel: fused (HBM) or fused_uvm_caching (UVM + HBM cache)")
+    p.add_argument("--cache-load-factor", type=float, default=0.2,
+                   help="fused_uvm_caching: cache rows / table rows (TorchRec's CacheParams.load_factor)")
     p.add_argument("--profile", action="store_true", help="torch.profiler breakdown of each config")
     p.add_argument("--profile-steps", type=int, default=5)
     p.add_argument("--out", default="outputs/bench_dmp")
@@ -116,6 +122,8 @@ def parse(argv=None):
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if a.warmup < 0:
         p.error("--warmup must be >= 0")
+    if not 0.0 < a.cache_load_factor <= 1.0:
+        p.error(f"--cache-load-factor must be in (0, 1], got {a.cache_load_factor}")
     return a
 
 
@@ -197,8 +205,12 @@ def build(args, optimizer, sharding, device, sharders):
                 compute_device=device.type)
     if device.type == "cuda":   # the planner's default HBM cap is 32 GB; these tables need more
         topo["hbm_cap"] = torch.cuda.get_device_properties(device).total_memory
-    constraints = {n: ParameterConstraints(sharding_types=[sharding], compute_kernels=["fused"])
-                   for n in names}
+    cache = {}
+    if args.compute_kernel == "fused_uvm_caching":
+        from torchrec.distributed.types import CacheParams
+        cache["cache_params"] = CacheParams(load_factor=args.cache_load_factor)
+    constraints = {n: ParameterConstraints(sharding_types=[sharding], compute_kernels=[args.compute_kernel],
+                                           **cache) for n in names}
     planner = EmbeddingShardingPlanner(topology=Topology(**topo), batch_size=args.batch,
                                        constraints=constraints)
     plan = planner.collective_plan(ebc, sharders, dist.GroupMember.WORLD)
@@ -423,7 +435,9 @@ def markdown(meta, rows):
     md = [f"Sparse step under DistributedModelParallel: {meta['world_size']} x {meta['device']}, torch "
           f"{meta['torch']}, torchrec {meta['torchrec']}, fbgemm_gpu {meta['fbgemm_gpu']}. "
           f"EmbeddingBagCollection of {meta['tables']} tables x {meta['rows']:,} rows x {meta['dim']} "
-          f"(fp32), {meta['batch']:,} samples per process, {meta['pooling']} uniform ids per bag; a "
+          f"(fp32), compute kernel {meta.get('compute_kernel', 'fused')}"
+          + (f" (cache load factor {meta['cache_load_factor']:g})" if meta.get("cache_load_factor") else "")
+          + f", {meta['batch']:,} samples per process, {meta['pooling']} uniform ids per bag; a "
           f"step = dmp(kjt) -> pooled.pow(2).mean() -> backward (fused update). Throughput: "
           f"{meta['steps']} steps back to back, one sync; latency: median of {meta['latency_steps']} "
           f"steps, barrier + sync around each, the slowest rank; {meta['warmup']} warm-up steps. "
@@ -519,7 +533,9 @@ def main(argv=None) -> None:
                 backend=dist.get_backend(), torch=torch.__version__, torchrec=torchrec.__version__,
                 fbgemm_gpu=getattr(fbgemm_gpu, "__version__", "?"), tables=args.tables, rows=args.rows,
                 dim=args.dim, batch=args.batch, pooling=args.pooling, warmup=args.warmup, steps=args.steps,
-                latency_steps=args.latency_steps, batches=args.batches, lr=args.lr, modes=args.mode_list)
+                latency_steps=args.latency_steps, batches=args.batches, lr=args.lr, modes=args.mode_list,
+                compute_kernel=args.compute_kernel,
+                cache_load_factor=args.cache_load_factor if args.compute_kernel != "fused" else None)
     say(f"bench_dmp: {world} process(es), {meta['device']} ({meta['backend']}), torch {meta['torch']}, "
         f"torchrec {meta['torchrec']}, fbgemm_gpu {meta['fbgemm_gpu']}; {args.tables} tables x "
         f"{args.rows:,} x {args.dim}, batch {args.batch}/process, pooling {args.pooling}")

@@ -25,15 +25,18 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_tbe_cuda import LABELS, build_fbgemm, build_ours, make_batches  # noqa: E402
+from bench_tbe_cuda import FTRL_KW, LABELS, build_fbgemm, build_ours, make_batches  # noqa: E402
 
-from torchrec_ftrl.fbgemm_enums import SparseType  # noqa: E402
-from torchrec_ftrl.kernels import triton_backend  # noqa: E402
+from torchrec_ftrl import FTRLTableBatchedEmbeddingBags  # noqa: E402
+from torchrec_ftrl.fbgemm_enums import BoundsCheckMode, SparseType  # noqa: E402
+from torchrec_ftrl.kernels import launch, triton_backend  # noqa: E402
 
-METHODS = ("ours", "ours_torch_sort", "ours_graph", "fbgemm_adam", "fbgemm_rowwise_adagrad",
-           "fbgemm_sgd")
+METHODS = ("ours", "ours_fatal", "ours_triton_run", "ours_torch_sort", "ours_graph", "fbgemm_adam",
+           "fbgemm_rowwise_adagrad", "fbgemm_sgd")
 OWN_LABELS = {"ours_graph": "torchrec_ftrl FTRL (Triton), CUDA graph replay",
-              "ours_torch_sort": "torchrec_ftrl FTRL (Triton), torch.sort instead of FBGEMM's sort"}
+              "ours_torch_sort": "torchrec_ftrl FTRL (Triton), torch.sort instead of FBGEMM's sort",
+              "ours_triton_run": "torchrec_ftrl FTRL (Triton), every launch through JITFunction.run",
+              "ours_fatal": "torchrec_ftrl FTRL (Triton), bounds check FATAL (the TBE's default)"}
 
 
 def eager_step(module, batches, grad):
@@ -55,6 +58,20 @@ def torch_sort_step(module, batches, grad):
             inner(i)
         finally:
             triton_backend._fbgemm_sort_devices.pop("cuda", None)
+    return step
+
+
+def triton_run_step(module, batches, grad):
+    """:func:`eager_step` with every Triton launch through ``JITFunction.run`` instead of the
+    backend's direct launcher (:mod:`torchrec_ftrl.kernels.launch`), to measure what it saves."""
+    inner = eager_step(module, batches, grad)
+
+    def step(i):
+        launch.ENABLED = False
+        try:
+            inner(i)
+        finally:
+            launch.ENABLED = True
     return step
 
 
@@ -127,9 +144,12 @@ def main() -> None:
         if m == "ours_graph":
             modules[m] = build_ours(a.T, a.E, a.D, SparseType.FP32)
             steps[m] = graph_step(modules[m], batches, grad)
-        elif m in ("ours", "ours_torch_sort"):
-            modules[m] = build_ours(a.T, a.E, a.D, SparseType.FP32)
-            steps[m] = (eager_step if m == "ours" else torch_sort_step)(modules[m], batches, grad)
+        elif m in ("ours", "ours_fatal", "ours_torch_sort", "ours_triton_run"):
+            modules[m] = FTRLTableBatchedEmbeddingBags(
+                [(a.E, a.D)] * a.T, device="cuda", bounds_check_mode=BoundsCheckMode.FATAL,
+                **FTRL_KW) if m == "ours_fatal" else build_ours(a.T, a.E, a.D, SparseType.FP32)
+            make = {"ours_torch_sort": torch_sort_step, "ours_triton_run": triton_run_step}.get(m, eager_step)
+            steps[m] = make(modules[m], batches, grad)
         else:
             modules[m] = build_fbgemm(a.T, a.E, a.D, SparseType.FP32, m)
             steps[m] = eager_step(modules[m], batches, grad)

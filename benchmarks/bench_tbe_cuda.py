@@ -42,7 +42,7 @@ from torch import nn
 import torchrec_ftrl
 from torchrec_ftrl import FTRLTableBatchedEmbeddingBags
 from torchrec_ftrl.kernels import triton_backend
-from torchrec_ftrl.fbgemm_enums import BoundsCheckMode, EmbOptimType, PoolingMode, SparseType
+from torchrec_ftrl.fbgemm_enums import BoundsCheckMode, ComputeDevice, EmbOptimType, PoolingMode, SparseType
 from torchrec_ftrl.state_dtype import parse_state_dtypes, state_bytes_per_element as _state_bytes
 
 FTRL_KW = dict(learning_rate=0.05, ftrl_l1_reg=1e-4, ftrl_l2_reg=1e-4, ftrl_beta=1.0)
@@ -142,27 +142,31 @@ def state_bytes_per_row(method, D):
     return per_element * D + per_row
 
 
-def build_ours(T, E, D, precision, method="ours"):
-    """Our TBE for ``method`` (a key of ``OURS``: its state dtypes and bounds check mode)."""
+def build_ours(T, E, D, precision, method="ours", location=None, **cache):
+    """Our TBE for ``method`` (a key of ``OURS``: its state dtypes and bounds check mode): ``T``
+    tables of ``E`` x ``D`` on the GPU, or under ``location`` (an ``EmbeddingLocation``, e.g.
+    ``MANAGED_CACHING`` with the ``cache_*`` keywords in ``cache``)."""
     state_dtypes, bounds = OURS[method]
-    return FTRLTableBatchedEmbeddingBags([(E, D)] * T, device="cuda", weights_precision=precision,
+    specs = [(E, D)] * T if location is None else [(E, D, location, ComputeDevice.CUDA)] * T
+    return FTRLTableBatchedEmbeddingBags(specs, device="cuda", weights_precision=precision,
                                          bounds_check_mode=bounds, optimizer_state_dtypes=state_dtypes,
-                                         **FTRL_KW)
+                                         **FTRL_KW, **cache)
 
 
-def build_fbgemm(T, E, D, precision, method):
-    """FBGEMM's CUDA TBE for ``method`` (a key of ``FB_OPT``). ``fbgemm_adam_rbc``: ADAM with
+def build_fbgemm(T, E, D, precision, method, location=None, **cache):
+    """FBGEMM's CUDA TBE for ``method`` (a key of ``FB_OPT``), in HBM or under ``location`` with the
+    ``cache_*`` keywords in ``cache`` (its cache in ``precision`` too). ``fbgemm_adam_rbc``: ADAM with
     ``use_rowwise_bias_correction`` (a per-row fp32 step counter, read and written with each row): in
     fbgemm_gpu 1.6.0 plain ADAM fails with fp16 weights (``row_counter_dev`` expected Float, found
     Half), this variant runs, so it stands in for ADAM on the fp16 rows."""
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-        ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen, UserEnabledConfigDefinition)
-    extra = {}
+        SplitTableBatchedEmbeddingBagsCodegen, UserEnabledConfigDefinition)
+    extra = dict(cache, cache_precision=precision) if cache else {}
     if method == "fbgemm_adam_rbc":
         extra["extra_optimizer_config"] = UserEnabledConfigDefinition(use_rowwise_bias_correction=True)
     return SplitTableBatchedEmbeddingBagsCodegen(
-        [(E, D, EmbeddingLocation.DEVICE, ComputeDevice.CUDA)] * T,
+        [(E, D, location or EmbeddingLocation.DEVICE, ComputeDevice.CUDA)] * T,
         optimizer=getattr(EmbOptimType, FB_OPT[method]), learning_rate=0.05, eps=1e-8,
         weights_precision=precision, output_dtype=SparseType.FP32,
         pooling_mode=PoolingMode.SUM, device=torch.device("cuda"), **extra)
@@ -249,14 +253,23 @@ def tune_forward(T, E, B, L, batches_by_dist, log):
         del m
 
 
-def profile_step(step, batches, log, method="ours"):
+def kernel_ms_per_step(step, batches, top=12):
+    """``[(kernel name, ms per step)]`` of the ``top`` CUDA kernels (torch.profiler) over one step
+    of each of ``batches`` (``step(*batch)``)."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for i in range(3):
-            step(*batches[i % len(batches)])
+        for b in batches:
+            step(*b)
         torch.cuda.synchronize()
-    log(f"kernel times of 3 steps of {method}:\n" + prof.key_averages().table(
-        sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+    rows = [(e.key[:80], getattr(e, "device_time_total", 0) / 1e3 / len(batches)) for e in prof.key_averages()]
+    rows.sort(key=lambda r: -r[1])
+    return rows[:top]
+
+
+def profile_step(step, batches, log, method="ours"):
+    rows = kernel_ms_per_step(step, [batches[i % len(batches)] for i in range(3)], top=18)
+    log(f"kernel times per step of {method} (3 steps):\n"
+        + "\n".join(f"  {ms:8.3f} ms  {name}" for name, ms in rows))
 
 
 def device_ms(step, batches, n=3):

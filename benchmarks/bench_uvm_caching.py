@@ -60,8 +60,7 @@ import time
 
 import torch
 
-from torchrec_ftrl.fbgemm_enums import (BoundsCheckMode, CacheAlgorithm, ComputeDevice, EmbeddingLocation,
-                                        EmbOptimType, PoolingMode, SparseType)
+from torchrec_ftrl.fbgemm_enums import CacheAlgorithm, EmbeddingLocation, SparseType
 from torchrec_ftrl.state_dtype import parse_state_dtypes, state_bytes_per_element
 
 METHODS = ("ours", "ours_bf16", "fbgemm_rowwise_adagrad", "fbgemm_adam", "ours_hbm")
@@ -371,22 +370,16 @@ def pcie_rates(nbytes=1 << 30, reps=10):
 
 
 def build(method, T, E, D, load_factor):
-    from torchrec_ftrl import FTRLTableBatchedEmbeddingBags
-    from bench_tbe_cuda import FTRL_KW
+    """The TBE of ``method``: ours / ours_bf16 (WARNING bounds check, TorchRec's default for fused
+    tables) or FBGEMM's, under MANAGED_CACHING with LRU at ``load_factor``; ours_hbm in HBM."""
+    from bench_tbe_cuda import build_fbgemm, build_ours
     location = EmbeddingLocation.DEVICE if method == "ours_hbm" else EmbeddingLocation.MANAGED_CACHING
-    specs = [(E, D, location, ComputeDevice.CUDA)] * T
     cache = dict(cache_load_factor=load_factor or 0.2, cache_algorithm=CacheAlgorithm.LRU,
                  gather_uvm_cache_stats=location == EmbeddingLocation.MANAGED_CACHING)
     if method in OURS_STATE_DTYPES:
-        # WARNING: TorchRec's default for fused tables.
-        return FTRLTableBatchedEmbeddingBags(specs, device="cuda", bounds_check_mode=BoundsCheckMode.WARNING,
-                                             optimizer_state_dtypes=OURS_STATE_DTYPES[method], **FTRL_KW, **cache)
-    from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
-    opt = {"fbgemm_adam": EmbOptimType.ADAM, "fbgemm_rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD}[method]
-    return SplitTableBatchedEmbeddingBagsCodegen(
-        specs, optimizer=opt, learning_rate=0.05, eps=1e-8, weights_precision=SparseType.FP32,
-        output_dtype=SparseType.FP32, pooling_mode=PoolingMode.SUM, device=torch.device("cuda"),
-        cache_precision=SparseType.FP32, **cache)
+        return build_ours(T, E, D, SparseType.FP32, "ours_bf16" if method == "ours_bf16" else "ours",
+                          location, **cache)
+    return build_fbgemm(T, E, D, SparseType.FP32, method, location, **cache)
 
 
 def cache_state(m):
@@ -399,18 +392,6 @@ def snapshot(m):
     stats = m.get_uvm_cache_stats().to(torch.int64).reshape(-1)[:len(STATS)]
     occ = (cache_state(m) != -1).sum().reshape(1)
     return torch.cat([stats, occ]).tolist()
-
-
-def kernel_breakdown(step, batches, top=12):
-    """``[(kernel name, ms per step)]`` of the ``top`` kernels over the given steps."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for b in batches:
-            step(*b)
-        torch.cuda.synchronize()
-    rows = [(e.key[:80], getattr(e, "device_time_total", 0) / 1e3 / len(batches)) for e in prof.key_averages()]
-    rows.sort(key=lambda r: -r[1])
-    return rows[:top]
 
 
 def measure(m, method, lf, stream, args, profile=False):
@@ -470,7 +451,8 @@ def measure(m, method, lf, stream, args, profile=False):
                    row_bytes=row_bytes(method, args.D), uvm_state_bytes_per_row=uvm_state_bytes(method, args.D))
         row.update(traffic_report(method, args.D, c, row["ms"], args.rates["h2d"], args.rates["d2h"]))
     if profile:
-        row["kernels_ms_per_step"] = kernel_breakdown(step, [stream.next() for _ in range(3)])
+        from bench_tbe_cuda import kernel_ms_per_step
+        row["kernels_ms_per_step"] = kernel_ms_per_step(step, [stream.next() for _ in range(3)])
     return row
 
 

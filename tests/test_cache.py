@@ -269,6 +269,17 @@ FMAP = [0, 1, 2, 0]
 
 @cuda
 @needs_cuda
+@pytest.mark.parametrize("location", [EmbeddingLocation.MANAGED_CACHING, EmbeddingLocation.DEVICE])
+def test_cuda_warning_check_repairs_and_counts_cached_batches_like_hbm(location):
+    """WARNING on cached tables (checked by the TBE before FBGEMM's populate reads the indices, the
+    offsets by the Triton repair kernel) and in HBM (fused into the kernels): a bad index reads row
+    0, offsets are repaired like FBGEMM's, every repair is counted once."""
+    import tbe_harness as H
+    H.check_warning_repairs(_tbe(location, [(10, 4), (6, 8)], [0, 1], cache_load_factor=0.5))
+
+
+@cuda
+@needs_cuda
 @pytest.mark.parametrize("name,kw,batch_kw,train_kw", [
     ("lru_evicting", dict(cache_load_factor=0.05), dict(zipf=1.1), {}),
     ("uniform_mostly_misses", dict(cache_load_factor=0.02), dict(zipf=None), {}),
@@ -531,9 +542,9 @@ def test_cuda_prefetch_train_pipeline_matches_all_fused(nccl_world_of_one):
 
 
 def test_interp_state_cache_fill_moves_each_inserted_slot_once(interp):
-    """Indices that missed and now have a slot: the slot's evicted row goes back and the inserted row
-    comes in, once per slot (duplicates of a row claim the slot once); hits and uncached misses are
-    left alone."""
+    """Indices whose slot after the populate held another row before it (misses): the slot's evicted
+    row goes back and the inserted row comes in, once per slot (duplicates of a row claim the slot
+    once); hits (the slot held the same row) and uncached misses are left alone."""
     from torchrec_ftrl.kernels.triton_cache import state_cache_fill_kernel
 
     row_base, w_off, dims = torch.tensor([0, 5]), torch.tensor([0, 5 * 4]), torch.tensor([4, 8])
@@ -542,15 +553,14 @@ def test_interp_state_cache_fill_moves_each_inserted_slot_once(interp):
     row_table = torch.tensor([0] * 5 + [1] * 7, dtype=torch.int32)
     S = 8
     cache = torch.rand(2, 4, S) + 100.0
-    snapshot = torch.tensor([3, 6, -1, 11])              # the slots' rows before the populate
+    snapshot = torch.tensor([4, 6, -1, 11])              # the slots' rows before the populate
     claim = torch.zeros(4, dtype=torch.int64)
     # rows: 8 (inserted into slot 1, twice), 0 (into empty slot 2), 4 (hit in slot 0), 9 (no slot)
     keys = torch.tensor([8, 0, 8, 4, 9])
-    before = torch.tensor([-1, -1, -1, 0, -1], dtype=torch.int32)
     after = torch.tensor([1, 2, 1, 0, -1], dtype=torch.int32)
     acc0, lin0, cache0 = accum.clone(), linear.clone(), cache.clone()
-    state_cache_fill_kernel[(5,)](keys, before, after, snapshot, claim, 7, accum, linear, cache[0],
-                                  cache[1], row_table, w_off, dims, row_base, 5, S, BLOCK_D=8)
+    state_cache_fill_kernel[(5,)](keys, after, snapshot, claim, 7, accum, linear, cache[0], cache[1],
+                                  row_table, w_off, dims, row_base, 5, S, BLOCK_D=8)
 
     def flat(row):
         t = int(row_table[row])
@@ -621,6 +631,7 @@ class _FakeRowCache(torch.nn.Module):
         self.register_buffer("lxu_cache_weights", torch.zeros(1, 8))
         self.register_buffer("lxu_cache_states", torch.zeros(2, 1, 8))
         self._n = 0
+        self.generation = 0
 
     def linearize(self, indices, offsets, bags=None):
         self.calls.append(("linearize", indices.numel()))
@@ -634,6 +645,7 @@ class _FakeRowCache(torch.nn.Module):
 
     def populate(self, keys, *buffers):
         self.calls.append(("populate", keys.numel()))
+        self.generation += 1
         return self._slots(keys, "populate")
 
     def lookup(self, keys, count=True):
@@ -648,6 +660,7 @@ class _FakeRowCache(torch.nn.Module):
 
     def reset(self):
         self.calls.append(("reset",))
+        self.generation += 1
 
     def reset_states(self, value):
         pass
@@ -670,16 +683,35 @@ def _step(m, idx, off, g, backward=True):
 
 
 @pytest.mark.parametrize("lock", [False, True])
-def test_cached_flow_populates_looks_up_again_and_releases_after_the_update(lock):
+def test_cached_flow_populates_once_and_releases_after_the_update(lock):
+    """Forward: linearize + populate (its slots serve the update too: nothing moved the rows since);
+    the update then releases the batch's lines."""
     ref, m = _cpu_tbes(lock)
     idx, off = torch.tensor([1, 2, 2, 40, 7, 3]), torch.tensor([0, 2, 3, 5, 6])
     g = torch.randn(2, 16, generator=torch.Generator().manual_seed(0))
     want = _step(ref, idx, off, g)
     assert torch.equal(_step(m, idx, off, g), want)
     names = [c[0] for c in m.cache.calls]
-    # forward: linearize + populate; update: look up again (uncounted); then release the batch's lines
-    assert names == ["linearize", "populate", "lookup", "unlock"]
-    assert m.cache.calls[2][2] is False and m.cache.calls[3][1] == ("populate", 1)
+    assert names == ["linearize", "populate", "unlock"]
+    assert m.cache.calls[2][1] == ("populate", 1)
+    for a, b in zip(m.split_embedding_weights(), ref.split_embedding_weights()):
+        assert torch.equal(a, b)
+
+
+def test_cached_flow_looks_up_again_when_a_populate_came_between():
+    """A prefetch (populate) of the next batch between a forward and its update may have moved rows:
+    the update looks its rows up again (uncounted) and releases its own lines."""
+    ref, m = _cpu_tbes(True)
+    idx, off = torch.tensor([1, 2, 2, 40, 7, 3]), torch.tensor([0, 2, 3, 5, 6])
+    g = torch.randn(2, 16, generator=torch.Generator().manual_seed(0))
+    want = _step(ref, idx, off, g)
+    out = m(idx, off)
+    m.prefetch(torch.tensor([5, 6]), torch.tensor([0, 1, 1, 2, 2]))
+    out.backward(g)
+    assert torch.equal(out, want)
+    names = [c[0] for c in m.cache.calls]
+    assert names == ["linearize", "populate", "linearize", "populate", "lookup", "unlock"]
+    assert m.cache.calls[4][2] is False and m.cache.calls[5][1] == ("populate", 1)
     for a, b in zip(m.split_embedding_weights(), ref.split_embedding_weights()):
         assert torch.equal(a, b)
 
@@ -695,7 +727,7 @@ def test_cached_flow_takes_the_prefetched_batch_and_tolerates_a_stale_one():
     want = _step(ref, idx, off, g)
     assert torch.equal(out, want)             # rows read where they are, not at the stale slots
     names = [c[0] for c in m.cache.calls]
-    assert names == ["linearize", "lookup", "lookup", "unlock"]      # no populate: the queue had one
+    assert names == ["linearize", "lookup", "unlock"]      # no populate: the queue had one
     assert m.cache.calls[-1][1][0] == "populate"                      # the prefetch's lines released
     assert m._prefetched == []
     for a, b in zip(m.split_embedding_weights(), ref.split_embedding_weights()):
@@ -710,9 +742,10 @@ def test_cached_flow_releases_lines_at_once_without_an_update():
     assert [c[0] for c in m.cache.calls] == ["linearize", "populate", "unlock"]
     m.cache.calls.clear()
     m.eval()                                  # grad enabled, eval mode: no update is expected
-    m(idx, off).sum().backward()
-    names = [c[0] for c in m.cache.calls]
-    assert names.count("unlock") == 1 and names.index("unlock") < names.index("lookup", 2)
+    out = m(idx, off)
+    assert [c[0] for c in m.cache.calls] == ["linearize", "populate", "unlock"]   # before the update
+    out.sum().backward()
+    assert [c[0] for c in m.cache.calls] == ["linearize", "populate", "unlock"]
 
 
 def test_prefetch_refuses_its_own_stream_without_locks_and_skips_what_it_cannot_lay_out():
@@ -742,6 +775,6 @@ def test_cached_flow_populates_a_vbe_batch_again_and_releases_both():
     want.backward(g)
     assert torch.equal(out, want)
     names = [c[0] for c in m.cache.calls]
-    assert names == ["linearize", "populate", "lookup", "unlock", "unlock"]
-    assert {m.cache.calls[3][1][0], m.cache.calls[4][1][0]} == {"populate"}
-    assert m.cache.calls[3][1] != m.cache.calls[4][1]      # the prefetch's slots, then the forward's
+    assert names == ["linearize", "populate", "unlock", "unlock"]
+    assert {m.cache.calls[2][1][0], m.cache.calls[3][1][0]} == {"populate"}
+    assert m.cache.calls[2][1] != m.cache.calls[3][1]      # the prefetch's slots, then the forward's

@@ -58,10 +58,10 @@ def make_case(seed, *, specs, fmap, B, pooling, max_len=5, psw=False, vbe=None, 
 
 def build(specs, fmap, pooling, device, backend="triton", precision=SparseType.FP32, seed=0, **knobs):
     torch.manual_seed(seed)
+    mode = knobs.pop("bounds_check_mode", BoundsCheckMode.WARNING)
     m = FTRLTableBatchedEmbeddingBags(
         specs, feature_table_map=fmap, pooling_mode=pooling, weights_precision=precision,
-        bounds_check_mode=BoundsCheckMode.WARNING, device=device, backend=backend,
-        **{**KNOBS, **knobs})
+        bounds_check_mode=mode, device=device, backend=backend, **{**KNOBS, **knobs})
     return m
 
 
@@ -232,6 +232,32 @@ def test_interp_fused_warning_bounds_check(interp):
     """Fused WARNING check: a bad index reads row 0 (forward) and its gradient goes to row 0; offsets
     are clamped and made non-decreasing; everything is counted once per forward."""
     H.check_warning_repairs(build([(10, 3), (6, 4)], [0, 1], PoolingMode.SUM, interp))
+
+
+@pytest.mark.parametrize("grad", [True, False])
+@pytest.mark.parametrize("indices,offsets,match", [
+    ([1, 10, 2, 3], [0, 1, 2, 3, 4], "out of range"),          # row 10 of a 10-row table
+    ([1, -1, 2, 3], [0, 1, 2, 3, 4], "out of range"),
+    ([1, 5, 2, 3], [0, 3, 1, 4, 4], "non-decreasing"),
+    ([1, 5, 2, 3], [0, 1, 2, 3, 3], "indices.numel"),
+])
+def test_interp_fused_fatal_check_raises_before_any_update(interp, grad, indices, offsets, match):
+    """FATAL on the Triton backend: the kernels count bad offsets / indices, the TBE reads the count
+    once after the forward and raises the named ValueError; weights, states, counters and ``iter``
+    keep their bits, and the next valid batch trains as if the bad one never came."""
+    from conftest import assert_same_bits, tbe_state
+    m = build([(10, 3), (6, 4)], [0, 1], PoolingMode.SUM, interp, bounds_check_mode=BoundsCheckMode.FATAL)
+    ref = build([(10, 3), (6, 4)], [0, 1], PoolingMode.SUM, interp, bounds_check_mode=BoundsCheckMode.FATAL)
+    i64 = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+    before = tbe_state(m)
+    with torch.set_grad_enabled(grad), pytest.raises(ValueError, match=match):
+        m(i64(indices), i64(offsets))
+    assert_same_bits(before, tbe_state(m))
+    assert int(m.bounds_check_warning) == 0
+    g = torch.linspace(-1.0, 1.0, 2 * 7).view(2, 7)
+    for mod in (m, ref):
+        mod(i64([1, 5, 2, 3]), i64([0, 1, 2, 3, 4])).backward(g)
+    assert_same_bits(tbe_state(ref), tbe_state(m))
 
 
 def test_interp_eval_forward_matches_training_forward(interp):

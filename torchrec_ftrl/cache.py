@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from .fbgemm_enums import CacheAlgorithm
+from .kernels.launch import direct
 from .kernels.triton_cache import (fill_warps, follow_config, state_cache_fill_kernel,
                                    state_cache_follow_kernel)
 from .placement import CACHE_ASSOC, cache_slots, check_cache_dims, check_cache_options
@@ -92,6 +93,9 @@ class RowCache(nn.Module):
         self.total_rows = total
         self.max_D = max_d
         self.timestep = 1
+        # Bumped by every change of which row a slot holds (populate, invalidate, reset): slots
+        # looked up at one generation are still the rows' slots while it lasts.
+        self.generation = 0
         row_base = [0]
         for r in rows:
             row_base.append(row_base[-1] + int(r))
@@ -150,8 +154,9 @@ class RowCache(nn.Module):
                  linear_state: torch.Tensor) -> torch.Tensor:
         """Insert the rows of ``linear`` (int64 ``[N]``) into the cache, evicting (and writing back)
         others; the states follow. ``weights`` / ``accum`` / ``linear_state``: the flat buffers.
-        Returns the int32 ``[N]`` cache slot of each index after the populate (-1: not cached)."""
-        before = self.lookup(linear, count=False)
+        Returns the int32 ``[N]`` cache slot of each index after the populate (-1: not cached):
+        the one ``lxu_cache_lookup`` of the populate (the state moves compare the slots' rows
+        before and after, so no lookup before it is needed)."""
         self.lxu_cache_snapshot.copy_(self.lxu_cache_state.view(-1))
         if self.algorithm == CacheAlgorithm.LRU:
             torch.ops.fbgemm.lru_cache_populate(
@@ -166,13 +171,14 @@ class RowCache(nn.Module):
                 self.weights_offsets, self.D_offsets, linear, self.lxu_cache_state,
                 self.lxu_cache_weights, self.lxu_state, False)
         self.timestep += 1
+        self.generation += 1
         after = self.lookup(linear)
         self._stamp += 1
         n = linear.numel()
         if n:
             block_d = 1 << max(0, self.max_D - 1).bit_length()
-            state_cache_fill_kernel[(n,)](
-                linear, before, after, self.lxu_cache_snapshot, self.lxu_cache_claim, self._stamp,
+            direct(state_cache_fill_kernel)[(n,)](
+                linear, after, self.lxu_cache_snapshot, self.lxu_cache_claim, self._stamp,
                 accum, linear_state, self.lxu_cache_accum, self.lxu_cache_linear,
                 self.cache_index_table_map, self.weights_offsets, self.table_dim,
                 self.table_hash_size_cumsum, n, self.lxu_cache_accum.stride(0), BLOCK_D=block_d,
@@ -212,6 +218,7 @@ class RowCache(nn.Module):
         self.lxu_state.zero_()
         self.lxu_cache_locking_counter.zero_()
         self.timestep = 1
+        self.generation += 1
 
     def invalidate(self, linear: torch.Tensor) -> None:
         """Drop the cached copies (weight and both states) of the rows ``linear`` (int64 ``[N]`` row
@@ -220,6 +227,7 @@ class RowCache(nn.Module):
         counted (their batch's release still balances them). Rows not cached are ignored."""
         slots = self.lookup(linear, count=False).long()
         self.lxu_cache_state.view(-1).index_fill_(0, slots[slots >= 0], -1)
+        self.generation += 1
 
     def reset_states(self, initial_accumulator_value: float) -> None:
         """accum := ``initial_accumulator_value``, linear := 0 for the cached rows too."""
@@ -232,7 +240,7 @@ class RowCache(nn.Module):
         per, warps = follow_config(block_d)
         slots = before.numel()
         stride = self.lxu_cache_accum.stride(0)
-        state_cache_follow_kernel[(-(-slots // per),)](
+        direct(state_cache_follow_kernel)[(-(-slots // per),)](
             before, after, accum, linear_state, self.lxu_cache_accum, self.lxu_cache_linear,
             self.cache_index_table_map, self.weights_offsets, self.table_dim,
             self.table_hash_size_cumsum, slots, stride, SLOTS=per, BLOCK_D=block_d, num_warps=warps)

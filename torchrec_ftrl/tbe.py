@@ -396,6 +396,8 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
             self.register_state_dict_pre_hook(_flush_before_state_dict)
             self.register_load_state_dict_post_hook(_empty_cache_after_load)
         self.register_buffer("bounds_check_warning", torch.zeros(1, **i64))
+        # What a fused FATAL check counts (read once per forward; zero while batches are valid).
+        self.register_buffer("_fatal_count", torch.zeros(1, **i64), persistent=False)
         self.register_buffer("nonfinite_grad_rows", torch.zeros(1, **i64))
         self.register_buffer("iter", torch.zeros(1, **i64))
         # Makes the output require grad so backward (the fused update) runs, as in FBGEMM.
@@ -446,12 +448,15 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
             self._captured_hp = self._hp     # the knobs the captured update will replay
         if self.cache is not None:
             batch, keys, locked = self._cached_batch(batch, batch_size_per_feature_per_rank)
+            gen = self.cache.generation         # the slots in batch are valid while it lasts
             if train and self.training:
-                cache_keys = (keys, locked)     # the update releases the lines
-            else:                               # no update is expected: released after the lookup
-                cache_keys, release = ((keys, []) if train else None), locked
+                cache_keys = (keys, locked, gen)    # the update releases the lines
+            else:                                   # no update is expected: released after the lookup
+                cache_keys, release = ((keys, [], gen) if train else None), locked
         out = _FTRLLookupFunction.apply(self.placeholder_autograd_tensor, self, batch, per_sample_weights,
                                         train, cache_keys)
+        if batch.unchecked_counter is self._fatal_count:
+            self._raise_if_counted(batch)
         if release is not None:
             self._release(release)
         if self.pooling_mode == PoolingMode.NONE:
@@ -528,7 +533,9 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
             out_numel = N * self.max_D if self.pooling_mode == PoolingMode.NONE else B * self.total_D
         needs_psw_grad = per_sample_weights is not None and per_sample_weights.requires_grad
         unchecked_counter = None
-        counter = self.bounds_check_warning if warn_counter is None else warn_counter
+        fatal = self.bounds_check_mode == BoundsCheckMode.FATAL
+        counter = (self._fatal_count if fatal else self.bounds_check_warning) \
+            if warn_counter is None else warn_counter
         # A cached batch is checked here: FBGEMM's populate reads the indices before any kernel.
         if self.cache is None and self._backend.fuses_bounds_check(self.bounds_check_mode,
                                                                     needs_psw_grad):
@@ -581,15 +588,20 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
     def _bags_per_feature(bsfpr) -> Optional[list[int]]:
         return [sum(int(b) for b in per_rank) for per_rank in bsfpr] if bsfpr is not None else None
 
-    def _relocate_cached_rows(self, batch: TBEBatch, keys: torch.Tensor, locked: list) -> TBEBatch:
-        """The batch for its update: the prefetch of a later batch is waited for and the rows are
-        looked up again (a row may have been evicted, and written back, or cached since the
-        forward), so the update reaches each row where it is now."""
+    def _relocate_cached_rows(self, batch: TBEBatch, keys: torch.Tensor, locked: list,
+                              generation: int) -> TBEBatch:
+        """The batch for its update, with each row's slot where it is now. Unchanged when no
+        populate, invalidation or reset was issued since the forward looked the rows up (cache
+        ``generation``): the forward's slots still hold. Otherwise the prefetch of a later batch is
+        waited for and the rows are looked up again (a row may have been evicted, and written back,
+        or cached since the forward)."""
+        if self.cache.generation == generation:
+            return batch
         if self._prefetch_stream is not None:
             torch.cuda.current_stream().wait_stream(self._prefetch_stream)
         return dataclasses.replace(batch, cache_locations=self.cache.lookup(keys, count=False))
 
-    def _after_cached_update(self, keys: torch.Tensor, locked: list) -> None:
+    def _after_cached_update(self, keys: torch.Tensor, locked: list, generation: int) -> None:
         """After a cached batch's update: release its lines, and make the prefetch stream wait for
         the update (a later prefetch must not copy a row into the cache while it is updated)."""
         self._release(locked)
@@ -694,13 +706,40 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         return (torch.tensor(bag_f, dtype=torch.int64).to(dev, non_blocking=True),
                 torch.tensor(bag_off, dtype=torch.int64).to(dev, non_blocking=True), pos)
 
+    def _raise_if_counted(self, batch: TBEBatch) -> None:
+        """After a forward whose kernels ran the FATAL check (counting into ``_fatal_count``): the
+        check's one host sync. A non-zero count raises the check's ``ValueError`` (found again on
+        the raw batch, to name the first bad offset or index) before any update has run."""
+        if int(self._fatal_count) == 0:
+            return
+        self._fatal_count.zero_()
+        self._bounds_check(batch.indices, batch.offsets, batch.bag_feature, None)
+        raise ValueError("the FATAL bounds check counted bad offsets or indices in this batch")
+
+    def _count_invalid(self, indices, offsets, bag_feature) -> torch.Tensor:
+        """int64 ``[]`` on the device: bad offsets (first not 0, a decreasing step, last not
+        ``indices.numel()``) plus indices outside their table, 0 for a valid batch; no host sync."""
+        N = indices.numel()
+        num_bags = offsets.numel() - 1
+        lengths = offsets[1:] - offsets[:-1]
+        bad = (offsets[0] != 0).long() + (lengths < 0).sum() + (offsets[-1] != N).long()
+        if N == 0 or num_bags <= 0:
+            return bad + N
+        bag = torch.searchsorted(offsets, torch.arange(N, device=indices.device), right=True) - 1
+        rows = self._table_rows[self._feature_table[bag_feature[bag.clamp_(0, num_bags - 1)]]]
+        return bad + ((indices < 0) | (indices >= rows)).sum()
+
     def _bounds_check(self, indices, offsets, bag_feature, counter):
         mode = self.bounds_check_mode
         if mode in (BoundsCheckMode.IGNORE, BoundsCheckMode.NONE):
             return indices, offsets
-        if mode == BoundsCheckMode.FATAL and offsets.numel() > 0 and self._backend.count_invalid(
-                self._table_rows, self._feature_table, bag_feature, indices, offsets) == 0:
-            return indices, offsets  # valid; otherwise the checks below name the problem
+        if mode == BoundsCheckMode.FATAL and offsets.numel() > 0:
+            n = self._backend.count_invalid(self._table_rows, self._feature_table, bag_feature,
+                                            indices, offsets)
+            if n is None:     # no backend kernel: the device count, read once (the one host sync)
+                n = int(self._count_invalid(indices, offsets, bag_feature))
+            if n == 0:
+                return indices, offsets  # valid; otherwise the checks below name the problem
         N = indices.numel()
         lengths = offsets[1:] - offsets[:-1]
         idx_bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=indices.device),
@@ -720,12 +759,17 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
                                  f"table {self.table_names[int(self._feature_table[bag_feature[idx_bag[i]]])]!r}"
                                  f" (feature {int(bag_feature[idx_bag[i]])}); {int(bad.sum())} bad index(es)")
             return indices, offsets
-        # WARNING: repair as FBGEMM does, count, never sync.
-        fixed_off = offsets.clamp(0, N)
-        fixed_off = torch.cummax(fixed_off, 0).values
-        fixed_off = torch.cat([fixed_off.new_zeros(1), fixed_off[1:-1], fixed_off.new_full((1,), N)]) \
-            if fixed_off.numel() > 1 else fixed_off.new_zeros(1)
-        n_off_bad = (fixed_off != offsets).sum()
+        # WARNING: repair as FBGEMM does, count, never sync. The offsets by the backend's one-pass
+        # kernel where it has one (Triton: counts into ``counter`` itself), else by torch ops.
+        repair = getattr(self._backend, "repair_offsets", None)
+        if repair is not None:
+            fixed_off, n_off_bad = repair(offsets, N, counter), 0
+        else:
+            fixed_off = offsets.clamp(0, N)
+            fixed_off = torch.cummax(fixed_off, 0).values
+            fixed_off = torch.cat([fixed_off.new_zeros(1), fixed_off[1:-1], fixed_off.new_full((1,), N)]) \
+                if fixed_off.numel() > 1 else fixed_off.new_zeros(1)
+            n_off_bad = (fixed_off != offsets).sum()
         lens = fixed_off[1:] - fixed_off[:-1]
         idx_bag = torch.repeat_interleave(torch.arange(lens.numel(), device=indices.device), lens,
                                           output_size=N)

@@ -30,7 +30,8 @@ class Backend(Protocol):
 
     * ``fuses_bounds_check(mode, needs_psw_grad)``: True when the backend checks a raw batch itself
       for this FBGEMM ``BoundsCheckMode`` (the TBE then skips its own check and passes the counter
-      ``batch.unchecked_counter``); False to get a checked batch.
+      ``batch.unchecked_counter``); False to get a checked batch. A fused FATAL check counts into
+      the TBE's scratch counter, which the TBE reads once after the forward (and raises).
     * ``count_invalid(table_rows, feature_table, bag_feature, indices, offsets)``: number of bad
       offsets and indices (0 for a valid batch) for the FATAL check's fast path, or None when the
       backend has no such kernel.
@@ -46,6 +47,10 @@ class Backend(Protocol):
       with ``state_dtype.round_bf16_stochastic`` by ``sr_bits(row key, column, batch.step, state)``
       (row key ``table_row_base[t] + row``; state 0 accum, 1 linear), bit for bit the same on every
       backend for the same fp32 value; a bf16 state without ``batch.step`` raises ``ValueError``.
+
+    Optional: ``repair_offsets(offsets, num_indices, counter)``: the WARNING repair of raw offsets
+    on the device, the repaired entries added to ``counter`` (the TBE's own check uses it where a
+    backend has it, e.g. for cached batches; Triton).
     """
 
     def fuses_bounds_check(self, mode: Any, needs_psw_grad: bool) -> bool: ...

@@ -36,6 +36,7 @@ from triton.runtime.jit import JITFunction
 
 from ..fbgemm_enums import BoundsCheckMode
 from ..hyperparams import FTRLHyperparams
+from .launch import DirectLauncher, direct
 from .layout import POOL_MEAN, POOL_NONE, TBEBatch
 from .torch_backend import per_sample_weight_grad  # noqa: F401  (the Backend member, shared)
 from .triton_backward import (linearize_kernel, offsets_repair_kernel,
@@ -91,10 +92,13 @@ _eager = threading.local()   # .on: running an implementation directly, outside 
 
 def _k(kernel):
     """``wrap_triton(kernel)`` for compiled kernels inside the custom ops (traceable by
-    torch.compile); the plain kernel when called directly in eager mode or under the interpreter."""
-    if wrap_triton is not None and isinstance(kernel, JITFunction) and not getattr(_eager, "on", False):
-        return wrap_triton(kernel)
-    return kernel
+    torch.compile); in eager mode the kernel's :class:`~.launch.DirectLauncher` (the same compiled
+    kernel, launched without ``JITFunction.run``'s per-call work); an interpreted kernel unchanged."""
+    if not isinstance(kernel, JITFunction):
+        return kernel
+    if getattr(_eager, "on", False) or wrap_triton is None:
+        return direct(kernel)
+    return wrap_triton(kernel)
 
 
 def _call(op, impl, *args):
@@ -116,7 +120,7 @@ def _register_cap(launcher, maxnreg: Optional[int], dev: torch.device) -> dict:
     NVIDIA GPU ``dev`` takes them. Not an interpreted kernel, not other devices or ROCm, and not a
     ``wrap_triton`` wrapper (torch.compile), whose launches take no ``maxnreg``: those run uncapped."""
     nvidia = dev.type == "cuda" and torch.version.hip is None
-    if maxnreg and isinstance(launcher, JITFunction) and nvidia:
+    if maxnreg and isinstance(launcher, (JITFunction, DirectLauncher)) and nvidia:
         return {"maxnreg": int(maxnreg)}
     return {}
 
@@ -405,9 +409,10 @@ class TritonContext(NamedTuple):
 
 
 def fuses_bounds_check(mode: Any, needs_psw_grad: bool) -> bool:
-    """The WARNING check runs inside the kernels (no host sync), except when the per-sample weights
-    need a gradient: that gradient (:func:`per_sample_weight_grad`) reads a checked batch."""
-    return mode == BoundsCheckMode.WARNING and not needs_psw_grad
+    """The kernels check a raw batch themselves (no host sync): WARNING, except when the per-sample
+    weights need a gradient (that gradient, :func:`per_sample_weight_grad`, reads a checked batch),
+    and FATAL (the TBE reads the count once after the forward and raises before any update)."""
+    return (mode == BoundsCheckMode.WARNING and not needs_psw_grad) or mode == BoundsCheckMode.FATAL
 
 
 def count_invalid(table_rows, feature_table, bag_feature, indices, offsets) -> Optional[int]:

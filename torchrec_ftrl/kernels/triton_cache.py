@@ -4,10 +4,10 @@ FBGEMM's cache ops move a cached row's weight between unified memory and ``lxu_c
 FTRL states of the row must move with it. Rows are FBGEMM linear cache indices (``row_base[table] +
 index``; -1 marks an empty slot).
 
-* :func:`state_cache_fill_kernel` runs after a populate: for every index that missed before the
-  populate and has a slot after it, the slot's owner (the first index to claim it in this populate)
-  writes the evicted row's ``accum`` / ``linear`` back to the flat unified-memory buffers and loads
-  the inserted row's. Its work follows the batch's misses, not the cache size.
+* :func:`state_cache_fill_kernel` runs after a populate: for every index that has a slot after the
+  populate that held another row before it (a miss), the slot's owner (the first index to claim it
+  in this populate) writes the evicted row's ``accum`` / ``linear`` back to the flat unified-memory
+  buffers and loads the inserted row's. Its work follows the batch's misses, not the cache size.
 * :func:`state_cache_follow_kernel` compares every slot's row in two snapshots and moves the states of
   each slot that changed: the flush (every slot against "empty").
 
@@ -55,23 +55,27 @@ def _move_states(row_table_ptr, table_w_offset_ptr, table_dim_ptr, row_base_ptr,
 
 @triton.jit(do_not_specialize=["stamp", "num_indices"])
 def state_cache_fill_kernel(
-    key_ptr, before_ptr, after_ptr, snapshot_ptr, claim_ptr, stamp, accum_ptr, linear_ptr, cn_ptr,
-    cz_ptr, row_table_ptr, table_w_offset_ptr, table_dim_ptr, row_base_ptr, num_indices,
-    cache_stride, BLOCK_D: tl.constexpr,
+    key_ptr, after_ptr, snapshot_ptr, claim_ptr, stamp, accum_ptr, linear_ptr, cn_ptr, cz_ptr,
+    row_table_ptr, table_w_offset_ptr, table_dim_ptr, row_base_ptr, num_indices, cache_stride,
+    BLOCK_D: tl.constexpr,
 ):
-    """Index ``i`` (one per program): if its row missed before the populate (``before[i] < 0``)
-    and has slot ``s = after[i] >= 0`` now, and this program is the first to write ``stamp``
-    (int64, new per populate) into ``claim[s]``, move the states of the slot's evicted row
-    ``snapshot[s]`` (the slot's row before the populate) out and of row ``key[i]`` in."""
+    """Index ``i`` (one per program): if its row ``key[i]`` has slot ``s = after[i] >= 0`` after
+    the populate and the slot held another row before it (``snapshot[s] != key[i]``: the row
+    missed), and this program is the first to write ``stamp`` (int64, new per populate) into
+    ``claim[s]``, move the states of the slot's evicted row ``snapshot[s]`` out and of ``key[i]``
+    in. A populate never moves a cached row of the batch, so a row that hit keeps its slot and
+    finds itself in the snapshot."""
     i = tl.program_id(0).to(tl.int64)
     if i < num_indices:
         slot = tl.load(after_ptr + i).to(tl.int64)
-        if (tl.load(before_ptr + i) < 0) & (slot >= 0):
-            if tl.atomic_xchg(claim_ptr + slot, stamp) != stamp:
-                _move_states(row_table_ptr, table_w_offset_ptr, table_dim_ptr, row_base_ptr,
-                             accum_ptr, linear_ptr, cn_ptr, cz_ptr, slot,
-                             tl.load(snapshot_ptr + slot), tl.load(key_ptr + i), cache_stride,
-                             BLOCK_D)
+        if slot >= 0:
+            key = tl.load(key_ptr + i)
+            old = tl.load(snapshot_ptr + slot)
+            if old != key:
+                if tl.atomic_xchg(claim_ptr + slot, stamp) != stamp:
+                    _move_states(row_table_ptr, table_w_offset_ptr, table_dim_ptr, row_base_ptr,
+                                 accum_ptr, linear_ptr, cn_ptr, cz_ptr, slot, old, key,
+                                 cache_stride, BLOCK_D)
 
 
 @triton.jit

@@ -1,0 +1,119 @@
+"""Direct launches of compiled Triton kernels, for the eager training step's host budget.
+
+``kernel[grid](*args, **meta)`` on a ``triton.JITFunction`` binds the arguments, specialises each
+one, renders the launch options to a string for its cache key, checks the kernel's globals, builds
+launch metadata for the profiling hooks and reads the current device and stream, on every call.
+:class:`DirectLauncher` does that work once per specialisation: it keys the compiled kernel by the
+facts Triton specialises on (each tensor's dtype and 16-byte alignment, each integer's value class,
+the constexpr and option keyword values, the device) and launches it through its compiled launcher
+(``CompiledKernel.run``, the same C entry point ``JITFunction.run`` ends in). A key never seen, a
+launch with profiling hooks installed (``triton.knobs.runtime.launch_enter_hook`` /
+``launch_exit_hook``) and an argument of another kind go through ``JITFunction.run`` itself, which
+compiles, caches and launches as usual.
+
+Triton's specialisation rules (``triton.runtime.jit.create_function_from_signature``, Triton 3.x):
+a tensor is specialised on its dtype and on ``data_ptr() % 16 == 0`` (not with
+``do_not_specialize_on_alignment``); an int on being 1 and on ``% 16 == 0`` (not with
+``do_not_specialize``) and on its integer width; floats and bools on their type only; a constexpr
+on its value. The key here separates at least what Triton separates, so two launches that share a
+key run the same compiled kernel under Triton's own rules.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from triton import knobs
+from triton.runtime.jit import JITFunction
+
+_I32 = 2 ** 31
+_U64 = 2 ** 63
+
+
+def _int_class(v: int, specialize: bool) -> tuple:
+    width = 0 if -_I32 <= v < _I32 else (1 if -_U64 <= v < _U64 else 2)
+    if not specialize:
+        return ("i", width)
+    return ("i", width, v == 1, v % 16 == 0)
+
+
+class DirectLauncher:
+    """``launcher[grid](*args, **meta)``: the launch of ``kernel[grid](*args, **meta)``, with the
+    per-call host work of ``JITFunction.run`` done once per specialisation (see the module).
+
+    Args:
+        kernel: a ``triton.JITFunction`` whose runtime arguments are passed positionally and whose
+            constexprs and launch options (``num_warps``, ``maxnreg``, ...) by keyword.
+    """
+
+    __slots__ = ("kernel", "_params", "_compiled")
+
+    def __init__(self, kernel: JITFunction) -> None:
+        self.kernel = kernel
+        self._params = [(p.name, p.do_not_specialize, p.do_not_specialize_on_alignment,
+                         p.default) for p in kernel.params]
+        self._compiled: dict = {}
+
+    def __getitem__(self, grid):
+        return lambda *args, **meta: self._launch(grid, args, meta)
+
+    def _key(self, device: int, args: tuple, meta: dict):
+        """The specialisation key of a launch, or None for an argument kind not keyed here."""
+        key = [device, tuple(meta.items())]
+        params = self._params
+        for i, a in enumerate(args):
+            t = type(a)
+            if t is torch.Tensor or isinstance(a, torch.Tensor):
+                key.append((a.dtype, params[i][2] or a.data_ptr() % 16 == 0))
+            elif t is int:
+                key.append(_int_class(a, not params[i][1]))
+            elif t is float or t is bool or a is None:
+                key.append(t)
+            else:
+                return None
+        return tuple(key)
+
+    def _launch(self, grid, args: tuple, meta: dict) -> None:
+        runtime = knobs.runtime
+        hooked = runtime.launch_enter_hook.calls or runtime.launch_exit_hook.calls
+        device = torch.cuda.current_device()
+        key = None if hooked or callable(grid) else self._key(device, args, meta)
+        entry = self._compiled.get(key) if key is not None else None
+        if entry is None:
+            compiled = self.kernel[grid](*args, **meta)
+            if key is not None and compiled is not None:
+                if hasattr(compiled, "result"):     # an asynchronous compile
+                    compiled = compiled.result()
+                tail = [meta[name] if name in meta else default
+                        for name, _, _, default in self._params[len(args):]]
+                self._compiled[key] = (compiled, tail)
+            return
+        compiled, tail = entry
+        grid = tuple(grid)
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        stream = _raw_stream(device)
+        compiled.run(grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata, None,
+                     None, None, *args, *tail)
+
+
+def _raw_stream(device: int) -> int:
+    """The current CUDA stream of ``device`` as a raw handle (what Triton's driver reads)."""
+    return torch._C._cuda_getCurrentRawStream(device)
+
+
+_launchers: dict = {}
+ENABLED = True   # False: every launch goes through JITFunction.run (benchmarks compare the two)
+
+
+def direct(kernel: Any) -> Any:
+    """The :class:`DirectLauncher` of a ``JITFunction`` (one per kernel); anything else (an
+    interpreted kernel, a ``wrap_triton`` wrapper) unchanged, and every kernel unchanged while
+    :data:`ENABLED` is False."""
+    if not ENABLED or not isinstance(kernel, JITFunction):
+        return kernel
+    launcher = _launchers.get(kernel)
+    if launcher is None:
+        launcher = _launchers[kernel] = DirectLauncher(kernel)
+    return launcher

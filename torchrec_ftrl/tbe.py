@@ -217,10 +217,11 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
 
     ``MANAGED_CACHING``: each forward populates the cache with its batch's rows (or takes the batch
     :meth:`prefetch` brought in), reads every row where it is (cache or unified memory), and the
-    update looks the rows up again first, so a row evicted or cached since the forward is updated
-    where it is now. Results are bitwise those of the ``DEVICE`` placement. Reads of the full
-    tables (:meth:`split_embedding_weights`, :meth:`split_optimizer_states`, ``state_dict``) flush
-    the cache; ``load_state_dict`` empties it.
+    update reaches each row where it is now: at the forward's slots, or, when a populate (a
+    prefetch), an invalidation or a reset came in between, at slots looked up again. Results are
+    bitwise those of the ``DEVICE`` placement. Reads of the full tables
+    (:meth:`split_embedding_weights`, :meth:`split_optimizer_states`, ``state_dict``) flush the
+    cache; ``load_state_dict`` empties it.
 
     Raises:
         ValueError: bad constructor arguments or inputs, naming the argument and the value. Nothing
@@ -473,7 +474,7 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         :meth:`set_learning_rate` and :meth:`update_hyper_parameters` warn after such a capture.
 
         Raises:
-            RuntimeError: ``bounds_check_mode=FATAL`` (it checks on the host), the
+            RuntimeError: ``bounds_check_mode=FATAL`` (it reads its count on the host), the
                 ``MANAGED_CACHING`` placement (FBGEMM's cache ops), a VBE batch (its layout is built
                 on the host), or a backend other than ``"triton"``.
         """
@@ -481,7 +482,8 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         if self.backend != "triton":
             why = f"backend={self.backend!r} (only 'triton' is capturable)"
         elif self.bounds_check_mode == BoundsCheckMode.FATAL:
-            why = "bounds_check_mode=FATAL (it checks on the host; use WARNING or IGNORE)"
+            why = ("bounds_check_mode=FATAL (it reads its count on the host once per forward; use "
+                   "WARNING or IGNORE)")
         elif self.cache is not None:
             why = "the MANAGED_CACHING placement (fused_uvm_caching)"
         elif bsfpr is not None:

@@ -65,7 +65,9 @@ def _interpreter_bin_first_on_path():
 def load_extension(verbose: bool = False) -> ModuleType:
     """Build (first call per source version) or load the compiled kernel; returns the module.
 
-    The module name carries a hash of the source, so an edited ``.cpp`` never loads a stale build.
+    The module name carries a hash of the source and of its path, so an edited ``.cpp`` never loads
+    a stale build, and two installs (a checkout and a wheel, two venvs) keep one build each instead
+    of rebuilding each other's (the build records the source's absolute path).
 
     Raises:
         RuntimeError / OSError / ImportError: no compiler or ninja, or the build failed.
@@ -78,7 +80,7 @@ def load_extension(verbose: bool = False) -> ModuleType:
             from torch.utils.cpp_extension import load
 
             with open(_SOURCE, "rb") as f:
-                digest = hashlib.sha1(f.read()).hexdigest()[:10]
+                digest = hashlib.sha1(f.read() + os.path.abspath(_SOURCE).encode()).hexdigest()[:10]
             isa = re.sub(r"[^a-z0-9]", "", torch.backends.cpu.get_cpu_capability().lower())
             with _interpreter_bin_first_on_path():
                 _ext = load(name=f"torchrec_ftrl_tbe_cpu_{digest}_{isa}", sources=[_SOURCE],

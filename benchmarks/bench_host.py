@@ -25,9 +25,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_tbe_cuda import FTRL_KW, LABELS, build_fbgemm, build_ours, make_batches  # noqa: E402
+from bench_tbe_cuda import LABELS, build_fbgemm, build_ours, make_batches  # noqa: E402
 
-from torchrec_ftrl import FTRLTableBatchedEmbeddingBags  # noqa: E402
 from torchrec_ftrl.fbgemm_enums import BoundsCheckMode, SparseType  # noqa: E402
 from torchrec_ftrl.kernels import launch, triton_backend  # noqa: E402
 
@@ -145,9 +144,8 @@ def main() -> None:
             modules[m] = build_ours(a.T, a.E, a.D, SparseType.FP32)
             steps[m] = graph_step(modules[m], batches, grad)
         elif m in ("ours", "ours_fatal", "ours_torch_sort", "ours_triton_run"):
-            modules[m] = FTRLTableBatchedEmbeddingBags(
-                [(a.E, a.D)] * a.T, device="cuda", bounds_check_mode=BoundsCheckMode.FATAL,
-                **FTRL_KW) if m == "ours_fatal" else build_ours(a.T, a.E, a.D, SparseType.FP32)
+            fatal = dict(bounds_check_mode=BoundsCheckMode.FATAL) if m == "ours_fatal" else {}
+            modules[m] = build_ours(a.T, a.E, a.D, SparseType.FP32, **fatal)
             make = {"ours_torch_sort": torch_sort_step, "ours_triton_run": triton_run_step}.get(m, eager_step)
             steps[m] = make(modules[m], batches, grad)
         else:

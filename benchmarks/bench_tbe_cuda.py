@@ -142,15 +142,16 @@ def state_bytes_per_row(method, D):
     return per_element * D + per_row
 
 
-def build_ours(T, E, D, precision, method="ours", location=None, **cache):
+def build_ours(T, E, D, precision, method="ours", location=None, **kw):
     """Our TBE for ``method`` (a key of ``OURS``: its state dtypes and bounds check mode): ``T``
     tables of ``E`` x ``D`` on the GPU, or under ``location`` (an ``EmbeddingLocation``, e.g.
-    ``MANAGED_CACHING`` with the ``cache_*`` keywords in ``cache``)."""
+    ``MANAGED_CACHING`` with the ``cache_*`` keywords in ``kw``). Other constructor keywords in
+    ``kw`` (e.g. ``bounds_check_mode``) override the method's."""
     state_dtypes, bounds = OURS[method]
     specs = [(E, D)] * T if location is None else [(E, D, location, ComputeDevice.CUDA)] * T
+    kw = {"bounds_check_mode": bounds, "optimizer_state_dtypes": state_dtypes, **kw}
     return FTRLTableBatchedEmbeddingBags(specs, device="cuda", weights_precision=precision,
-                                         bounds_check_mode=bounds, optimizer_state_dtypes=state_dtypes,
-                                         **FTRL_KW, **cache)
+                                         **FTRL_KW, **kw)
 
 
 def build_fbgemm(T, E, D, precision, method, location=None, **cache):

@@ -319,13 +319,10 @@ def _sync():
     torch.cuda.synchronize()
 
 
-def _median_ms(evs):
-    return statistics.median(a.elapsed_time(b) for a, b in evs)
-
-
 def pcie_rates(nbytes=1 << 30, reps=10):
     """Pinned copy rates, bytes/s: host to device and device to host alone, and each direction while
     both run at once (two streams)."""
+    from bench_tbe_cuda import time_steps
     n = nbytes // 4
     host_a = torch.empty(n, dtype=torch.float32, pin_memory=True).uniform_()
     host_b = torch.empty(n, dtype=torch.float32, pin_memory=True)
@@ -333,17 +330,7 @@ def pcie_rates(nbytes=1 << 30, reps=10):
     dev_b = torch.empty(n, dtype=torch.float32, device="cuda").uniform_()
 
     def timed(fn):
-        fn()
-        torch.cuda.synchronize()
-        evs = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            evs.append((a, b))
-        torch.cuda.synchronize()
-        return nbytes / (_median_ms(evs) * 1e-3)
+        return nbytes / (time_steps(lambda *_: fn(), [(None, None)], 1, reps) * 1e-3)
 
     h2d = timed(lambda: dev_a.copy_(host_a, non_blocking=True))
     d2h = timed(lambda: host_b.copy_(dev_b, non_blocking=True))

@@ -8,7 +8,7 @@ VENV19 := .venv-torchrec19
 PIP19 := $(VENV19)/bin/python -m pip --disable-pip-version-check -q
 # The suites that exercise TorchRec's internals (registration, patches, planner, DMP, sharded reliability).
 INTEGRATION_TESTS := tests/test_integration.py tests/test_planner.py tests/test_distributed.py \
-	tests/test_checkpoint.py tests/test_reliability_sharded.py
+	tests/test_checkpoint.py tests/test_reliability_sharded.py tests/test_package_scope.py
 
 .PHONY: venv venv19 demo test bench clean
 
@@ -17,7 +17,7 @@ $(VENV)/.installed: requirements.txt requirements-torchrec.txt requirements-tens
 	$(PIP) install -r requirements.txt
 	$(PIP) install -r requirements-tensorflow.txt -c requirements.txt
 	$(PIP) install --no-deps -r requirements-torchrec.txt
-	$(PIP) install --no-deps --no-build-isolation -e .
+	$(PIP) install --no-deps --no-build-isolation -e ".[job]"
 	touch $@
 
 venv: $(VENV)/.installed
@@ -26,7 +26,7 @@ $(VENV19)/.installed: requirements.txt requirements-torchrec19.txt pyproject.tom
 	$(PY) -m venv $(VENV19)
 	$(PIP19) install -r requirements.txt
 	$(PIP19) install --no-deps -r requirements-torchrec19.txt
-	$(PIP19) install --no-deps --no-build-isolation -e .
+	$(PIP19) install --no-deps --no-build-isolation -e ".[job]"
 	touch $@
 
 venv19: $(VENV19)/.installed

@@ -14,7 +14,10 @@ The job itself is the installed module ``torchrec_ftrl.job`` (``python -m torchr
 is the same); this script only calls ``torchrec_ftrl.job.train.main()``.
 """
 
-from torchrec_ftrl.job.train import main
+from torchrec_ftrl.job.extra import require_job_extra
 
 if __name__ == "__main__":
+    require_job_extra()
+    from torchrec_ftrl.job.train import main
+
     main()

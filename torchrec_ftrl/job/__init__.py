@@ -6,8 +6,8 @@ optimizers), ``source`` (flags -> data source), ``evaluate`` (validation AUC / l
 (per-table zero shares over local shards), ``checkpoint`` (atomic DCP save / resume), ``report``
 (summary JSON and PNG), ``faults`` (the ``TORCHREC_FTRL_FAULT`` hook of the reliability tests),
 ``pipeline`` (one training step: TorchRec's ``TrainPipelineSparseDist`` or the plain loop),
-``profile`` (``--profile-steps``: the per-phase step profile) and ``train`` (the training loop,
-``main(argv=None)``).
+``profile`` (``--profile-steps``: the per-phase step profile), ``extra`` (the ``[job]`` extra's
+packages, checked before the job starts) and ``train`` (the training loop, ``main(argv=None)``).
 
 The job is built on the library (``torchrec_ftrl``, ``torchrec_ftrl.data``); the library never
 imports it. Importing this package imports none of its modules.

@@ -1,5 +1,9 @@
 """``python -m torchrec_ftrl.job [FLAGS]`` (what the torchx component launches under torchrun)."""
 
-from .train import main
+from .extra import require_job_extra
+
+require_job_extra()
+
+from .train import main  # noqa: E402  (after the check: it imports the [job] extra's packages)
 
 main()

@@ -13,6 +13,14 @@ p learning-rate power, s l2 shrinkage, L2 = 2*l2 (tensorflow) or l2 (mcmahan))::
     q     = (beta + n_new^(-p)) / alpha + L2
     w     = (l1*sign(z) - z) / q   if |z| > l1   else 0
     n     = n_new
+
+The weight as a function of the state (derived weights): ``w = prox(z, n)``, the last two lines with
+``n`` in place of ``n_new``. The row-wise accumulator (one ``n`` per row of D elements)::
+
+    n_new = n + (1/D) * sum_d g_d^2
+    sigma = (n_new^(-p) - n^(-p)) / alpha
+    z_d   = z_d + g_d + 2*s*w_d - sigma*w_d
+    w_d   = prox(z_d, n_new)
 """
 
 from __future__ import annotations
@@ -58,6 +66,52 @@ def ftrl_reference_step(w, z, n, g, *, lr, lr_power=-0.5, l1=0.0, l2=0.0, beta=0
         z[i] = zi
         n[i] = n_new
     return w_out.reshape(shape), z.reshape(shape), n.reshape(shape)
+
+
+def _l2_term(l2, l2_convention):
+    if l2_convention not in ("tensorflow", "mcmahan"):
+        raise ValueError(f"l2_convention must be 'tensorflow' or 'mcmahan', got {l2_convention!r}")
+    return 2.0 * l2 if l2_convention == "tensorflow" else l2
+
+
+def ftrl_reference_weight(z, n, *, lr, lr_power=-0.5, l1=0.0, l2=0.0, beta=0.0, l2_shrinkage=0.0,
+                          l2_convention="tensorflow"):
+    """The weight of the state ``(z, n)``: ``(l1*sign(z) - z) / q`` with ``q = (beta + n^(-p)) / alpha + L2``
+    where ``|z| > l1``, else 0; float64, element-wise (``n`` broadcast against ``z``, e.g. ``[rows, 1]``).
+    ``l2_shrinkage`` is accepted (same keywords as :func:`ftrl_reference_step`) and unused."""
+    L2 = _l2_term(l2, l2_convention)
+    z = np.array(z, dtype=np.float64)
+    n = np.broadcast_to(np.array(n, dtype=np.float64), z.shape)
+    w = np.empty_like(z)
+    for i in np.ndindex(z.shape):
+        zi = float(z[i])
+        q = np.float64((beta + float(n[i]) ** (-lr_power)) / lr + L2)
+        if abs(zi) > l1:
+            with np.errstate(divide="ignore"):
+                w[i] = (l1 * math.copysign(1.0, zi) - zi) / q
+        else:
+            w[i] = 0.0
+    return w
+
+
+def ftrl_reference_step_rowwise(w, z, n, g, *, lr, lr_power=-0.5, l1=0.0, l2=0.0, beta=0.0,
+                                l2_shrinkage=0.0, l2_convention="tensorflow"):
+    """One FTRL step of rows with a row-wise accumulator: ``w``, ``z``, ``g`` ``[U, D]``, ``n`` ``[U]``.
+    Returns float64 ``(w, z, n)`` (``n`` ``[U]``); the inputs are not modified."""
+    w = np.array(w, dtype=np.float64)
+    z = np.array(z, dtype=np.float64, copy=True)
+    n = np.array(n, dtype=np.float64, copy=True)
+    g = np.array(g, dtype=np.float64)
+    U, D = w.shape
+    for r in range(U):
+        n_new = float(n[r]) + sum(float(x) * float(x) for x in g[r]) / D
+        sigma = (n_new ** (-lr_power) - float(n[r]) ** (-lr_power)) / lr
+        for d in range(D):
+            z[r, d] = z[r, d] + g[r, d] + 2.0 * l2_shrinkage * w[r, d] - sigma * w[r, d]   # OLD w
+        n[r] = n_new
+    w_out = ftrl_reference_weight(z, n[:, None], lr=lr, lr_power=lr_power, l1=l1, l2=l2, beta=beta,
+                                  l2_convention=l2_convention)
+    return w_out, z, n
 
 
 def ftrl_reference_rows(weight, linear, accum, row_ids, row_grads, **knobs):

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from reference import ftrl_reference_rows, ftrl_reference_step, reference_knobs
+from reference import (ftrl_reference_rows, ftrl_reference_step, ftrl_reference_step_rowwise,
+                       ftrl_reference_weight, reference_knobs)
 from torchrec_ftrl import FTRLHyperparams
-from torchrec_ftrl.rule import ftrl_rule, ftrl_update_rows_
+from torchrec_ftrl.rule import ftrl_prox, ftrl_rule, ftrl_rule_rowwise, ftrl_update_rows_
 
 HPS = [FTRLHyperparams(0.1), FTRLHyperparams(0.05, l1_reg=0.02, l2_reg=0.1, beta=0.5),
        FTRLHyperparams(0.3, learning_rate_power=-0.3, l2_shrinkage=0.2, l2_convention="mcmahan"),
@@ -65,3 +66,50 @@ def test_update_rows_in_place(skip_nonfinite):
     untouched = np.setdiff1d(np.arange(8), kept)
     for now, before in ((weight, W), (accum, N), (linear, Z)):
         assert np.array_equal(now.numpy()[untouched], before[untouched])
+
+
+@pytest.mark.parametrize("hp", HPS, ids=range(len(HPS)))
+def test_prox_is_the_weight_of_the_state(hp):
+    """ftrl_prox(z, n) against the float64 reference, and equal, bit for bit in fp32, to the weight the
+    element rule stores: the basis of the derived-weights layout."""
+    rng = np.random.default_rng(2)
+    z, n = rng.normal(size=(7, 5)), rng.uniform(0, 2, (7, 5))
+    z[0, :2] = 0.0
+    n[1] = 0.0
+    w = ftrl_prox(torch.tensor(z), torch.tensor(n), hp)
+    np.testing.assert_allclose(w.numpy(), ftrl_reference_weight(z, n, **reference_knobs(hp)), rtol=1e-12,
+                               atol=1e-300)
+    w0, n0, z0, g = (torch.tensor(a, dtype=torch.float32) for a in
+                     (rng.normal(size=(7, 5)), rng.uniform(0, 2, (7, 5)), rng.normal(size=(7, 5)),
+                      rng.normal(size=(7, 5))))
+    w1, n1, z1 = ftrl_rule(w0, n0, z0, g, hp)
+    assert torch.equal(w1.view(torch.int32), ftrl_prox(z1, n1, hp).view(torch.int32))
+
+
+@pytest.mark.parametrize("hp", HPS, ids=range(len(HPS)))
+def test_rowwise_rule_matches_reference(hp):
+    rng = np.random.default_rng(3)
+    w, z, g = rng.normal(size=(4, 6)), rng.normal(size=(4, 6)), rng.normal(size=(4, 6))
+    n = rng.uniform(0, 2, 4)
+    g[1] = 0.0                                              # a touched row with a zero gradient
+    t = lambda a: torch.tensor(a, dtype=torch.float64)  # noqa: E731
+    w1, n1, z1 = ftrl_rule_rowwise(t(w), t(n), t(z), t(g), hp)
+    wr, zr, nr = ftrl_reference_step_rowwise(w, z, n, g, **reference_knobs(hp))
+    assert n1.shape == (4,) and w1.shape == z1.shape == (4, 6)
+    np.testing.assert_allclose(n1.numpy(), nr, rtol=1e-14)
+    np.testing.assert_allclose(z1.numpy(), zr, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(w1.numpy(), wr, rtol=1e-12, atol=1e-12)
+    # fp32 math from bf16 / fp32 states, within fp32 rounding of the float64 values
+    w2, n2, z2 = ftrl_rule_rowwise(t(w).float(), t(n).bfloat16(), t(z).float(), t(g).float(), hp)
+    assert w2.dtype == n2.dtype == torch.float32
+    wb, zb, nb = ftrl_reference_step_rowwise(w, z, t(n).bfloat16().double().numpy(), g, **reference_knobs(hp))
+    np.testing.assert_allclose(w2.double().numpy(), wb, rtol=1e-5, atol=1e-6)
+
+
+def test_rowwise_accumulator_is_the_mean_of_squares():
+    """One row, D = 4, g = (1, 2, 3, 4), n = 0.5: n_new = 0.5 + 30 / 4 = 8.0 (by hand)."""
+    hp = FTRLHyperparams(1.0)
+    _, n1, _ = ftrl_rule_rowwise(torch.zeros(1, 4, dtype=torch.float64), torch.tensor([0.5], dtype=torch.float64),
+                                 torch.zeros(1, 4, dtype=torch.float64),
+                                 torch.tensor([[1.0, 2.0, 3.0, 4.0]], dtype=torch.float64), hp)
+    assert n1.tolist() == [8.0]

@@ -14,8 +14,21 @@ Per element, with w the weight, n = accum, z = linear, g the gradient summed ove
     w     = (l1 sign(z) - z) / q  if |z| > l1  else 0  # exactly 0.0
     n     = n_new
 
-Source: McMahan et al. 2013, "Ad Click Prediction: a View from the Trenches", Algorithm 1, with
-TensorFlow ``ApplyFtrlV2``'s l2 shrinkage and Keras' beta; ``docs/ftrl.md`` states it for users.
+The weight is a function of the state: after every update ``w == prox(z, n)``, with
+``prox(z, n) = (l1 sign(z) - z) / q(n) if |z| > l1 else 0`` and ``q(n) = (beta + n^(-p)) / lr + L2``
+(:func:`ftrl_prox`), so a row can keep only ``(z, n)`` and compute ``w`` where it is used (the
+"derived weights" row layout). The row-wise accumulator keeps one ``n`` per row
+(:func:`ftrl_rule_rowwise`)::
+
+    n_new = n + mean_d(g_d^2)                          # one n per row
+    sigma = (n_new^(-p) - n^(-p)) / lr
+    z_d   = z_d + (g_d + 2 s w_d) - sigma w_d
+    w_d   = prox(z_d, n_new)
+
+Source: McMahan et al. 2013, "Ad Click Prediction: a View from the Trenches", Algorithm 1 (which
+keeps only z and n per coordinate and computes w on use), with TensorFlow ``ApplyFtrlV2``'s l2
+shrinkage and Keras' beta; the row-wise accumulator as FBGEMM's EXACT_ROWWISE_ADAGRAD keeps its
+``momentum1`` (the mean of g^2 over the row); ``docs/ftrl.md`` states both for users.
 """
 
 from __future__ import annotations
@@ -47,22 +60,59 @@ def ftrl_rule(w: torch.Tensor, accum: torch.Tensor, linear: torch.Tensor, g: tor
     reference.
     """
     math = torch.promote_types(accum.dtype, torch.float32)
-    w = w.to(math)
-    g = g.to(math)
-    accum = accum.to(math)
-    linear = linear.to(math)
+    w, g, accum, linear = w.to(math), g.to(math), accum.to(math), linear.to(math)
     n_new = accum + g * g
-    if hp.learning_rate_power == -0.5:
-        pn_new, pn_old = n_new.sqrt(), accum.sqrt()
-    else:
-        pn_new, pn_old = n_new.pow(-hp.learning_rate_power), accum.pow(-hp.learning_rate_power)
-    sigma = (pn_new - pn_old) / hp.learning_rate
+    z = _linear_step(w, accum, n_new, linear, g, hp)
+    return ftrl_prox(z, n_new, hp), n_new, z
+
+
+def _power(n: torch.Tensor, hp: FTRLHyperparams) -> torch.Tensor:
+    """``n^(-p)``: ``sqrt`` for ``p == -0.5``, ``pow`` otherwise."""
+    return n.sqrt() if hp.learning_rate_power == -0.5 else n.pow(-hp.learning_rate_power)
+
+
+def _linear_step(w: torch.Tensor, accum: torch.Tensor, n_new: torch.Tensor, linear: torch.Tensor,
+                 g: torch.Tensor, hp: FTRLHyperparams) -> torch.Tensor:
+    """The new ``z``: ``z + (g + 2 s w) - sigma w`` with ``sigma = (n_new^(-p) - n^(-p)) / lr``
+    (``accum`` / ``n_new`` broadcast against ``w``: per element or ``[U, 1]`` per row)."""
+    sigma = (_power(n_new, hp) - _power(accum, hp)) / hp.learning_rate
     g_s = g + (2.0 * hp.l2_shrinkage) * w if hp.l2_shrinkage != 0.0 else g
-    z = linear + g_s - sigma * w
-    q = (hp.beta + pn_new) / hp.learning_rate + hp.l2_effective
+    return linear + g_s - sigma * w
+
+
+def ftrl_prox(linear: torch.Tensor, accum: torch.Tensor, hp: FTRLHyperparams) -> torch.Tensor:
+    """The weight FTRL-Proximal keeps implicitly: ``prox(z, n)``, in the math dtype of ``accum``.
+
+    ``w = (l1 sign(z) - z) / q`` where ``|z| > l1``, else exactly 0.0, with
+    ``q = (beta + n^(-p)) / lr + L2``. ``linear`` (z) ``[..., D]``; ``accum`` (n) of the same shape,
+    or ``[..., 1]`` for a row-wise accumulator. After every update of the rule the stored weight
+    equals this of the stored state (bit for bit in the same dtype: it is the same arithmetic).
+    ``q == 0`` with ``|z| > l1`` gives +-inf, as :func:`ftrl_rule` does.
+    """
+    math = torch.promote_types(accum.dtype, torch.float32)
+    z, n = linear.to(math), accum.to(math)
+    q = (hp.beta + _power(n, hp)) / hp.learning_rate + hp.l2_effective
     keep = z.abs() > hp.l1_reg
-    w_new = torch.where(keep, (hp.l1_reg * z.sign() - z) / q, torch.zeros_like(z))
-    return w_new, n_new, z
+    return torch.where(keep, (hp.l1_reg * z.sign() - z) / q, torch.zeros_like(z))
+
+
+def ftrl_rule_rowwise(w: torch.Tensor, accum: torch.Tensor, linear: torch.Tensor, g: torch.Tensor,
+                      hp: FTRLHyperparams) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Return new ``(w, accum, linear)`` of touched rows with a row-wise accumulator, in the math dtype.
+
+    Args:
+        w, linear, g: ``[U, D]`` old weights, z and summed gradients (as :func:`ftrl_rule`).
+        accum: ``[U]``, one n per row (fp32 or bf16: fp32 math; fp64: fp64 math).
+
+    ``n_new = n + mean_d(g_d^2)`` (the mean over the row's D elements of the raw gradient squared),
+    then every element of the row takes the element rule's ``z`` and ``w`` steps with the row's
+    ``sigma`` and ``q``. Returns ``w`` and ``linear`` ``[U, D]``, ``accum`` ``[U]``.
+    """
+    math = torch.promote_types(accum.dtype, torch.float32)
+    w, g, accum, linear = w.to(math), g.to(math), accum.to(math), linear.to(math)
+    n_new = accum + (g * g).mean(dim=-1)
+    z = _linear_step(w, accum.unsqueeze(-1), n_new.unsqueeze(-1), linear, g, hp)
+    return ftrl_prox(z, n_new.unsqueeze(-1), hp), n_new, z
 
 
 def ftrl_update_rows_(weight: torch.Tensor, accum: torch.Tensor, linear: torch.Tensor,

@@ -1,5 +1,7 @@
 # One entry point for users, developers and CI. Everything installs into ./.venv from pinned files;
-# .venv-torchrec19 is the same set with torchrec 1.9.2, for the integration suites.
+# .venv-torchrec19 is the same set with torchrec 1.9.2, for the integration suites. Installing the
+# package into .venv compiles its CPU kernel into the checkout (setup.py); .venv-torchrec19 has the same
+# torch and loads those libraries, so its install skips the build (TORCHREC_FTRL_BUILD_CPU=0).
 PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
@@ -12,7 +14,7 @@ INTEGRATION_TESTS := tests/test_integration.py tests/test_planner.py tests/test_
 
 .PHONY: venv venv19 demo test bench clean
 
-$(VENV)/.installed: requirements.txt requirements-torchrec.txt requirements-tensorflow.txt pyproject.toml
+$(VENV)/.installed: requirements.txt requirements-torchrec.txt requirements-tensorflow.txt pyproject.toml setup.py
 	$(PY) -m venv $(VENV)
 	$(PIP) install -r requirements.txt
 	$(PIP) install -r requirements-tensorflow.txt -c requirements.txt
@@ -26,7 +28,7 @@ $(VENV19)/.installed: requirements.txt requirements-torchrec19.txt pyproject.tom
 	$(PY) -m venv $(VENV19)
 	$(PIP19) install -r requirements.txt
 	$(PIP19) install --no-deps -r requirements-torchrec19.txt
-	$(PIP19) install --no-deps --no-build-isolation -e ".[job]"
+	TORCHREC_FTRL_BUILD_CPU=0 $(PIP19) install --no-deps --no-build-isolation -e ".[job]"
 	touch $@
 
 venv19: $(VENV19)/.installed
@@ -44,4 +46,4 @@ bench: venv
 	$(VPY) benchmarks/bench_tbe_cpu.py
 
 clean:
-	rm -rf $(VENV) $(VENV19) build *.egg-info
+	rm -rf $(VENV) $(VENV19) build *.egg-info torchrec_ftrl/kernels/_ftrl_tbe_cpu_*

@@ -58,5 +58,5 @@ def test_load_names_missing_members(monkeypatch):
     fake = types.ModuleType("torchrec_ftrl.kernels.fake_backend")
     fake.forward = lambda *a: None
     monkeypatch.setitem(sys.modules, "torchrec_ftrl.kernels.fake_backend", fake)
-    with pytest.raises(TypeError, match=r"does not implement Backend: missing \['fuses_bounds_check'"):
+    with pytest.raises(TypeError, match=r"does not implement Backend: missing \['CAPABILITIES', 'fuses_bounds_check'"):
         backend_mod._load("fake")

@@ -579,19 +579,19 @@ def test_interp_state_cache_fill_moves_each_inserted_slot_once(interp):
 
 
 # ------------------------------------------------------------------ CPU: byte model, TBE cache flow
-@pytest.mark.parametrize("states,state_bytes,dtypes", [
-    (None, 8, (torch.float32, torch.float32)),                      # fp32 accum + fp32 linear
-    ({"accum": SparseType.BF16, "linear": SparseType.BF16}, 4,      # 2 + 2
-     (torch.bfloat16, torch.bfloat16)),
-    ({"linear": SparseType.BF16}, 6, (torch.float32, torch.bfloat16)),   # 4 + 2
+@pytest.mark.parametrize("states,dtypes", [
+    (None, (torch.float32, torch.float32)),                      # fp32 accum + fp32 linear
+    ({"accum": SparseType.BF16, "linear": SparseType.BF16}, (torch.bfloat16, torch.bfloat16)),
+    ({"linear": SparseType.BF16}, (torch.float32, torch.bfloat16)),
 ])
 @pytest.mark.parametrize("lfu,lock", [(False, False), (False, True), (True, False)])
-def test_row_cache_allocates_what_the_byte_model_counts(lfu, lock, states, state_bytes, dtypes):
+def test_row_cache_allocates_what_the_byte_model_counts(lfu, lock, states, dtypes):
     """The buffers RowCache allocates (on CPU here) equal placement.cache_bytes plus the small
     per-table / per-feature arrays and the statistics, counted here from their definitions; the
     state caches hold the state dtypes (bf16: half the bytes)."""
     from torchrec_ftrl.cache import RowCache
     from torchrec_ftrl.placement import cache_bytes, cache_slots
+    from torchrec_ftrl.row_layout import RowLayout
     rows, dims, fmap = [4000, 1000], [128, 16], [0, 1, 1]
     algorithm = CacheAlgorithm.LFU if lfu else CacheAlgorithm.LRU
     c = RowCache(rows, dims, fmap, torch.tensor([0, 4000 * 128]), torch.float16, 0.2, 0, algorithm,
@@ -604,20 +604,22 @@ def test_row_cache_allocates_what_the_byte_model_counts(lfu, lock, states, state
     small = (8 * (F + 1) + 8 * (T + 1) + 8 * T + 4 * (T + 1) + 8 * T   # cumsums, offsets, dims
              + 6 * 8 + 6 * 4 + (8 if lfu else 0))                      # statistics; LFU's extra row
     assert allocated - cache_bytes(sum(rows), max(dims), slots, lfu, 2, lock,
-                                   state_bytes=state_bytes) == small
+                                   layout=RowLayout(accum_dtype=dtypes[0], linear_dtype=dtypes[1])) == small
 
 
 def test_byte_model_counts_state_bytes_by_dtype():
     """A D=128 row with fp32 weights moves 128 x (4 + 4 + 4) = 1536 bytes with fp32 state and
     128 x (4 + 2 + 2) = 1024 with bf16 state; the table bytes count the same per element."""
     from torchrec_ftrl.placement import cache_bytes, table_bytes
+    from torchrec_ftrl.row_layout import RowLayout
     from torchrec_ftrl.state_dtype import parse_state_dtypes, state_bytes_per_element
-    bf16 = state_bytes_per_element(parse_state_dtypes({"accum": SparseType.BF16, "linear": "bf16"}))
-    assert state_bytes_per_element(parse_state_dtypes(None)) == 8 and bf16 == 4
+    dtypes = parse_state_dtypes({"accum": SparseType.BF16, "linear": "bf16"})
+    assert state_bytes_per_element(parse_state_dtypes(None)) == 8 and state_bytes_per_element(dtypes) == 4
+    bf16 = RowLayout(accum_dtype=dtypes["accum"], linear_dtype=dtypes["linear"])
     assert table_bytes(1, 128, 4, EmbeddingLocation.MANAGED_CACHING) == 1536
-    assert table_bytes(1, 128, 4, EmbeddingLocation.MANAGED_CACHING, state_bytes=bf16) == 1024
+    assert table_bytes(1, 128, 4, EmbeddingLocation.MANAGED_CACHING, layout=bf16) == 1024
     # one slot, no rows: the per-slot bytes (row of weights + states, then 40 bytes of LRU state)
-    assert cache_bytes(0, 128, 1) - cache_bytes(0, 128, 1, state_bytes=bf16) == 512
+    assert cache_bytes(0, 128, 1) - cache_bytes(0, 128, 1, layout=bf16) == 512
 
 
 class _FakeRowCache(torch.nn.Module):

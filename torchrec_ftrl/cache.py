@@ -30,7 +30,8 @@ from .kernels.launch import direct
 from .kernels.triton_cache import (fill_warps, follow_config, state_cache_fill_kernel,
                                    state_cache_follow_kernel)
 from .placement import CACHE_ASSOC, cache_slots, check_cache_dims, check_cache_options
-from .state_dtype import parse_state_dtypes, state_bytes_per_element
+from .row_layout import RowLayout
+from .state_dtype import parse_state_dtypes
 
 # FBGEMM's cache statistics, in the order its ops fill them.
 UVM_CACHE_STATS = ("num_calls", "num_requested_indices", "num_unique_indices", "num_unique_misses",
@@ -76,8 +77,8 @@ class RowCache(nn.Module):
         total = int(sum(rows))
         max_d = int(max(dims))
         slots = cache_slots(total, load_factor, cache_sets)
-        slot_bytes = max_d * (torch.empty(0, dtype=weights_dtype).element_size()
-                              + state_bytes_per_element(state_dtypes))
+        layout = RowLayout(accum_dtype=state_dtypes["accum"], linear_dtype=state_dtypes["linear"])
+        slot_bytes = layout.bytes_per_row(max_d, torch.empty(0, dtype=weights_dtype).element_size())
         if device.type == "cuda" and cache_sets == 0:   # FBGEMM shrinks only a computed size
             free = (torch.cuda.get_device_properties(device).total_memory
                     - torch.cuda.memory_reserved(device) - int(reserved_memory))

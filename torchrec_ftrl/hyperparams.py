@@ -32,6 +32,10 @@ FTRL_KWARGS = {
 }
 
 
+# ftrl_* options keys that are not knobs: the row layout's (torchrec_ftrl.row_layout.LAYOUT_KEYS, which
+# parses them); parse_options leaves them to it unless strict.
+NOT_KNOBS = ("ftrl_weights", "ftrl_accumulator")
+
 # Every knob is used as an fp32 scalar by the kernels: a non-zero value that is not a normal fp32 number
 # would silently become 0 or inf there (e.g. ftrl_learning_rate_power = -1e-300 turns into 0 and changes
 # 0^(-p) from 0 to 1), so it is rejected instead.
@@ -144,7 +148,8 @@ def parse_options(options: Optional[Mapping[str, Any]], *, base: Optional[FTRLHy
         base: knobs that keys absent from ``options`` keep (default: the documented defaults).
         strict: every key must be a learning-rate or ``ftrl_*`` key (``update_hyper_parameters``).
             Otherwise other keys are ignored (a ``fused_params`` dict carries ``optimizer``, ``eps``,
-            ``output_dtype``, ...), but an unknown ``ftrl_*`` key still raises.
+            ``output_dtype``, the row layout's ``ftrl_weights`` / ``ftrl_accumulator``, ...), but an
+            unknown ``ftrl_*`` key still raises.
         where: what ``options`` is, for messages (e.g. ``"fused_params"``).
 
     Raises:
@@ -157,7 +162,7 @@ def parse_options(options: Optional[Mapping[str, Any]], *, base: Optional[FTRLHy
         raise ValueError(f"{where} has lr={given['lr']!r} and learning_rate={given['learning_rate']!r}; "
                          "give one of them")
     unknown = sorted(k for k in opts if k not in LEARNING_RATE_KEYS and k not in FTRL_KWARGS
-                     and (strict or (isinstance(k, str) and k.startswith("ftrl_"))))
+                     and (strict or (isinstance(k, str) and k.startswith("ftrl_") and k not in NOT_KNOBS)))
     if unknown:
         raise ValueError(f"unknown FTRL key(s) {unknown} in {where}; expected lr, learning_rate or "
                          f"some of {sorted(FTRL_KWARGS)}")

@@ -23,12 +23,12 @@ from __future__ import annotations
 from typing import Any
 
 from .fbgemm_enums import CacheAlgorithm, EmbeddingLocation
+from .row_layout import RowLayout
 
 # FBGEMM's cache associativity on CUDA (``DEFAULT_ASSOC`` of its training TBE): rows per cache set.
 CACHE_ASSOC = 32
-# accum + linear per weight element with fp32 state, whatever the weight dtype; compact state:
-# torchrec_ftrl.state_dtype.state_bytes_per_element (4 for bf16 both, 6 for one bf16 state).
-STATE_BYTES_PER_ELEMENT = 8
+# What a row stores when nothing else is said: weight, accum and linear, fp32 states.
+DEFAULT_LAYOUT = RowLayout()
 # FBGEMM's cache ops move rows 4 elements at a time: a cached table's dim is a multiple of this.
 CACHE_DIM_MULTIPLE = 4
 
@@ -87,26 +87,26 @@ def check_cache_dims(dims) -> None:
 
 
 def table_bytes(rows: int, dim: int, weight_bytes: int, location: EmbeddingLocation,
-                state_bytes: int = STATE_BYTES_PER_ELEMENT) -> int:
+                layout: RowLayout = DEFAULT_LAYOUT) -> int:
     """Bytes of one table's weights and FTRL state where the table itself lives (every placement: the
-    device for ``DEVICE`` / ``HOST``, unified host memory for ``MANAGED`` and ``MANAGED_CACHING``).
-    ``state_bytes``: accum + linear bytes per element (``state_dtype.state_bytes_per_element``; 8 for
-    fp32 state). The cache is :func:`cache_bytes`."""
-    return rows * dim * (weight_bytes + int(state_bytes))
+    device for ``DEVICE`` / ``HOST``, unified host memory for ``MANAGED`` and ``MANAGED_CACHING``):
+    ``rows`` rows of what ``layout`` stores (:meth:`RowLayout.bytes_per_row`; 1,536 bytes at D = 128
+    with fp32 weights and states). The cache is :func:`cache_bytes`."""
+    return rows * layout.bytes_per_row(dim, weight_bytes)
 
 
 def cache_bytes(cached_rows: int, max_dim: int, slots: int, lfu: bool = False,
                 cache_weight_bytes: int = 4, lock_lines: bool = False,
-                state_bytes: int = STATE_BYTES_PER_ELEMENT) -> int:
-    """HBM bytes of a ``MANAGED_CACHING`` TBE's cache: ``slots`` rows of ``max_dim`` weights
-    (``cache_weight_bytes`` each: the cache precision) and ``max_dim`` elements of accum + linear
-    (``state_bytes`` per element, ``state_dtype.state_bytes_per_element``: 8 fp32, 4 bf16), FBGEMM's
+                layout: RowLayout = DEFAULT_LAYOUT) -> int:
+    """HBM bytes of a ``MANAGED_CACHING`` TBE's cache: ``slots`` rows of what ``layout`` stores at
+    ``max_dim`` (weights of ``cache_weight_bytes`` each: the cache precision; the states in their
+    dtypes), FBGEMM's
     per-slot state (``lxu_cache_state`` int64 and, for LRU, ``lru_state`` int64), the state cache's
     per-slot int64 snapshot and claim stamp, with ``lock_lines`` (``prefetch_pipeline``) FBGEMM's
     int32 locking counter, and per-row arrays (``cache_index_table_map`` int32; for LFU, the
     ``lfu_state`` int64 counters of every row). A TBE sizes one cache for all its tables, at the
     largest dim ``max_dim``."""
-    per_slot = (max_dim * (cache_weight_bytes + int(state_bytes)) + 24 + (0 if lfu else 8)
+    per_slot = (layout.bytes_per_row(max_dim, cache_weight_bytes) + 24 + (0 if lfu else 8)
                 + (4 if lock_lines else 0))
     per_row = 4 + (8 if lfu else 0)
     return slots * per_slot + cached_rows * per_row

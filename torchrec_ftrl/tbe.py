@@ -28,7 +28,8 @@ from .kernels.backend import resolve_backend
 from .kernels.layout import TBEBatch
 from .optim_type import emb_optim_type
 from .placement import PLACEMENTS, check_cache_dims, check_cache_options
-from .state_dtype import describe, parse_state_dtypes, state_sparse_types
+from .row_layout import RowLayout, require_kernel_layout
+from .state_dtype import describe, state_sparse_types
 
 __all__ = ["FTRLTableBatchedEmbeddingBags"]
 
@@ -200,6 +201,10 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
             replays round with fresh steps), the same bits on every backend for the same fp32
             value. ``initial_accumulator_value`` and :meth:`reset_optimizer_state` round to nearest.
             Exposed as ``optimizer_state_dtypes`` (``{"accum": SparseType, "linear": SparseType}``).
+        ftrl_weights, ftrl_accumulator: the row layout (:class:`torchrec_ftrl.row_layout.RowLayout`,
+            exposed as ``row_layout``): ``"stored"`` / ``"derived"`` weights and an
+            ``"elementwise"`` / ``"rowwise"`` ``accum``. The kernels implement the stored weights
+            with the element-wise ``accum`` (the defaults); another layout raises ``ValueError``.
 
     Forward (``indices``, ``offsets`` int32/int64 1-D, FBGEMM layout, feature-major bags):
         returns ``[B, sum(D_f)]`` for SUM/MEAN, ``[N, D]`` for NONE, or FBGEMM's flat VBE output
@@ -257,6 +262,8 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         gather_uvm_cache_stats: bool = False,
         uvm_host_mapped: bool = False,
         optimizer_state_dtypes: Any = None,
+        ftrl_weights: str = "stored",
+        ftrl_accumulator: str = "elementwise",
     ) -> None:
         super().__init__()
         self._hp = parse_options(dict(
@@ -265,7 +272,12 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
             ftrl_l2_shrinkage=ftrl_l2_shrinkage,
             ftrl_initial_accumulator_value=ftrl_initial_accumulator_value,
             ftrl_l2_convention=ftrl_l2_convention), where="FTRLTableBatchedEmbeddingBags(...)")
-        self._state_dtypes = parse_state_dtypes(optimizer_state_dtypes, "optimizer_state_dtypes")
+        where = "FTRLTableBatchedEmbeddingBags(...)"
+        self.row_layout = RowLayout.from_options(dict(
+            ftrl_weights=ftrl_weights, ftrl_accumulator=ftrl_accumulator,
+            optimizer_state_dtypes=optimizer_state_dtypes), where)
+        require_kernel_layout(self.row_layout, where)
+        self._state_dtypes = self.row_layout.state_dtypes
         self.optimizer_state_dtypes = state_sparse_types(self._state_dtypes)
         if not embedding_specs:
             raise ValueError("embedding_specs must name at least one table, got []")
@@ -346,7 +358,7 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         self._total_rows = sum(r for r, _ in rows_dims)
         self._table_dims = tuple(d for _, d in rows_dims)
         self.backend, self._backend = resolve_backend(backend, device)
-        if placement == EmbeddingLocation.MANAGED_CACHING and self.backend != "triton":
+        if placement == EmbeddingLocation.MANAGED_CACHING and not self._backend.CAPABILITIES.cached_placement:
             raise ValueError(f"embedding_specs location MANAGED_CACHING runs on the triton backend, "
                              f"got backend={backend!r}")
 
@@ -479,7 +491,7 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
                 on the host), or a backend other than ``"triton"``.
         """
         why = None
-        if self.backend != "triton":
+        if not self._backend.CAPABILITIES.graph_capture:
             why = f"backend={self.backend!r} (only 'triton' is capturable)"
         elif self.bounds_check_mode == BoundsCheckMode.FATAL:
             why = ("bounds_check_mode=FATAL (it reads its count on the host once per forward; use "
@@ -763,9 +775,8 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
             return indices, offsets
         # WARNING: repair as FBGEMM does, count, never sync. The offsets by the backend's one-pass
         # kernel where it has one (Triton: counts into ``counter`` itself), else by torch ops.
-        repair = getattr(self._backend, "repair_offsets", None)
-        if repair is not None:
-            fixed_off, n_off_bad = repair(offsets, N, counter), 0
+        if self._backend.CAPABILITIES.repairs_offsets:
+            fixed_off, n_off_bad = self._backend.repair_offsets(offsets, N, counter), 0
         else:
             fixed_off = offsets.clamp(0, N)
             fixed_off = torch.cummax(fixed_off, 0).values

@@ -38,6 +38,7 @@ from ..fbgemm_enums import BoundsCheckMode, CacheAlgorithm, PoolingMode, SparseT
 from ..hyperparams import parse_options
 from ..optim import parse_dense_state_dtype
 from ..placement import check_cache_options
+from ..row_layout import LAYOUT_KEYS, RowLayout, require_kernel_layout
 from ..state_dtype import STATE_NAMES, hashable_state_dtypes, parse_state_dtypes, state_sparse_types
 from ..tbe import FTRLTableBatchedEmbeddingBags
 
@@ -82,6 +83,20 @@ def fused_state_dtypes(fused_params: Optional[dict[str, Any]], where: str = "fus
             else torch.float32
         return {name: dtype for name in STATE_NAMES}
     return parse_state_dtypes(fp.get(OPTIMIZER_STATE_DTYPES), f"{where} {OPTIMIZER_STATE_DTYPES}")
+
+
+def fused_row_layout(fused_params: Optional[dict[str, Any]], where: str = "fused_params") -> RowLayout:
+    """What a row of an FTRL table stores, from its ``fused_params``: the state dtypes
+    (:func:`fused_state_dtypes`) and ``ftrl_weights`` / ``ftrl_accumulator``
+    (:class:`~torchrec_ftrl.row_layout.RowLayout`; defaults where absent).
+
+    Raises:
+        ValueError: an invalid value, naming ``where``, the key and the value.
+    """
+    fp = fused_params or {}
+    dtypes = fused_state_dtypes(fp, where)
+    return RowLayout.from_options({**{k: fp[k] for k in LAYOUT_KEYS if k in fp},
+                                   "optimizer_state_dtypes": dtypes}, where)
 
 
 def canonical_fused_params(fused_params: Optional[dict[str, Any]],
@@ -142,7 +157,8 @@ def tbe_kwargs_from_fused_params(fused_params: Optional[dict[str, Any]],
                                  weights_precision: Optional[SparseType] = None) -> dict[str, Any]:
     """Constructor kwargs of :class:`FTRLTableBatchedEmbeddingBags` from a TorchRec ``fused_params``.
 
-    Keeps ``learning_rate`` (or ``lr``), the ``ftrl_*`` knobs, the state dtype (``state_dtype`` or
+    Keeps ``learning_rate`` (or ``lr``), the ``ftrl_*`` knobs, the row layout's ``ftrl_weights`` and
+    ``ftrl_accumulator`` (:func:`fused_row_layout`), the state dtype (``state_dtype`` or
     ``optimizer_state_dtypes``, :func:`fused_state_dtypes`; passed as the TBE's
     ``optimizer_state_dtypes``, FBGEMM's dict ``{"accum": SparseType, "linear": SparseType}``, when a
     state is not fp32), ``output_dtype``, ``bounds_check_mode``
@@ -163,7 +179,8 @@ def tbe_kwargs_from_fused_params(fused_params: Optional[dict[str, Any]],
 
     Raises:
         ValueError: an unknown ``ftrl_*`` key (a misspelling would otherwise be ignored silently),
-            an invalid state dtype (naming the key and value),
+            an invalid state dtype or row layout (naming the key and value), a row layout the TBE
+            kernels do not implement,
             ``lr`` and ``learning_rate`` that differ, or an invalid knob (naming it and its value);
             ``cache_precision`` that is not a ``SparseType`` / ``DataType``, or that differs from
             ``weights_precision`` for a ``MANAGED_CACHING`` TBE (its cache holds the weights in
@@ -173,8 +190,10 @@ def tbe_kwargs_from_fused_params(fused_params: Optional[dict[str, Any]],
     """
     fp = dict(fused_params or {})
     kwargs: dict[str, Any] = parse_options(fp, where="fused_params").to_options()
-    kwargs.update({k: fp[k] for k in _PASSED_THROUGH if k in fp and fp[k] is not None})
-    dtypes = fused_state_dtypes(fp)
+    kwargs.update({k: fp[k] for k in _PASSED_THROUGH + LAYOUT_KEYS if k in fp and fp[k] is not None})
+    layout = fused_row_layout(fp)
+    require_kernel_layout(layout, "fused_params")
+    dtypes = layout.state_dtypes
     if any(d != torch.float32 for d in dtypes.values()):
         kwargs[OPTIMIZER_STATE_DTYPES] = state_sparse_types(dtypes)
     check_cache_options(kwargs.get("cache_load_factor", 0.2), kwargs.get("cache_sets", 0),

@@ -40,10 +40,10 @@ from torchrec.distributed.planner.utils import sharder_name
 from torchrec.distributed.types import ShardingType, compute_storage_usage
 
 from ..optim_type import is_ftrl
-from ..placement import (CACHE_DIM_MULTIPLE, STATE_BYTES_PER_ELEMENT, cache_bytes, cache_slots,
+from ..placement import (CACHE_DIM_MULTIPLE, DEFAULT_LAYOUT, cache_bytes, cache_slots,
                          check_cache_options, table_bytes)
-from ..state_dtype import state_bytes_per_element
-from .kernels import FTRL_COMPUTE_KERNELS, fused_state_dtypes
+from ..row_layout import RowLayout
+from .kernels import FTRL_COMPUTE_KERNELS, fused_row_layout
 
 _FUSED = EmbeddingComputeKernel.FUSED.value
 _UVM = EmbeddingComputeKernel.FUSED_UVM.value
@@ -54,12 +54,11 @@ _ACCELERATORS = ("cuda", "mtia")   # compute devices whose tensors TorchRec coun
 def ftrl_shard_storage(rows: int, cols: int, weight_bytes: int, compute_kernel: str, compute_device: str,
                        load_factor: float = UVM_CACHING_RATIO, lfu: bool = False,
                        cache_sets: int = 0, lock_lines: bool = False,
-                       state_bytes: int = STATE_BYTES_PER_ELEMENT) -> tuple[int, int]:
-    """``(hbm, ddr)`` bytes of one FTRL shard of ``rows x cols`` (weights of ``weight_bytes`` bytes per
-    element, ``accum`` + ``linear`` of ``state_bytes`` bytes per element together (8 for fp32 state,
-    4 for bf16, :func:`torchrec_ftrl.state_dtype.state_bytes_per_element`), and any cache), as
-    :mod:`torchrec_ftrl.placement` sizes them (the state cache holds the states in their stored
-    dtype):
+                       layout: RowLayout = DEFAULT_LAYOUT) -> tuple[int, int]:
+    """``(hbm, ddr)`` bytes of one FTRL shard of ``rows x cols``: each row what ``layout`` stores
+    (:meth:`~torchrec_ftrl.row_layout.RowLayout.bytes_per_row`, weights of ``weight_bytes`` bytes per
+    element), and any cache, as :mod:`torchrec_ftrl.placement` sizes them (the cache holds the rows'
+    arrays in their stored dtypes):
 
     * ``fused`` on CUDA: HBM ``table_bytes(DEVICE)``; any kernel on another compute device: DDR
       ``table_bytes(HOST)`` (TorchRec builds every CPU table in host memory);
@@ -78,19 +77,16 @@ def ftrl_shard_storage(rows: int, cols: int, weight_bytes: int, compute_kernel: 
     if compute_kernel not in FTRL_COMPUTE_KERNELS:
         raise ValueError(f"FTRL has no compute kernel {compute_kernel!r}; expected one of "
                          f"{list(FTRL_COMPUTE_KERNELS)}")
-    if state_bytes not in (4, 6, STATE_BYTES_PER_ELEMENT):
-        raise ValueError(f"state_bytes must be 4 (bf16 accum and linear), 6 (one bf16 state) or 8 (fp32), "
-                         f"got {state_bytes!r}")
     if compute_device not in _ACCELERATORS:
-        return 0, table_bytes(rows, cols, weight_bytes, EmbeddingLocation.HOST, state_bytes)
+        return 0, table_bytes(rows, cols, weight_bytes, EmbeddingLocation.HOST, layout)
     if compute_kernel == _FUSED:
-        return table_bytes(rows, cols, weight_bytes, EmbeddingLocation.DEVICE, state_bytes), 0
+        return table_bytes(rows, cols, weight_bytes, EmbeddingLocation.DEVICE, layout), 0
     if compute_kernel == _UVM:
-        return 0, table_bytes(rows, cols, weight_bytes, EmbeddingLocation.MANAGED, state_bytes)
+        return 0, table_bytes(rows, cols, weight_bytes, EmbeddingLocation.MANAGED, layout)
     slots = cache_slots(rows, load_factor, cache_sets)
     return (cache_bytes(rows, cols, slots, lfu, cache_weight_bytes=weight_bytes, lock_lines=lock_lines,
-                        state_bytes=state_bytes),
-            table_bytes(rows, cols, weight_bytes, EmbeddingLocation.MANAGED_CACHING, state_bytes))
+                        layout=layout),
+            table_bytes(rows, cols, weight_bytes, EmbeddingLocation.MANAGED_CACHING, layout))
 
 
 def _sharder_entry(option, sharder_map):
@@ -119,11 +115,11 @@ def is_ftrl_option(option, sharder_map) -> bool:
     return is_ftrl(_fused_params(option, sharder_map).get("optimizer"))
 
 
-def option_state_bytes(option, fused_params: dict) -> int:
-    """Bytes of ``accum`` + ``linear`` per weight element of the FTRL table of ``option``
-    (:func:`torchrec_ftrl.state_dtype.state_bytes_per_element`): its sharder's ``fused_params``
-    (``optimizer_state_dtypes`` / ``state_dtype``) overridden by its in-backward FTRL kwargs, as
-    TorchRec merges them (``merge_fused_params``); :func:`.kernels.fused_state_dtypes` reads them.
+def option_row_layout(option, fused_params: dict) -> RowLayout:
+    """What a row of the FTRL table of ``option`` stores: its sharder's ``fused_params``
+    (``optimizer_state_dtypes`` / ``state_dtype``, ``ftrl_weights``, ``ftrl_accumulator``) with the
+    state dtype overridden by its in-backward FTRL kwargs, as TorchRec merges them
+    (``merge_fused_params``); :func:`.kernels.fused_row_layout` reads them.
 
     Raises:
         ValueError: an invalid state dtype, naming the table, the key and the value.
@@ -139,7 +135,7 @@ def option_state_bytes(option, fused_params: dict) -> int:
             merged.pop("optimizer_state_dtypes", None)
             merged.update({k: v for k, v in in_backward.items()
                            if k in ("state_dtype", "optimizer_state_dtypes")})
-    return state_bytes_per_element(fused_state_dtypes(merged, where=f"table {option.name!r} fused_params"))
+    return fused_row_layout(merged, where=f"table {option.name!r} fused_params")
 
 
 def _load_factor(option, fused_params: dict) -> float:
@@ -239,11 +235,11 @@ class FTRLStorageEstimator(EmbeddingStorageEstimator):
         stock = _stock_tensor_storage(option, entry, device, load_factor,
                                       getattr(self, "_is_inference", False))
         weight_bytes = option.tensor.element_size()
-        state_bytes = option_state_bytes(option, fused_params)
+        layout = option_row_layout(option, fused_params)
         for shard, (stock_hbm, stock_ddr) in zip(option.shards, stock):
             hbm, ddr = ftrl_shard_storage(shard.size[0], shard.size[1], weight_bytes,
                                           option.compute_kernel, device, load_factor, lfu, cache_sets,
-                                          lock_lines, state_bytes)
+                                          lock_lines, layout)
             shard.storage.hbm += hbm - stock_hbm
             shard.storage.ddr += ddr - stock_ddr
 

@@ -16,10 +16,12 @@ from typing import Any, Optional, Protocol, runtime_checkable
 import torch
 
 from ..hyperparams import FTRLHyperparams
+from .capabilities import Capabilities
 from .layout import TBEBatch
 
 BACKENDS = ("triton", "cpp", "torch")
 _warned = False
+
 
 
 @runtime_checkable
@@ -48,10 +50,13 @@ class Backend(Protocol):
       (row key ``table_row_base[t] + row``; state 0 accum, 1 linear), bit for bit the same on every
       backend for the same fp32 value; a bf16 state without ``batch.step`` raises ``ValueError``.
 
-    Optional: ``repair_offsets(offsets, num_indices, counter)``: the WARNING repair of raw offsets
-    on the device, the repaired entries added to ``counter`` (the TBE's own check uses it where a
-    backend has it, e.g. for cached batches; Triton).
+    * ``CAPABILITIES``: what the backend supports beyond the members above (:class:`Capabilities`).
+    * ``repair_offsets(offsets, num_indices, counter)``, where ``CAPABILITIES.repairs_offsets``: the
+      WARNING repair of raw offsets on the device, the repaired entries added to ``counter`` (the
+      TBE's own check uses it, e.g. for cached batches).
     """
+
+    CAPABILITIES: "Capabilities"
 
     def fuses_bounds_check(self, mode: Any, needs_psw_grad: bool) -> bool: ...
 
@@ -75,8 +80,9 @@ class Backend(Protocol):
 def _load(name: str) -> Backend:
     module = importlib.import_module(f".{name}_backend", __package__)
     if not isinstance(module, Backend):
-        missing = [m for m in ("fuses_bounds_check", "count_invalid", "forward", "forward_train",
-                               "per_sample_weight_grad", "backward_update_") if not hasattr(module, m)]
+        missing = [m for m in ("CAPABILITIES", "fuses_bounds_check", "count_invalid", "forward",
+                               "forward_train", "per_sample_weight_grad", "backward_update_")
+                   if not hasattr(module, m)]
         raise TypeError(f"backend module {module.__name__} does not implement Backend: missing {missing}")
     return module
 

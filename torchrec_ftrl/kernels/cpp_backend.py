@@ -1,10 +1,13 @@
-"""Compiled CPU backend of the FTRL TBE: ``csrc/ftrl_tbe_cpu.cpp`` built at first use.
+"""Compiled CPU backend of the FTRL TBE: the ``CPU`` kernels of the registered ops
+``torch.ops.torchrec_ftrl.*`` (:mod:`.ops`), from ``csrc/ftrl_tbe_cpu.cpp``.
 
-:func:`load_extension` compiles the C++ source with ``torch.utils.cpp_extension.load`` (``-O3``,
-OpenMP through ATen's ``at::parallel_for``) into the default torch extensions directory
-(``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``), so later processes reuse the build.
-It needs a C++17 compiler and ninja; :func:`torchrec_ftrl.kernels.backend.resolve_backend` falls back
-to the PyTorch backend with a warning when this raises.
+:func:`load_extension` loads the library variant for this CPU's vector ISA that ``setup.py`` built
+when the package was installed (:mod:`.cpu_build`). In a source checkout without such a build (or
+for another torch version) it builds that variant once with ``torch.utils.cpp_extension.load`` into
+the torch extensions directory (``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``), saying
+so on stderr; later processes reuse the build. That needs a C++17 compiler and ninja;
+:func:`torchrec_ftrl.kernels.backend.resolve_backend` falls back to the PyTorch backend with a warning
+when it raises.
 
 Implements :class:`~torchrec_ftrl.kernels.backend.Backend`. The C++ ``ftrl_element`` is the twin of
 :func:`torchrec_ftrl.rule.ftrl_rule`, computed in fp32, from
@@ -16,35 +19,26 @@ state loads exactly into fp32 and is stored with stochastic rounding by the uint
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import os
-import re
 import sys
 import threading
-from types import ModuleType
 
 import torch
 
 from typing import Any
 
 from ..hyperparams import FTRLHyperparams
+from . import cpu_build, ops  # noqa: F401  (ops: the schemas the library implements)
+from .capabilities import Capabilities
 from .layout import TBEBatch
 from .torch_backend import per_sample_weight_grad  # noqa: F401  (the Backend member, shared)
 
-_SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "ftrl_tbe_cpu.cpp")
+CAPABILITIES = Capabilities()
+
 _lock = threading.Lock()
-_ext: ModuleType | None = None
-
-
-# -fno-math-errno / -fno-trapping-math let the FTRL loop over D vectorise (sqrt, the |z| > l1 select);
-# they change no result. -ffp-contract=off keeps the rule's roundings (no FMA contraction).
-_BASE_FLAGS = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
-               "-ffp-contract=off"]
-# Vector ISA of the machine that builds (ATen's own CPU capability probe); part of the build's name,
-# so a shared extensions directory never hands a build to a CPU that lacks its instructions.
-_ISA_FLAGS = {"avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mf16c",
-                         "-mprefer-vector-width=512"],
-              "avx2": ["-mavx2", "-mfma", "-mf16c"]}
+_library: str | None = None
 
 
 @contextlib.contextmanager
@@ -62,31 +56,50 @@ def _interpreter_bin_first_on_path():
         os.environ["PATH"] = old
 
 
-def load_extension(verbose: bool = False) -> ModuleType:
-    """Build (first call per source version) or load the compiled kernel; returns the module.
+def _prebuilt(isa: str) -> str | None:
+    """Path of the library variant ``setup.py`` built for ``isa`` and this torch, or None."""
+    stem = cpu_build.library_name(isa, torch.__version__)
+    kernels_dir = os.path.dirname(os.path.dirname(cpu_build.SOURCE))
+    found = sorted(glob.glob(os.path.join(kernels_dir, stem + ".*")))
+    return found[0] if found else None
 
-    The module name carries a hash of the source and of its path, so an edited ``.cpp`` never loads
-    a stale build, and two installs (a checkout and a wheel, two venvs) keep one build each instead
-    of rebuilding each other's (the build records the source's absolute path).
+
+def _build_at_first_use(isa: str) -> str:
+    """Build (first call per source version) the ``isa`` variant into the torch extensions directory,
+    load it, and return its path. The build's name carries a hash of the source and one of its path,
+    so an edited ``.cpp`` never loads a stale build and two checkouts keep one build each."""
+    from torch.utils.cpp_extension import load
+
+    digest = cpu_build.source_digest() + hashlib.sha1(cpu_build.SOURCE.encode()).hexdigest()[:6]
+    print(f"torchrec_ftrl: no prebuilt CPU kernel for this install (torch {torch.__version__}, {isa}); "
+          "building it once (about a minute; later runs reuse it)", file=sys.stderr, flush=True)
+    with _interpreter_bin_first_on_path():
+        return load(name=f"torchrec_ftrl_tbe_cpu_{digest}_{isa}", sources=[cpu_build.SOURCE],
+                    extra_cflags=cpu_build.BASE_FLAGS + cpu_build.ISA_FLAGS[isa],
+                    extra_ldflags=cpu_build.LINK_FLAGS, is_python_module=False)
+
+
+def load_extension() -> str:
+    """Load the CPU kernels of ``torch.ops.torchrec_ftrl.*`` once per process; returns the library's
+    path.
 
     Raises:
-        RuntimeError / OSError / ImportError: no compiler or ninja, or the build failed.
+        RuntimeError / OSError / ImportError: no prebuilt variant and no compiler or ninja, or the
+            build failed.
     """
-    global _ext
-    if _ext is not None:
-        return _ext
+    global _library
+    if _library is not None:
+        return _library
     with _lock:
-        if _ext is None:
-            from torch.utils.cpp_extension import load
-
-            with open(_SOURCE, "rb") as f:
-                digest = hashlib.sha1(f.read() + os.path.abspath(_SOURCE).encode()).hexdigest()[:10]
-            isa = re.sub(r"[^a-z0-9]", "", torch.backends.cpu.get_cpu_capability().lower())
-            with _interpreter_bin_first_on_path():
-                _ext = load(name=f"torchrec_ftrl_tbe_cpu_{digest}_{isa}", sources=[_SOURCE],
-                            extra_cflags=_BASE_FLAGS + _ISA_FLAGS.get(isa, []),
-                            extra_ldflags=["-fopenmp"], verbose=verbose)
-    return _ext
+        if _library is None:
+            isa = cpu_build.isa_variant(torch.backends.cpu.get_cpu_capability())
+            path = _prebuilt(isa)
+            if path is not None:
+                torch.ops.load_library(path)
+            else:
+                path = _build_at_first_use(isa)
+            _library = path
+    return _library
 
 
 def _psw(batch: TBEBatch):
@@ -103,8 +116,9 @@ def count_invalid(table_rows: torch.Tensor, feature_table: torch.Tensor, bag_fea
                   indices: torch.Tensor, offsets: torch.Tensor) -> int:
     """Number of problems in int64 ``offsets``/``indices`` (bad offsets, indices outside their table);
     0 when the batch is valid. Parallel, read-only: the FATAL bounds check's fast path."""
-    return int(load_extension().count_invalid(table_rows, feature_table, bag_feature.contiguous(),
-                                              indices.contiguous(), offsets.contiguous()))
+    load_extension()
+    return int(torch.ops.torchrec_ftrl.tbe_count_invalid(table_rows, feature_table, bag_feature.contiguous(),
+                                                         indices.contiguous(), offsets.contiguous()))
 
 
 def forward(weights: torch.Tensor, batch: TBEBatch, out_dtype: torch.dtype) -> torch.Tensor:
@@ -114,16 +128,12 @@ def forward(weights: torch.Tensor, batch: TBEBatch, out_dtype: torch.dtype) -> t
         the flat output ``[batch.out_numel]`` in ``out_dtype``: bag ``k``'s ``D``-vector at
         ``batch.bag_out_offset[k]`` (index ``i`` at ``i * max_D`` for NONE); empty bags give zeros.
     """
-    ext = load_extension()
-    if batch.num_bags > 0 and batch.indices.numel() > 0:
-        out = torch.empty(batch.out_numel, dtype=out_dtype, device=weights.device)
-    else:
-        out = torch.zeros(batch.out_numel, dtype=out_dtype, device=weights.device)
-    ext.forward(weights, batch.table_w_offset, batch.table_dim, batch.feature_table,
-                batch.bag_feature.contiguous(), batch.bag_out_offset.contiguous(),
-                batch.indices.contiguous(), batch.offsets.contiguous(), _psw(batch),
-                int(batch.pooling_mode), int(batch.max_D), out)
-    return out
+    load_extension()
+    return torch.ops.torchrec_ftrl.tbe_forward(
+        weights, batch.table_w_offset, batch.table_dim, batch.feature_table,
+        batch.bag_feature.contiguous(), batch.bag_out_offset.contiguous(), batch.indices.contiguous(),
+        batch.offsets.contiguous(), _psw(batch), int(batch.pooling_mode), int(batch.max_D),
+        int(batch.out_numel), out_dtype)
 
 
 def forward_train(weights: torch.Tensor, batch: TBEBatch, out_dtype: torch.dtype) -> tuple[torch.Tensor, None]:
@@ -153,10 +163,9 @@ def backward_update_(weights: torch.Tensor, accum: torch.Tensor, linear: torch.T
         raise ValueError("a bf16 optimizer state needs batch.step (the TBE's iter) for its "
                          "stochastic rounding, got None")
     step = int(batch.step) if compact else 0   # a CPU tensor: no device sync
-    ext = load_extension()
-    ext.backward_update(weights, accum, linear, batch.table_w_offset, batch.table_dim,
-                        batch.table_rows, batch.feature_table, batch.bag_feature.contiguous(),
-                        batch.bag_out_offset.contiguous(), batch.indices.contiguous(),
-                        batch.offsets.contiguous(), _psw(batch), int(batch.pooling_mode),
-                        int(batch.max_D), grad_out.contiguous(), *hp.kernel_scalars(), nonfinite_rows,
-                        step)
+    load_extension()
+    torch.ops.torchrec_ftrl.tbe_backward_update_(
+        weights, accum, linear, batch.table_w_offset, batch.table_dim, batch.table_rows,
+        batch.feature_table, batch.bag_feature.contiguous(), batch.bag_out_offset.contiguous(),
+        batch.indices.contiguous(), batch.offsets.contiguous(), _psw(batch), int(batch.pooling_mode),
+        int(batch.max_D), grad_out.contiguous(), *hp.kernel_scalars(), nonfinite_rows, step)

@@ -14,7 +14,10 @@ import torch
 
 from ..hyperparams import FTRLHyperparams
 from ..rule import ftrl_update_rows_
+from .capabilities import Capabilities
 from .layout import POOL_NONE, TBEBatch
+
+CAPABILITIES = Capabilities()
 
 
 def fuses_bounds_check(mode: Any, needs_psw_grad: bool) -> bool:

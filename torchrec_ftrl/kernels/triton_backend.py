@@ -37,12 +37,15 @@ from triton.runtime.jit import JITFunction
 from ..fbgemm_enums import BoundsCheckMode
 from ..hyperparams import FTRLHyperparams
 from .launch import DirectLauncher, direct
+from .capabilities import Capabilities
 from .layout import POOL_MEAN, POOL_NONE, TBEBatch
 from .torch_backend import per_sample_weight_grad  # noqa: F401  (the Backend member, shared)
 from .triton_backward import (linearize_kernel, offsets_repair_kernel,
                               segment_combine_kernel, segment_config, segment_mark_kernel,
                               segment_update_kernel)
 from .triton_forward import forward_config, tbe_forward_kernel
+
+CAPABILITIES = Capabilities(cached_placement=True, graph_capture=True, repairs_offsets=True)
 
 # Launch shape knobs (results do not depend on them beyond fp32 summation order; chosen by step-time
 # sweeps on an H200 with benchmarks/bench_tbe_cuda.py --tune / --tune-forward):

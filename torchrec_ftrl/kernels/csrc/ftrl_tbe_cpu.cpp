@@ -21,7 +21,8 @@
 // of state_dtype.sr_bits, added to the fp32 bit pattern before truncation (round_bf16_sr, the twin
 // of state_dtype.round_bf16_stochastic). The fp32-state instantiations are the code as before.
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -196,7 +197,7 @@ c10::optional<at::Tensor> check_psw(const c10::optional<at::Tensor>& psw, int64_
 }
 
 // Fills `out` (flat, preallocated, any of fp32/fp16/bf16).
-void forward(const at::Tensor& weights, const at::Tensor& table_w_offset, const at::Tensor& table_dim,
+void forward_into(const at::Tensor& weights, const at::Tensor& table_w_offset, const at::Tensor& table_dim,
              const at::Tensor& feature_table, const at::Tensor& bag_feature,
              const at::Tensor& bag_out_offset, const at::Tensor& indices, const at::Tensor& offsets,
              const c10::optional<at::Tensor>& per_sample_weights, int64_t pooling_mode,
@@ -607,7 +608,7 @@ void backward_update(at::Tensor& weights, at::Tensor& accum, at::Tensor& linear,
 // FATAL-mode input check, parallel over bags: the number of problems in (offsets, indices) - offsets
 // not starting at 0, decreasing, or not ending at N, plus indices outside [0, rows of the bag's
 // table). 0 means valid. Reads only; the caller builds the detailed error message when it is not 0.
-int64_t count_invalid(const at::Tensor& table_rows, const at::Tensor& feature_table,
+int64_t count_invalid_scalar(const at::Tensor& table_rows, const at::Tensor& feature_table,
                       const at::Tensor& bag_feature, const at::Tensor& indices,
                       const at::Tensor& offsets) {
   TORCH_CHECK(indices.scalar_type() == at::kLong && offsets.scalar_type() == at::kLong &&
@@ -638,12 +639,34 @@ int64_t count_invalid(const at::Tensor& table_rows, const at::Tensor& feature_ta
   return bad.load();
 }
 
+// torchrec_ftrl::tbe_forward: the flat output [out_numel] in out_dtype (zeros for empty bags).
+at::Tensor tbe_forward(const at::Tensor& weights, const at::Tensor& table_w_offset,
+                       const at::Tensor& table_dim, const at::Tensor& feature_table,
+                       const at::Tensor& bag_feature, const at::Tensor& bag_out_offset,
+                       const at::Tensor& indices, const at::Tensor& offsets,
+                       const c10::optional<at::Tensor>& per_sample_weights, int64_t pooling_mode,
+                       int64_t max_D, int64_t out_numel, at::ScalarType out_dtype) {
+  const bool empty = offsets.numel() <= 1 || indices.numel() == 0;
+  const auto options = weights.options().dtype(out_dtype);
+  at::Tensor out = empty ? at::zeros({out_numel}, options) : at::empty({out_numel}, options);
+  forward_into(weights, table_w_offset, table_dim, feature_table, bag_feature, bag_out_offset, indices,
+               offsets, per_sample_weights, pooling_mode, max_D, out);
+  return out;
+}
+
+// torchrec_ftrl::tbe_count_invalid: int64 [1], the count of count_invalid_scalar.
+at::Tensor tbe_count_invalid(const at::Tensor& table_rows, const at::Tensor& feature_table,
+                             const at::Tensor& bag_feature, const at::Tensor& indices,
+                             const at::Tensor& offsets) {
+  return at::full({1}, count_invalid_scalar(table_rows, feature_table, bag_feature, indices, offsets),
+                  indices.options().dtype(at::kLong));
+}
+
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "Fused FTRL-Proximal TBE CPU kernel (torchrec_ftrl)";
-  m.def("forward", &forward, "Pooled lookup into a preallocated flat output");
-  m.def("count_invalid", &count_invalid, "FATAL bounds check: number of bad offsets/indices");
-  m.def("backward_update", &backward_update,
-        "Sum gradients per unique row, then one FTRL update per row, in place");
+// The schemas are defined in torchrec_ftrl/kernels/ops.py; this library adds their CPU kernels.
+TORCH_LIBRARY_IMPL(torchrec_ftrl, CPU, m) {
+  m.impl("tbe_forward", &tbe_forward);
+  m.impl("tbe_count_invalid", &tbe_count_invalid);
+  m.impl("tbe_backward_update_", &backward_update);
 }

@@ -1,0 +1,122 @@
+"""What one row of an FTRL table stores: the row-layout spec.
+
+A row of a table of embedding dim ``D`` stores, by its :class:`RowLayout`:
+
+* the **weight**, ``D`` values in the weights dtype (fp32 / fp16 / bf16), with ``weights="stored"``;
+  nothing with ``weights="derived"``, where ``w = prox(linear, accum)`` is computed where it is used
+  (:func:`torchrec_ftrl.rule.ftrl_prox`; McMahan et al. 2013, Algorithm 1);
+* ``accum`` (n): ``D`` values with ``accumulator="elementwise"``, one with ``"rowwise"``
+  (:func:`torchrec_ftrl.rule.ftrl_rule_rowwise`; as EXACT_ROWWISE_ADAGRAD's ``momentum1``);
+* ``linear`` (z): ``D`` values.
+
+Each state is fp32 or bf16 (:mod:`torchrec_ftrl.state_dtype`). This one description gives the state
+names and shapes, the bytes per row that the planner and the placements count, and whether the TBE
+kernels implement the layout (:func:`require_kernel_layout`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import torch
+
+from .hyperparams import NOT_KNOBS
+from .state_dtype import STATE_NAMES, parse_state_dtypes
+
+# The options keys of the layout (TBE kwargs, fused_params), besides optimizer_state_dtypes: the
+# ftrl_* keys that are not knobs.
+LAYOUT_KEYS = NOT_KNOBS
+WEIGHTS = ("stored", "derived")
+ACCUMULATORS = ("elementwise", "rowwise")
+# (weights, accumulator) pairs the TBE kernels (every backend and placement) implement.
+KERNEL_LAYOUTS = frozenset({("stored", "elementwise")})
+
+
+@dataclasses.dataclass(frozen=True)
+class RowLayout:
+    """What one row of an FTRL table stores (see the module docstring).
+
+    Attributes:
+        weights: ``"stored"`` or ``"derived"``.
+        accumulator: ``"elementwise"`` or ``"rowwise"``.
+        accum_dtype, linear_dtype: ``torch.float32`` or ``torch.bfloat16``.
+
+    Raises:
+        ValueError: a value outside those, naming the field and the value.
+    """
+
+    weights: str = "stored"
+    accumulator: str = "elementwise"
+    accum_dtype: torch.dtype = torch.float32
+    linear_dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"ftrl_weights must be one of {WEIGHTS}, got {self.weights!r}")
+        if self.accumulator not in ACCUMULATORS:
+            raise ValueError(f"ftrl_accumulator must be one of {ACCUMULATORS}, got {self.accumulator!r}")
+        parse_state_dtypes({"accum": self.accum_dtype, "linear": self.linear_dtype})
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any] | None, where: str = "options") -> "RowLayout":
+        """The layout named by ``ftrl_weights``, ``ftrl_accumulator`` and ``optimizer_state_dtypes``
+        (any form :func:`~torchrec_ftrl.state_dtype.parse_state_dtypes` takes) in ``options``
+        (TBE kwargs, ``fused_params``); absent keys take the defaults.
+
+        Raises:
+            ValueError: a bad value, naming ``where``, the key and the value.
+        """
+        options = options or {}
+        dtypes = parse_state_dtypes(options.get("optimizer_state_dtypes"), f"{where} optimizer_state_dtypes")
+        try:
+            return cls(weights=options.get("ftrl_weights") or "stored",
+                       accumulator=options.get("ftrl_accumulator") or "elementwise",
+                       accum_dtype=dtypes["accum"], linear_dtype=dtypes["linear"])
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+
+    @property
+    def state_dtypes(self) -> dict[str, torch.dtype]:
+        """``{"accum": dtype, "linear": dtype}``."""
+        return {"accum": self.accum_dtype, "linear": self.linear_dtype}
+
+    def state_columns(self, name: str, dim: int) -> int:
+        """Values of state ``name`` per row of a table of dim ``dim``: 1 for a row-wise ``accum``."""
+        if name not in STATE_NAMES:
+            raise ValueError(f"FTRL states are {STATE_NAMES}, got {name!r}")
+        return 1 if (name == "accum" and self.accumulator == "rowwise") else int(dim)
+
+    def state_bytes_per_row(self, dim: int) -> int:
+        """Bytes of ``accum`` + ``linear`` per row of a table of dim ``dim``."""
+        return sum(self.state_columns(name, dim) * _itemsize(self.state_dtypes[name]) for name in STATE_NAMES)
+
+    def weight_bytes_per_row(self, dim: int, weight_bytes: int) -> int:
+        """Bytes of the stored weight per row (``weight_bytes`` per value); 0 for derived weights."""
+        return int(dim) * int(weight_bytes) if self.weights == "stored" else 0
+
+    def bytes_per_row(self, dim: int, weight_bytes: int) -> int:
+        """Bytes one row stores: weight (if stored) + ``accum`` + ``linear``."""
+        return self.weight_bytes_per_row(dim, weight_bytes) + self.state_bytes_per_row(dim)
+
+    def describe(self) -> str:
+        """``"weights=stored, accumulator=elementwise, accum=fp32, linear=fp32"``, for messages."""
+        names = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+        return (f"weights={self.weights}, accumulator={self.accumulator}, "
+                f"accum={names[self.accum_dtype]}, linear={names[self.linear_dtype]}")
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def require_kernel_layout(layout: RowLayout, where: str) -> None:
+    """Return when the TBE kernels implement ``layout``.
+
+    Raises:
+        ValueError: otherwise, naming ``where``, the layout and what is implemented.
+    """
+    if (layout.weights, layout.accumulator) not in KERNEL_LAYOUTS:
+        have = ", ".join(f"ftrl_weights={w!r} with ftrl_accumulator={a!r}" for w, a in sorted(KERNEL_LAYOUTS))
+        raise ValueError(f"{where}: the FTRL TBE implements {have}; got ftrl_weights={layout.weights!r}, "
+                         f"ftrl_accumulator={layout.accumulator!r}")

@@ -52,7 +52,7 @@ def no_fit_message(args, rows: list, world_size: int, hbm_bytes: Optional[int],
     return (f"the sparse tables do not fit: {(sum(w) + sum(s)) / GB:.1f} GB ({sum(w) / GB:.1f} GB "
             f"weights + {sum(s) / GB:.1f} GB optimizer state, {layout_name(args)}, "
             f"{len(rows)} tables, {sum(rows):,} rows x {args.embedding_dim}) and TorchRec's planner "
-            f"found no placement on {world_size} GPU(s) of {hbm} and {ddr} each")
+            f"found no placement on {world_size} device(s) of {hbm} and {ddr} each")
 
 
 def run(args) -> dict:

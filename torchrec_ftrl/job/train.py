@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
 from . import (checkpoint, cli, dist_env, evaluate, faults, model as model_lib, pipeline, plan_only,
-               profile as profile_lib, report, sparsity, warmup, zch)
+               profile as profile_lib, report, sparsity, warmup as kernel_warmup, zch)
 from .source import make_source, steps_for_epochs
 from torchrec_ftrl.data import train_loader
 
@@ -158,8 +158,8 @@ def _run(args, env, fused_params, rank0) -> dict:
     train_iter = train_loader(source, env.rank, env.world_size, args.batch_size, start_step,
                               steps - start_step, workers=workers,
                               pin_memory=env.device.type == "cuda" and not on_device)
-    if warmup.enabled(args.kernel_warmup, args.sparse_optimizer, env.device):
-        warmup.warm_up(dmp, args.batch_size * env.world_size, args.multi_hot_list, args.seed)
+    if kernel_warmup.enabled(args.kernel_warmup, args.sparse_optimizer, env.device):
+        kernel_warmup.warm_up(dmp, args.batch_size * env.world_size, args.multi_hot_list, args.seed)
     if rank0:
         opt_name = args.sparse_optimizer
         if opt_name == "ftrl":

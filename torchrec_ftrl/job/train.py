@@ -286,6 +286,8 @@ def _run(args, env, fused_params, rank0) -> dict:
                  "reset_slots": int(_sum_over_ranks(evictions.evicted, env.device))}
                 if args.zch else None),
         "step_profile": prof.result if prof is not None else None,
+        "peak_gpu_memory_bytes": (torch.cuda.max_memory_allocated(env.device)
+                                  if env.device.type == "cuda" else None),
         "args": vars(args),
     }
     if rank0:

@@ -24,6 +24,8 @@ import itertools
 from typing import Iterator, Optional, Sequence
 
 import torch
+from torchrec.datasets.utils import Batch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 DISTRIBUTIONS = ("uniform", "zipf")
 NUM_DENSE = 13
@@ -97,9 +99,8 @@ class DeviceSyntheticSource:
         return self._per_batch[batch_size]
 
     def batch(self, split: str, index: int, batch_size: int):
-        """Batch ``index`` of ``split`` (``"train"`` / ``"val"``) with ``batch_size`` rows."""
-        from torchrec.datasets.utils import Batch
-        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+        """Batch ``index`` of ``split`` (``"train"`` / ``"val"``) with ``batch_size`` rows (a
+        ``Batch`` whose ``to()`` orders the calling CUDA stream after the draw)."""
 
         gen = torch.Generator(device=self.device)
         gen.manual_seed((self.seed * 1_000_003 + index) * 2 + _SPLIT_SEED[split])
@@ -119,7 +120,11 @@ class DeviceSyntheticSource:
                                 offset_per_key=list(itertools.accumulate(per_key, initial=0)))
         dense = torch.randn(batch_size, NUM_DENSE, generator=gen, device=self.device)
         labels = torch.randint(0, 2, (batch_size,), generator=gen, device=self.device).float()
-        return Batch(dense_features=dense, sparse_features=kjt, labels=labels)
+        batch = DrawnBatch(dense_features=dense, sparse_features=kjt, labels=labels)
+        if self.device.type == "cuda":
+            batch.drawn = torch.cuda.Event()
+            batch.drawn.record()
+        return batch
 
     def train_batches(self, rank: int, world_size: int, batch_size: int,
                       start_step: int = 0) -> Iterator:
@@ -130,6 +135,19 @@ class DeviceSyntheticSource:
     def validation_batches(self, rank: int, world_size: int, batch_size: int) -> "_LazyBatches":
         """``val_batches`` ``(Batch, batch_size)`` pairs, each drawn when iterated (nothing held)."""
         return _LazyBatches(self, [i * world_size + rank for i in range(self.val_batches)], batch_size)
+
+
+class DrawnBatch(Batch):
+    """A ``Batch`` drawn on a CUDA stream: ``to()`` makes the calling stream wait for the draw.
+    TorchRec's train pipeline calls ``to()`` on its copy stream and then orders its other streams
+    after that one, so no stream reads the ids before they are drawn."""
+
+    drawn = None   # the torch.cuda.Event recorded after the draw (None on the CPU)
+
+    def to(self, device, non_blocking: bool = False):
+        if self.drawn is not None and torch.device(device).type == "cuda":
+            torch.cuda.current_stream(device).wait_event(self.drawn)
+        return super().to(device, non_blocking=non_blocking)
 
 
 class _LazyBatches:

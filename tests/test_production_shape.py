@@ -181,3 +181,17 @@ def test_kernel_warmup_mode():
     assert warmup.enabled("auto", "ftrl", cuda) and not warmup.enabled("auto", "ftrl", cpu)
     assert warmup.enabled("on", "ftrl", cpu) and not warmup.enabled("on", "rowwise_adagrad", cuda)
     assert not warmup.enabled("off", "ftrl", cuda)
+
+
+def test_job_with_kernel_warmup_trains_as_without(tmp_path, monkeypatch):
+    warmed = []
+    real = warmup.warm_up
+    monkeypatch.setattr(warmup, "warm_up", lambda *a, **k: warmed.append(real(*a, **k)))
+    runs = {}
+    for mode in ("on", "off"):
+        runs[mode] = train.run(["--kernel-warmup", mode, "--steps", "4", "--log-every", "1",
+                                "--eval-every", "4", "--no-progress", "--data-workers", "0",
+                                "--output-dir", str(tmp_path), "--run-name", mode])
+    assert warmed == [1]   # the job's one TBE (26 tables of one dim), found inside the DMP
+    for key in ("loss_history", "final_validation", "sparsity"):
+        assert runs["on"][key] == runs["off"][key]

@@ -3,8 +3,8 @@
 
     source .gpu/setup.sh && python3 benchmarks/bench_preset.py --out $OUT
 
-Runs, in this order, each in a fresh process, until ``--budget-s`` is spent (later runs are then
-recorded as skipped):
+Runs, in this order, each in a fresh process, until ``--budget-s`` (320) is spent (later runs are
+then recorded as skipped; ``--skip 1,2,3,4`` runs the rest in a second call):
 
 1. ``--plan-only`` of the full preset (204M rows at D=128) for FTRL fp32 state, FTRL bf16 state and
    row-wise Adagrad, on one H200 (139 GiB) + 128 GiB host: the JSON line of each;
@@ -14,9 +14,10 @@ recorded as skipped):
 4. the preset scaled to ``--scale`` of its rows (default 0.25: 51M rows, FTRL fp32 state 78 GB, all
    in HBM): FTRL fp32 with ``--kernel-warmup off`` and ``on``, each with an empty Triton cache of its
    own (``TRITON_CACHE_DIR``: a fresh machine's first run), row-wise Adagrad, at 8,192; FTRL
-   (warm-up on), FTRL bf16 state and row-wise Adagrad at 65,536;
-5. one profiled FTRL run (``--profile-steps 5``) at the scaled shape, 65,536;
-6. ``bench_host.py`` (the TBE's host cost per step at B=64 against FBGEMM's);
+   (warm-up on) and row-wise Adagrad at 65,536;
+5. ``bench_host.py`` (the TBE's host cost per step at B=64 against FBGEMM's);
+6. at the scaled shape, 65,536: one profiled FTRL run (``--profile-steps 5``, 40 steps) and FTRL
+   bf16 state;
 7. FTRL bf16 state at the full preset, 65,536, if its plan fits (tables HBM cannot hold go to
    ``fused_uvm_caching``);
 8. TorchRec's ``dlrm_main.py`` (``bench_torchrec_dlrm.py``, DCN, the scaled tables, 8,192) when
@@ -141,7 +142,8 @@ def main(argv=None):
     ap.add_argument("--out", default=os.environ.get("OUT", "outputs/bench_preset"))
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--scale", type=float, default=0.25, help="--rows-scale of the scaled runs")
-    ap.add_argument("--budget-s", type=float, default=330.0, help="stop starting runs after this")
+    ap.add_argument("--budget-s", type=float, default=320.0,
+                    help="seconds: no run starts later, and a run is cut at this point")
     ap.add_argument("--batches", default="8192,65536")
     ap.add_argument("--skip", default="", help="comma list of step numbers (1-8) to leave out")
     a = ap.parse_args(argv)
@@ -156,12 +158,16 @@ def main(argv=None):
         except (ValueError, IndexError):
             return {}
     plans = {}
+    layouts = {"ftrl_fp32": [], "ftrl_bf16": ["--ftrl-state-dtype", "bf16"],
+               "rowwise_adagrad": ["--sparse-optimizer", "rowwise_adagrad"]}
+
+    def plan(name):
+        row = b.run(f"plan-only {name}", [sys.executable, "-m", "torchrec_ftrl.job", "--preset",
+                                          "mlperf-dcnv2", "--plan-only", *layouts[name]], parse=plan_json)
+        plans[name] = row.get("plan")
     if 1 not in skip:
-        for name, flags in (("ftrl_fp32", []), ("ftrl_bf16", ["--ftrl-state-dtype", "bf16"]),
-                            ("rowwise_adagrad", ["--sparse-optimizer", "rowwise_adagrad"])):
-            row = b.run(f"plan-only {name}", [sys.executable, "-m", "torchrec_ftrl.job", "--preset",
-                                              "mlperf-dcnv2", "--plan-only", *flags], parse=plan_json)
-            plans[name] = row.get("plan")
+        for name in layouts:
+            plan(name)
     if 2 not in skip:
         b.run("full preset, ftrl fp32 (must refuse)",
               [sys.executable, "-m", "torchrec_ftrl.job", "--preset", "mlperf-dcnv2", "--steps", "1",
@@ -177,16 +183,18 @@ def main(argv=None):
                       env={"TRITON_CACHE_DIR": cache})
         b.job(f"scaled_rowwise_adagrad_{small}", [*scaled, *rwa], small)
         b.job(f"scaled_ftrl_{big}", scaled, big)
-        b.job(f"scaled_ftrl_bf16_{big}", [*scaled, "--ftrl-state-dtype", "bf16"], big)
         b.job(f"scaled_rowwise_adagrad_{big}", [*scaled, *rwa], big)
     if 5 not in skip:
-        b.job(f"scaled_ftrl_profiled_{big}", [*scaled, "--profile-steps", "5"], big, steps=40)
-    if 6 not in skip:
         host_out = os.path.join(a.out, "bench_host")
         b.run("bench_host.py", [sys.executable, os.path.join("benchmarks", "bench_host.py"), "--out",
                                 host_out, "--rounds", "5"], timeout=150,
               parse=lambda p: {"bench_host": _read_json(os.path.join(host_out, "bench_host.json"))})
+    if 6 not in skip:
+        b.job(f"scaled_ftrl_profiled_{big}", [*scaled, "--profile-steps", "5"], big, steps=40)
+        b.job(f"scaled_ftrl_bf16_{big}", [*scaled, "--ftrl-state-dtype", "bf16"], big)
     if 7 not in skip:
+        if "ftrl_bf16" not in plans:
+            plan("ftrl_bf16")
         if (plans.get("ftrl_bf16") or {}).get("fits"):
             b.job(f"full_ftrl_bf16_{big}", ["--ftrl-state-dtype", "bf16"], big)
         else:

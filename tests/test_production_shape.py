@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from conftest import run_job
 
 from torchrec_ftrl.job import cli, layout, train, warmup
 
@@ -47,26 +48,14 @@ def test_plan_only_rowwise_adagrad_fits_one_h200(capsys):
     assert out["fits_in_hbm"] is True and out["compute_kernels"] == ["fused"]
 
 
-def test_job_refuses_a_layout_that_does_not_fit_before_allocating(capsys, monkeypatch):
-    from torchrec_ftrl.job import model
-    built = []
-
-    def no_dmp(*a, **k):
-        raise AssertionError("DistributedModelParallel was built")
-    monkeypatch.setattr("torchrec.distributed.model_parallel.DistributedModelParallel", no_dmp)
-    real_shard = model.shard
-
-    def spy(*a, **k):
-        built.append(True)
-        return real_shard(*a, **k)
-    monkeypatch.setattr(model, "shard", spy)
-    with pytest.raises(SystemExit) as e:
-        train.main(["--preset", "mlperf-dcnv2", "--device", "cpu", "--host-gib", "128",
-                    "--output-dir", "/nonexistent-never-written", "--no-progress"])
-    assert e.value.code == 2 and built
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("train_ctr: error: the sparse tables do not fit: 313.6 GB (104.5 GB "
-                              "weights + 209.1 GB optimizer state")
+def test_job_refuses_a_layout_that_does_not_fit_before_allocating(tmp_path):
+    p = run_job(["--preset", "mlperf-dcnv2", "--device", "cpu", "--host-gib", "128", "--output-dir",
+                 str(tmp_path), "--no-progress"], module=True)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert p.stderr.strip().splitlines()[-1].startswith(
+        "train_ctr: error: the sparse tables do not fit: 313.6 GB (104.5 GB weights + 209.1 GB "
+        "optimizer state")
+    assert "Traceback" not in p.stderr and not any(tmp_path.iterdir())   # nothing written
 
 
 def test_preset_values_and_overrides():
@@ -183,15 +172,15 @@ def test_kernel_warmup_mode():
     assert not warmup.enabled("off", "ftrl", cuda)
 
 
-def test_job_with_kernel_warmup_trains_as_without(tmp_path, monkeypatch):
-    warmed = []
-    real = warmup.warm_up
-    monkeypatch.setattr(warmup, "warm_up", lambda *a, **k: warmed.append(real(*a, **k)))
+def test_job_with_kernel_warmup_trains_as_without(tmp_path):
     runs = {}
     for mode in ("on", "off"):
-        runs[mode] = train.run(["--kernel-warmup", mode, "--steps", "4", "--log-every", "1",
-                                "--eval-every", "4", "--no-progress", "--data-workers", "0",
-                                "--output-dir", str(tmp_path), "--run-name", mode])
-    assert warmed == [1]   # the job's one TBE (26 tables of one dim), found inside the DMP
+        p = run_job(["--kernel-warmup", mode, "--steps", "4", "--log-every", "1", "--eval-every", "4",
+                     "--no-progress", "--data-workers", "0", "--output-dir", str(tmp_path),
+                     "--run-name", mode], module=True)
+        assert p.returncode == 0, p.stderr[-2000:]
+        runs[mode] = json.loads((tmp_path / f"{mode}_summary.json").read_text())
+    assert runs["on"]["kernel_warmup_tbes"] == 1   # the job's one TBE (26 tables), inside the DMP
+    assert runs["off"]["kernel_warmup_tbes"] == 0
     for key in ("loss_history", "final_validation", "sparsity"):
         assert runs["on"][key] == runs["off"][key]

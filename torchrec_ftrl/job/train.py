@@ -158,10 +158,11 @@ def _run(args, env, fused_params, rank0) -> dict:
     train_iter = train_loader(source, env.rank, env.world_size, args.batch_size, start_step,
                               steps - start_step, workers=workers,
                               pin_memory=env.device.type == "cuda" and not on_device)
-    warmup_s = None
+    warmup_s, warmed = None, 0
     if kernel_warmup.enabled(args.kernel_warmup, args.sparse_optimizer, env.device):
         t = time.perf_counter()
-        kernel_warmup.warm_up(dmp, args.batch_size * env.world_size, args.multi_hot_list, args.seed)
+        warmed = kernel_warmup.warm_up(dmp, args.batch_size * env.world_size, args.multi_hot_list,
+                                       args.seed)
         warmup_s = time.perf_counter() - t
     if rank0:
         opt_name = args.sparse_optimizer
@@ -289,7 +290,7 @@ def _run(args, env, fused_params, rank0) -> dict:
                  "reset_slots": int(_sum_over_ranks(evictions.evicted, env.device))}
                 if args.zch else None),
         "step_profile": prof.result if prof is not None else None,
-        "kernel_warmup_s": warmup_s,
+        "kernel_warmup_s": warmup_s, "kernel_warmup_tbes": warmed,
         "peak_gpu_memory_bytes": (torch.cuda.max_memory_allocated(env.device)
                                   if env.device.type == "cuda" else None),
         "args": vars(args),

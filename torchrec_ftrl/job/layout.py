@@ -23,9 +23,10 @@ LAYOUT_FLAGS = {
     "--ftrl-weights": ("ftrl_weights", ("stored", "derived"), "stored"),
     "--ftrl-accumulator": ("ftrl_accumulator", ("elementwise", "rowwise"), "elementwise"),
 }
-_DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 # Row-wise Adagrad (FBGEMM EXACT_ROWWISE_ADAGRAD): fp32 weights and one fp32 momentum per row.
 ROWWISE_ADAGRAD_STATE_BYTES_PER_ROW = 4
+# --ftrl-accumulator rowwise: one fp32 accum per row.
+ROWWISE_ACCUMULATOR_BYTES = 4
 
 
 def tbe_keywords() -> frozenset:
@@ -83,10 +84,13 @@ def bytes_per_row(dim: int, sparse_optimizer: str, weights: str = "stored",
     if sparse_optimizer != "ftrl":
         raise ValueError(f"sparse_optimizer must be ftrl or rowwise_adagrad, got {sparse_optimizer!r}")
     for name, value, allowed in (("weights", weights, LAYOUT_FLAGS["--ftrl-weights"][1]),
-                                 ("accumulator", accumulator, LAYOUT_FLAGS["--ftrl-accumulator"][1]),
-                                 ("state_dtype", state_dtype, tuple(_DTYPE_BYTES))):
+                                 ("accumulator", accumulator, LAYOUT_FLAGS["--ftrl-accumulator"][1])):
         if value not in allowed:
             raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
-    s = _DTYPE_BYTES[state_dtype]
-    accum = dim * s if accumulator == "elementwise" else 4
-    return (4 * dim if weights == "stored" else 0), dim * s + accum
+    from torchrec_ftrl.state_dtype import parse_state_dtypes, state_bytes_per_element
+    dtypes = parse_state_dtypes({"accum": state_dtype, "linear": state_dtype}, "state_dtype")
+    if accumulator == "elementwise":
+        state = dim * state_bytes_per_element(dtypes)
+    else:
+        state = dim * dtypes["linear"].itemsize + ROWWISE_ACCUMULATOR_BYTES
+    return (4 * dim if weights == "stored" else 0), state

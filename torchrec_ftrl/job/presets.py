@@ -101,11 +101,14 @@ def explicit_dests(build_parser: Callable[[], argparse.ArgumentParser],
 
 def apply_preset(a: argparse.Namespace, explicit: set) -> None:
     """Set the values of ``a.preset`` (if any) on ``a`` for every flag not in ``explicit``; with
-    ``--data`` the input's layout comes from the data, so the synthetic-input values are left out."""
+    ``--data`` or ``--synthetic criteo`` the input is one-hot, so the preset's ``--synthetic`` and
+    ``--multi-hot-sizes`` are left out."""
     if a.preset is None:
         return
+    # Input read from --data, or the host generator asked for: the preset's multi-hot input is not.
+    own_input = a.data is not None or "synthetic" in explicit and a.synthetic == "criteo"
     for dest, value in PRESETS[a.preset].items():
-        if dest in explicit or (a.data is not None and dest in ("multi_hot_sizes", "synthetic")):
+        if dest in explicit or (own_input and dest in ("multi_hot_sizes", "synthetic")):
             continue
         setattr(a, dest, value)
 

@@ -8,6 +8,7 @@ import os
 import sys
 from typing import Any, Optional, Sequence
 
+from . import presets
 from .pipeline import PIPELINES
 
 SPARSE_OPTIMIZERS = ("ftrl", "rowwise_adagrad")
@@ -162,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="record K training steps with torch.profiler after a few warm-up steps: "
                         "per-phase host/device ms in the summary JSON ('step_profile') and a chrome "
                         "trace <output-dir>/<run-name>_trace.json (0: off)")
+    presets.add_flags(p)
     return p
 
 
@@ -173,6 +175,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """
     p = build_parser()
     a = p.parse_args(argv)
+    presets.apply_preset(a, presets.explicit_dests(build_parser, argv))
     for name in ("steps", "batch_size", "embedding_dim", "eval_every", "log_every", "val_batches",
                  "zch_eviction_interval"):
         if getattr(a, name) < 1:
@@ -208,6 +211,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error("--zch with --sparse-optimizer rowwise_adagrad needs --device cuda: FBGEMM resets "
                 "evicted rows with a CUDA-only op (fbgemm::reset_weight_momentum)")
     _check_optimizer_flags(p, a)
+    presets.check(p, a)
     return a
 
 
@@ -340,6 +344,8 @@ def sparse_fused_params(args: argparse.Namespace, world_size: Optional[int] = No
     fused = {"optimizer": ftrl, **ftrl_fused_knobs(args, world_size),
              "ftrl_learning_rate_power": args.ftrl_lr_power,
              "ftrl_l2_convention": args.ftrl_l2_convention}
+    from .layout import fused_layout_params
+    fused.update(fused_layout_params(args))
     state = getattr(args, "ftrl_state_dtype", "fp32")
     if state != "fp32":
         from torchrec_ftrl.state_dtype import hashable_state_dtypes

@@ -3,16 +3,33 @@ its forward takes a batch and returns ``(loss, output)`` (what TorchRec's train 
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torchrec.models.dlrm import DLRM
+from torchrec.models.dlrm import DLRM, DLRM_DCN
+
+GIB = 2 ** 30
 
 
-class CTRTrain(DLRM):
+class _CTRForward:
+    """The train-pipeline forward of :class:`CTRTrain` and :class:`CTRTrainDCN` (documented there)."""
+
+    def __init__(self, num_dense: int, **dlrm_kwargs) -> None:
+        super().__init__(**dlrm_kwargs)
+        self.num_dense = int(num_dense)
+
+    def forward(self, batch):  # documented on CTRTrain
+        dense = (batch.dense_features if self.num_dense > 0
+                 else torch.ones_like(batch.labels).unsqueeze(1))
+        logits = super().forward(dense, batch.sparse_features).squeeze(-1)
+        loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
+        return loss, (loss.detach(), logits.detach(), batch.labels)
+
+
+class CTRTrain(_CTRForward, DLRM):
     """TorchRec's ``DLRM`` with the forward a train pipeline calls: ``forward(batch) -> (loss,
     (loss, logits, labels))``, as ``torchrec.models.dlrm.DLRMTrain`` returns it, for a
     ``torchrec.datasets.utils.Batch`` (``dense_features [B, num_dense]`` float32, KJT
@@ -25,25 +42,22 @@ class CTRTrain(DLRM):
     learns a bias), which ``DLRMTrain`` cannot express.
     """
 
-    def __init__(self, num_dense: int, **dlrm_kwargs) -> None:
-        super().__init__(**dlrm_kwargs)
-        self.num_dense = int(num_dense)
 
-    def forward(self, batch):  # documented on the class
-        dense = (batch.dense_features if self.num_dense > 0
-                 else torch.ones_like(batch.labels).unsqueeze(1))
-        logits = super().forward(dense, batch.sparse_features).squeeze(-1)
-        loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
-        return loss, (loss.detach(), logits.detach(), batch.labels)
+class CTRTrainDCN(_CTRForward, DLRM_DCN):
+    """:class:`CTRTrain` over TorchRec's ``DLRM_DCN`` (the interaction is a low-rank DCN-v2 cross
+    network, ``dcn_num_layers`` layers of rank ``dcn_low_rank_dim``; Wang et al., "DCN V2", 2021, as
+    in MLPerf's DLRM-DCNv2): same forward, same parameter-name scheme."""
 
 
 def build_dlrm(feature_names: Sequence[str], num_embeddings: Sequence[int], embedding_dim: int,
                num_dense: int, dense_arch: Sequence[int], over_arch: Sequence[int],
-               dense_device: torch.device) -> nn.Module:
-    """Unsharded ``CTRTrain`` (a TorchRec ``DLRM``): ``EmbeddingBagCollection`` on the meta device
+               dense_device: torch.device, dcn: Optional[tuple[int, int]] = None) -> nn.Module:
+    """Unsharded ``CTRTrain`` (a TorchRec ``DLRM``), or with ``dcn = (num_layers, low_rank_dim)``
+    ``CTRTrainDCN`` (TorchRec's ``DLRM_DCN``): ``EmbeddingBagCollection`` on the meta device
     (DMP materialises it), one sum-pooled table ``t_{feature}`` per feature, bottom MLP
     ``dense_arch + [embedding_dim]`` over ``max(num_dense, 1)`` inputs, top MLP ``over_arch + [1]``.
     Forward: ``Batch -> (loss 0-d, (loss, logits [B], labels [B]))`` (see ``CTRTrain``).
+    ``dense_device`` ``meta`` builds the whole model without memory (for planning only).
 
     Raises:
         ValueError: ``feature_names`` and ``num_embeddings`` of different lengths.
@@ -57,27 +71,86 @@ def build_dlrm(feature_names: Sequence[str], num_embeddings: Sequence[int], embe
                                  feature_names=[f], pooling=PoolingType.SUM)
               for f, n in zip(feature_names, num_embeddings)]
     ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
-    return CTRTrain(num_dense, embedding_bag_collection=ebc, dense_in_features=max(num_dense, 1),
-                    dense_arch_layer_sizes=[*dense_arch, embedding_dim],
-                    over_arch_layer_sizes=[*over_arch, 1], dense_device=dense_device)
+    common = dict(embedding_bag_collection=ebc, dense_in_features=max(num_dense, 1),
+                  dense_arch_layer_sizes=[*dense_arch, embedding_dim],
+                  over_arch_layer_sizes=[*over_arch, 1], dense_device=dense_device)
+    if dcn is None:
+        return CTRTrain(num_dense, **common)
+    return CTRTrainDCN(num_dense, dcn_num_layers=dcn[0], dcn_low_rank_dim=dcn[1], **common)
+
+
+class PlanDoesNotFitError(ValueError):
+    """TorchRec's planner found no placement of the sparse tables in the memory it was given; the
+    message says how many bytes the tables need and what the topology offers."""
+
+
+def compute_kernels(device_type: str) -> list[str]:
+    """Compute kernels the planner may choose: ``fused`` (tables in HBM, or in host memory on the
+    CPU), and on CUDA also ``fused_uvm_caching`` (a table in host memory with an HBM cache of its
+    rows, where TorchRec's planner puts a table that HBM cannot hold)."""
+    return ["fused", "fused_uvm_caching"] if device_type == "cuda" else ["fused"]
+
+
+def make_planner(table_names: Sequence[str], sharding_types: Sequence[str], device_type: str,
+                 world_size: int, local_world_size: int, batch_size: int, hbm_bytes: Optional[int],
+                 ddr_bytes: Optional[int]):
+    """TorchRec's ``EmbeddingShardingPlanner`` (its enumerator is torchrec_ftrl's for FTRL tables,
+    :mod:`torchrec_ftrl.integration.planner`) for ``world_size`` devices of ``hbm_bytes`` HBM and
+    ``ddr_bytes`` host memory each (``Topology``'s ``hbm_cap`` / ``ddr_cap``; None: TorchRec's
+    defaults, 32 GiB / 128 GiB), each table limited to ``sharding_types`` and
+    :func:`compute_kernels`."""
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+
+    kernels = compute_kernels(device_type)
+    constraints = {t: ParameterConstraints(sharding_types=list(sharding_types), compute_kernels=kernels)
+                   for t in table_names}
+    topology = Topology(world_size=world_size, compute_device=device_type,
+                        local_world_size=local_world_size, hbm_cap=hbm_bytes, ddr_cap=ddr_bytes)
+    return EmbeddingShardingPlanner(topology=topology, batch_size=batch_size,
+                                    constraints=constraints, debug=False)
+
+
+def device_memory_bytes(device: torch.device, hbm_gib: Optional[float], host_gib: Optional[float],
+                        local_world_size: int) -> tuple[Optional[int], Optional[int]]:
+    """``(hbm_cap, ddr_cap)`` per rank in bytes: ``hbm_gib`` GiB, else on CUDA the device's total
+    memory (None on the CPU: TorchRec's default); ``host_gib`` GiB of the host, else the host's
+    physical memory, divided among the ``local_world_size`` ranks of the host."""
+    hbm = int(hbm_gib * GIB) if hbm_gib is not None else (
+        torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None)
+    if host_gib is not None:
+        host = int(host_gib * GIB)
+    else:
+        import os
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return hbm, host // max(1, local_world_size)
 
 
 def shard(model: nn.Module, table_names: Sequence[str], sharders: list, device: torch.device,
-          sharding_types: Sequence[str], world_size: int, local_world_size: int, batch_size: int):
-    """Plan (fused compute kernel only; ``sharding_types`` as allowed) and wrap in DMP.
+          sharding_types: Sequence[str], world_size: int, local_world_size: int, batch_size: int,
+          hbm_bytes: Optional[int] = None, ddr_bytes: Optional[int] = None,
+          no_fit_message=None):
+    """Plan (:func:`make_planner`: ``fused``, on CUDA also ``fused_uvm_caching``; ``sharding_types``
+    as allowed; ``hbm_bytes`` / ``ddr_bytes`` per rank) and wrap in DMP. The plan is made before
+    DMP allocates any table.
 
     Returns ``(dmp_model, plan)``.
+
+    Raises:
+        PlanDoesNotFitError: the planner placed no plan in that memory (message:
+            ``no_fit_message()`` when given, else the planner's).
     """
     from torchrec.distributed.model_parallel import DistributedModelParallel
-    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+    from torchrec.distributed.planner.types import PlannerError
 
-    constraints = {t: ParameterConstraints(sharding_types=list(sharding_types), compute_kernels=["fused"])
-                   for t in table_names}
-    planner = EmbeddingShardingPlanner(
-        topology=Topology(world_size=world_size, compute_device=device.type,
-                          local_world_size=local_world_size),
-        batch_size=batch_size, constraints=constraints, debug=False)
-    plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
+    planner = make_planner(table_names, sharding_types, device.type, world_size, local_world_size,
+                           batch_size, hbm_bytes, ddr_bytes)
+    try:
+        plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
+    except PlannerError as e:
+        kind = getattr(getattr(e, "error_type", None), "value", "")
+        if kind not in ("insufficient_storage", "partition"):
+            raise
+        raise PlanDoesNotFitError(no_fit_message() if no_fit_message else str(e)) from None
     dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=sharders)
     return dmp, plan
 

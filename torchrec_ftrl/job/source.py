@@ -10,9 +10,12 @@ from torchrec_ftrl.data import (BinarySource, CTRFileReader, FileSource, Split, 
                                 SyntheticSource, get_spec)
 from .zch import RAW_ID_SPACE
 
+DEFAULT_SYNTHETIC_TABLES = 26   # Criteo's categorical features
 
-def make_source(args: argparse.Namespace):
-    """Returns ``(source, description dict)``: no ``--data``: the synthetic generator; one folder:
+
+def make_source(args: argparse.Namespace, device=None):
+    """Returns ``(source, description dict)``: no ``--data``: the synthetic generator (``--synthetic
+    uniform`` / ``zipf``: :class:`DeviceSyntheticSource` on ``device``, default CPU); one folder:
     :class:`BinarySource` (TorchRec's binary Criteo layout, dense values per ``--binary-dense``;
     ``--data-format`` and ``--strict`` do not apply); files: :class:`FileSource` over a
     :class:`CTRFileReader`. With ``--zch`` every source yields raw ids in ``[0, RAW_ID_SPACE)``
@@ -27,6 +30,8 @@ def make_source(args: argparse.Namespace):
     ne = args.num_embeddings_list
     # --zch: raw ids (the tables' slots are --num-embeddings; TorchRec's MC modules map ids to them).
     ne_arg = RAW_ID_SPACE if args.zch else ne[0] if len(ne) == 1 else ne
+    if args.data is None and getattr(args, "synthetic", "criteo") != "criteo":
+        return _device_source(args, device)
     if args.data is None:
         gen = SyntheticCTR(ne_arg, seed=args.seed, vocab=args.synthetic_vocab)
         return SyntheticSource(gen, val_batches=args.val_batches), {
@@ -41,6 +46,22 @@ def make_source(args: argparse.Namespace):
     reader = CTRFileReader(args.data, spec, ne_arg, strict=args.strict)
     src = FileSource(reader, split, max_val_rows=args.max_val_rows)
     return src, {"kind": "file", "paths": list(args.data), "format": args.data_format, "split": args.split}
+
+
+def _device_source(args: argparse.Namespace, device):
+    """:class:`DeviceSyntheticSource` for ``--synthetic uniform|zipf``: one table per entry of
+    ``--num-embeddings`` / ``--multi-hot-sizes`` (a single value applies to every table; 26 tables
+    when both are single values, as Criteo's)."""
+    from torchrec_ftrl.data.device_synthetic import DeviceSyntheticSource
+
+    rows, hot = list(args.num_embeddings_list), args.multi_hot_list or [1]
+    n = max(len(rows), len(hot))
+    n = DEFAULT_SYNTHETIC_TABLES if n == 1 else n
+    rows, hot = (rows * n if len(rows) == 1 else rows), (hot * n if len(hot) == 1 else hot)
+    src = DeviceSyntheticSource(rows, hot, args.synthetic, args.zipf_alpha, args.seed,
+                                device or "cpu", args.val_batches)
+    return src, {"kind": f"synthetic-{args.synthetic}", "seed": args.seed, "multi_hot": hot,
+                 **({"zipf_alpha": args.zipf_alpha} if args.synthetic == "zipf" else {})}
 
 
 def steps_for_epochs(src, epochs: float, world_size: int, batch_size: int) -> int:

@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
-from . import (checkpoint, cli, dist_env, evaluate, faults, model as model_lib, pipeline,
-               profile as profile_lib, report, sparsity, zch)
+from . import (checkpoint, cli, dist_env, evaluate, faults, model as model_lib, pipeline, plan_only,
+               profile as profile_lib, report, sparsity, warmup as kernel_warmup, zch)
 from .source import make_source, steps_for_epochs
 from torchrec_ftrl.data import train_loader
 
@@ -67,6 +67,8 @@ def run(argv=None) -> dict:
     """
     _quiet()
     args = cli.parse_args(argv)
+    if args.plan_only:
+        return plan_only.run(args)
     faults.parse(os.environ.get(faults.ENV))  # a malformed fault spec fails before any work
     fused_params = cli.sparse_fused_params(args)  # fails early if FTRL is not registered
     env = dist_env.init(args.device)
@@ -91,7 +93,7 @@ def _run(args, env, fused_params, rank0) -> dict:
         path = checkpoint.resolve(args.resume, args.checkpoint_dir)
         checkpoint.check_ftrl_state_dtype(path, checkpoint.read_meta(path), args.ftrl_state_dtype,
                                           args.sparse_optimizer)
-    source, data_desc = make_source(args)
+    source, data_desc = make_source(args, env.device)
     steps = args.steps
     if args.epochs is not None:
         steps = steps_for_epochs(source, args.epochs, env.world_size, args.batch_size)
@@ -101,7 +103,8 @@ def _run(args, env, fused_params, rank0) -> dict:
     num_dense = len(source.dense_names)
 
     net = model_lib.build_dlrm(features, sizes, args.embedding_dim, num_dense, args.dense_arch_list,
-                               args.over_arch_list, env.device)
+                               args.over_arch_list, env.device,
+                               dcn=(args.dcn_layers, args.dcn_rank) if args.dcn_layers else None)
     if args.compile_dense:
         model_lib.compile_dense(net)
     sharders = torchrec_ftrl.sharders(fused_params)
@@ -115,8 +118,11 @@ def _run(args, env, fused_params, rank0) -> dict:
         # A rank's MC module receives at most one id per example of the global batch and feature.
         zch.size_history_buffers(dmp, args.batch_size * env.world_size)
     else:
-        dmp, plan = model_lib.shard(net, tables, sharders, env.device, args.sharding_types.split(","),
-                                    env.world_size, local_world, args.batch_size)
+        hbm, ddr = model_lib.device_memory_bytes(env.device, args.hbm_gib, args.host_gib, local_world)
+        dmp, plan = model_lib.shard(
+            net, tables, sharders, env.device, args.sharding_types.split(","), env.world_size,
+            local_world, args.batch_size, hbm, ddr,
+            no_fit_message=lambda: plan_only.no_fit_message(args, sizes, env.world_size, hbm, ddr))
     opt = model_lib.build_optimizer(dmp, args.dense_optimizer, args.dense_lr)
 
     # Touched rows are counted from the batches' ids; --zch batches hold raw ids, not rows.
@@ -147,9 +153,17 @@ def _run(args, env, fused_params, rank0) -> dict:
                                                                   args.batch_size)
     if rank0 and source.stats() is not None:
         print(f"data: {source.stats().summary()}", flush=True)
-    workers = cli.data_workers(args.data_workers, local_world)
+    on_device = getattr(source, "on_device", False)   # batches drawn on the device: no workers, no pinning
+    workers = 0 if on_device else cli.data_workers(args.data_workers, local_world)
     train_iter = train_loader(source, env.rank, env.world_size, args.batch_size, start_step,
-                              steps - start_step, workers=workers, pin_memory=env.device.type == "cuda")
+                              steps - start_step, workers=workers,
+                              pin_memory=env.device.type == "cuda" and not on_device)
+    warmup_s, warmed = None, 0
+    if kernel_warmup.enabled(args.kernel_warmup, args.sparse_optimizer, env.device):
+        t = time.perf_counter()
+        warmed = kernel_warmup.warm_up(dmp, args.batch_size * env.world_size, args.multi_hot_list,
+                                       args.seed)
+        warmup_s = time.perf_counter() - t
     if rank0:
         opt_name = args.sparse_optimizer
         if opt_name == "ftrl":
@@ -276,6 +290,9 @@ def _run(args, env, fused_params, rank0) -> dict:
                  "reset_slots": int(_sum_over_ranks(evictions.evicted, env.device))}
                 if args.zch else None),
         "step_profile": prof.result if prof is not None else None,
+        "kernel_warmup_s": warmup_s, "kernel_warmup_tbes": warmed,
+        "peak_gpu_memory_bytes": (torch.cuda.max_memory_allocated(env.device)
+                                  if env.device.type == "cuda" else None),
         "args": vars(args),
     }
     if rank0:
@@ -339,7 +356,7 @@ def main(argv=None) -> dict:
     try:
         return run(argv)
     except (FileNotFoundError, MalformedRowError, NoUsableRowsError,
-            checkpoint.CheckpointError) as e:  # one clear line, no traceback
+            checkpoint.CheckpointError, model_lib.PlanDoesNotFitError) as e:  # one clear line, no traceback
         print(f"train_ctr: error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
 

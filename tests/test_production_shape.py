@@ -72,8 +72,8 @@ def test_preset_values_and_overrides():
 
 
 @pytest.mark.parametrize("flags, needle", [
-    (["--ftrl-weights", "derived"], "--ftrl-weights derived is not supported"),
-    (["--ftrl-accumulator", "rowwise"], "--ftrl-accumulator rowwise is not supported"),
+    (["--ftrl-weights", "derived"], "--ftrl-weights derived --ftrl-accumulator elementwise is not supported"),
+    (["--ftrl-accumulator", "rowwise"], "--ftrl-weights stored --ftrl-accumulator rowwise is not supported"),
     (["--rows-scale", "0"], "--rows-scale must be in (0, 1], got 0.0"),
     (["--multi-hot-sizes", "2"], "--multi-hot-sizes needs --synthetic uniform or zipf"),
     (["--world-size", "2"], "--world-size 2 needs --plan-only"),
@@ -84,14 +84,16 @@ def test_bad_flags_are_refused_naming_flag_and_value(capsys, flags, needle):
     assert needle in capsys.readouterr().err
 
 
-def test_layout_flags_follow_the_tbe_signature():
+def test_layout_flags_follow_the_kernel_layouts():
     import argparse
     a = argparse.Namespace(sparse_optimizer="ftrl", ftrl_weights="derived", ftrl_accumulator="rowwise")
-    assert "not supported" in layout.layout_error(a, keywords=frozenset())
-    assert layout.layout_error(a, keywords=frozenset({"ftrl_weights", "ftrl_accumulator"})) == ""
+    assert layout.layout_error(a) == ("--ftrl-weights derived --ftrl-accumulator rowwise is not supported by "
+                                      "the FTRL TBE kernels; supported: --ftrl-weights stored "
+                                      "--ftrl-accumulator elementwise")
+    assert layout.layout_error(a, kernel_layouts={("derived", "rowwise")}) == ""
     assert layout.fused_layout_params(a) == {"ftrl_weights": "derived", "ftrl_accumulator": "rowwise"}
     a.sparse_optimizer = "rowwise_adagrad"
-    assert "needs --sparse-optimizer ftrl" in layout.layout_error(a, keywords=frozenset({"ftrl_weights"}))
+    assert "needs --sparse-optimizer ftrl" in layout.layout_error(a)
 
 
 @pytest.mark.parametrize("args, expected", [
@@ -99,6 +101,7 @@ def test_layout_flags_follow_the_tbe_signature():
     (("ftrl", "stored", "elementwise", "bf16"), (512, 512)),     # 209 GB
     (("ftrl", "derived", "elementwise", "bf16"), (0, 512)),      # the 512 B lean layout
     (("ftrl", "derived", "rowwise", "fp32"), (0, 516)),          # the 516 B lean layout
+    (("ftrl", "derived", "rowwise", "bf16"), (0, 258)),          # bf16 z and bf16 row-wise n
     (("rowwise_adagrad", "stored", "elementwise", "fp32"), (512, 4)),
 ])
 def test_bytes_per_row(args, expected):

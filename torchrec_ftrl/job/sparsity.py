@@ -90,6 +90,9 @@ class TouchTracker:
             self._flat[self._base[f]:self._base[f] + n] = state[f"t_{f}"].to(torch.bool)
 
 
+_CHUNK_ELEMENTS = 1 << 27
+
+
 @torch.no_grad()
 def table_sparsity(model: torch.nn.Module, device: torch.device,
                    touched: Optional[Dict[str, torch.Tensor]] = None) -> Dict[str, dict]:
@@ -109,6 +112,13 @@ def table_sparsity(model: torch.nn.Module, device: torch.device,
     row_vectors, shapes = {}, {}
 
     def count(i, t, r0, full_width, name):
+        # Row chunks of at most _CHUNK_ELEMENTS elements: a 40M x 128 shard's comparison and sum would
+        # otherwise take tens of GB beside the tables.
+        step = max(1, _CHUNK_ELEMENTS // max(1, t.shape[1]))
+        for s in range(0, t.shape[0], step):
+            count_rows(i, t[s:s + step], r0 + s, full_width, name)
+
+    def count_rows(i, t, r0, full_width, name):
         z = t == 0
         nz_rows = (~z).any(dim=1)
         tm = touched[name][r0:r0 + t.shape[0]].to(t.device) if touched is not None else None

@@ -59,10 +59,30 @@ def ftrl_rule(w: torch.Tensor, accum: torch.Tensor, linear: torch.Tensor, g: tor
     sigma = (pn_new - pn_old) / hp.learning_rate
     g_s = g + (2.0 * hp.l2_shrinkage) * w if hp.l2_shrinkage != 0.0 else g
     z = linear + g_s - sigma * w
-    q = (hp.beta + pn_new) / hp.learning_rate + hp.l2_effective
+    return _prox(z, pn_new, hp), n_new, z
+
+
+def _prox(z: torch.Tensor, pn: torch.Tensor, hp: FTRLHyperparams) -> torch.Tensor:
+    """``w = (l1 sign(z) - z) / q`` where ``|z| > l1``, else exactly 0; ``q = (beta + pn) / lr + L2``,
+    ``pn = n^(-p)``."""
+    q = (hp.beta + pn) / hp.learning_rate + hp.l2_effective
     keep = z.abs() > hp.l1_reg
-    w_new = torch.where(keep, (hp.l1_reg * z.sign() - z) / q, torch.zeros_like(z))
-    return w_new, n_new, z
+    return torch.where(keep, (hp.l1_reg * z.sign() - z) / q, torch.zeros_like(z))
+
+
+def ftrl_weight(accum: torch.Tensor, linear: torch.Tensor, hp: FTRLHyperparams) -> torch.Tensor:
+    """The weight FTRL derives from its state: ``w = prox(z, n)``, the last two lines of the rule
+    with ``n_new = accum``, ``z = linear``; in ``accum``'s dtype promoted with fp32 (a bf16 state
+    upcasts exactly).
+
+    Args:
+        accum: n, any shape; linear: z, the same shape; fp32, bf16 or fp64.
+        hp: validated hyperparameters.
+    """
+    math = torch.promote_types(accum.dtype, torch.float32)
+    n = accum.to(math)
+    pn = n.sqrt() if hp.learning_rate_power == -0.5 else n.pow(-hp.learning_rate_power)
+    return _prox(linear.to(math), pn, hp)
 
 
 def ftrl_update_rows_(weight: torch.Tensor, accum: torch.Tensor, linear: torch.Tensor,

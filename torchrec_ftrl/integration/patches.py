@@ -15,12 +15,13 @@ from typing import Callable
 
 import torchrec
 import torchrec.optim as trec_optim
-from torchrec.distributed import utils as dist_utils
+from torchrec.distributed import embeddingbag, utils as dist_utils
 from torchrec.distributed.planner import planners
 
 from .. import optim_type
 from ..optim import FTRL
 from .planner import FTRLEnumerator
+from .resharding import ftrl_update_shards
 from .routing import ROUTES, routed_create_embedding_kernel
 from .versions import check_torchrec_version
 
@@ -95,6 +96,14 @@ def _default_enumerator() -> Callable[[], None]:
     return _set_attr(planners, "EmbeddingEnumerator", FTRLEnumerator)
 
 
+def _update_shards() -> Callable[[], None]:
+    cls = embeddingbag.ShardedEmbeddingBagCollection
+    original = getattr(cls, "update_shards", None)
+    if original is None:   # a torchrec without dynamic sharding
+        return lambda: None
+    return _set_attr(cls, "update_shards", ftrl_update_shards(original))
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch("fbgemm_gpu.split_embedding_configs.EmbOptimType",
           "adds the member FTRL = 'ftrl' unless fbgemm_gpu has one", _enum_member),
@@ -107,6 +116,10 @@ PATCHES: tuple[Patch, ...] = (
     Patch("torchrec.distributed.planner.planners.EmbeddingEnumerator",
           "EmbeddingShardingPlanner's default enumerator (DMP's default planner) is FTRLEnumerator",
           _default_enumerator),
+    Patch("torchrec.distributed.embeddingbag.ShardedEmbeddingBagCollection.update_shards",
+          "(DistributedModelParallel.reshard) a module with FTRL tables checks the new plan first, then "
+          "carries every weight and optimizer state by name (resharding.py); other modules unchanged",
+          _update_shards),
 )
 
 _undo: list[Callable[[], None]] = []

@@ -1,0 +1,178 @@
+"""Worker bodies of tests/test_state_paths.py (spawned gloo processes, ``conftest.run_distributed``):
+TorchRec paths that move or sync optimizer state, with FTRL tables.
+
+Full tables are assembled from every rank's local shards (:func:`full_state`), as raw bits, so
+"bitwise" compares bytes (NaN == NaN, -0.0 != 0.0).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import torchrec_ftrl
+from conftest import device_type
+from dist_scenarios import B_LOCAL, DIM, FUSED_KNOBS, ROWS, batch, copy_global_into, device, global_init, \
+    local_kjt, upstream
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def full_state(module) -> dict[str, np.ndarray]:
+    """Every ShardedTensor of the sharded ``module`` (weights and fused optimizer states, keys of
+    :func:`torchrec_ftrl.integration.resharding.sharded_state`) as a full array of its raw bits,
+    the same on every rank."""
+    from torchrec_ftrl.integration.resharding import sharded_state
+    state = sharded_state(module)
+    mine = {k: [(tuple(s.metadata.shard_offsets), s.tensor.detach().cpu().contiguous()) for s in t.local_shards()]
+            for k, t in state.items()}
+    shapes = {k: (tuple(t.metadata().size), t.metadata().tensor_properties.dtype) for k, t in state.items()}
+    parts, shape_parts = [None] * dist.get_world_size(), [None] * dist.get_world_size()
+    dist.all_gather_object(parts, {k: [(o, t.view(_INT_OF_SIZE[t.element_size()]).numpy()) for o, t in v]
+                                   for k, v in mine.items()})
+    dist.all_gather_object(shape_parts, shapes)
+    out: dict[str, np.ndarray] = {}
+    for sp in shape_parts:
+        for k, (shape, dtype) in sp.items():
+            out.setdefault(k, np.zeros(shape, dtype=np.dtype(f"int{8 * torch.empty(0, dtype=dtype).element_size()}")))
+    filled = {k: np.zeros(v.shape, dtype=bool) for k, v in out.items()}
+    for part in parts:
+        for k, pieces in part.items():
+            for offsets, arr in pieces:
+                sl = tuple(slice(o, o + s) for o, s in zip(offsets, arr.shape))
+                out[k][sl] = arr.view(out[k].dtype)
+                filled[k][sl] = True
+    assert all(f.all() for f in filled.values()), [k for k, f in filled.items() if not f.all()]
+    return out
+
+
+def assert_same_state(a: dict[str, np.ndarray], b: dict[str, np.ndarray], what: str) -> None:
+    assert sorted(a) == sorted(b), (what, sorted(a), sorted(b))
+    differ = [k for k in sorted(a) if not np.array_equal(a[k], b[k])]
+    assert not differ, f"{what}: {differ} differ"
+
+
+class SparseDense(torch.nn.Module):
+    """An EBC and one dense Linear (DMP wraps the dense part in DDP, which dynamic sharding needs)."""
+
+    def __init__(self, ebc):
+        super().__init__()
+        self.ebc = ebc
+        self.dense = torch.nn.Linear(DIM, 1)
+
+    def forward(self, kjt):
+        return self.ebc(kjt), self.dense
+
+
+RESHARD_TABLES = {"a": "tw0", "b": "tw1", "c": "cw", "s": "tw0"}   # s: stock row-wise Adagrad
+
+
+def _reshard_model(rank, ws, placements):
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.types import ShardingPlan
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+    ebc = _meta_ebc()
+    apply_optimizer_in_backward(RowWiseAdagrad, ebc.embedding_bags["s"].parameters(), {"lr": 0.05})
+    sharders = _sharders()
+    model = SparseDense(ebc)
+    plan = ShardingPlan({"ebc": module_plan(ebc, sharders[0], ws, placements)})
+    dmp = DistributedModelParallel(model, device=device(), sharders=sharders, plan=plan)
+    msd = dmp.state_dict()
+    for t in RESHARD_TABLES:
+        copy_global_into(msd[f"ebc.embedding_bags.{t}.weight"], global_init(t, ROWS, DIM))
+    with torch.no_grad():
+        dmp.module.dense.weight.fill_(0.5)
+        dmp.module.dense.bias.zero_()
+    return dmp
+
+
+def module_plan(ebc, sharder, ws, placements):
+    """``placements``: table -> "tw<rank>" | "cw" (ranks 0, 1) | "cw10" (ranks 1, 0)."""
+    from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, table_wise
+    gens = {t: (table_wise(rank=int(p[2:])) if p.startswith("tw") else
+                column_wise(ranks=[0, 1] if p == "cw" else [1, 0])) for t, p in placements.items()}
+    plan = construct_module_sharding_plan(ebc, per_param_sharding=gens, sharder=sharder, local_size=ws,
+                                          world_size=ws, device_type=device_type())
+    for ps in plan.values():
+        ps.compute_kernel = "fused"
+    return plan
+
+
+def _train(dmp, rank, ws, steps):
+    feats = [f"f_{t}" for t in RESHARD_TABLES]
+    for step in steps:
+        gb = batch(step, feats, rank, ws)
+        up = upstream(step, ws, len(feats))
+        pooled, dense = dmp(local_kjt(gb, feats, rank))
+        local_up = torch.from_numpy(up[rank * B_LOCAL:(rank + 1) * B_LOCAL]).float().to(device())
+        emb = torch.stack([pooled[f] for f in feats], 1)   # a reshard may change the key order
+        loss = (emb * local_up).sum() + 0.0 * dense(emb.detach()[:, 0]).sum()
+        loss.backward()
+
+
+def reshard_carries_ftrl_state(rank: int, ws: int) -> None:
+    """DistributedModelParallel.reshard of a module with FTRL tables (a, b, c) and a stock row-wise
+    Adagrad table (s): after 2 steps, a moves rank 0 -> 1 and b rank 1 -> 0 (a swap), c's column
+    shards swap ranks and s moves rank 0 -> 1. Every weight and optimizer state is bitwise what it
+    was, and 2 more steps give bitwise the state of a model that never moved. A refused reshard (a
+    sharding type change) leaves the model, its plan and its training bitwise unchanged."""
+    from torchrec.distributed.sharding.dynamic_sharding import output_sharding_plan_delta_single
+
+    moved = _reshard_model(rank, ws, RESHARD_TABLES)
+    still = _reshard_model(rank, ws, RESHARD_TABLES)
+    _train(moved, rank, ws, range(2))
+    _train(still, rank, ws, range(2))
+    before = full_state(moved.module.ebc)
+    assert_same_state(before, full_state(still.module.ebc), "two identical models")
+    keys = sorted(before)
+    assert any(k.endswith("/a.accum") for k in keys) and any(k.endswith("/a.linear") for k in keys), keys
+    assert any(k.endswith("/s.momentum1") for k in keys), keys
+
+    # a refused move: nothing changes
+    sharder = _sharders()[0]
+    old_plan = moved.plan.plan["ebc"]
+    bad = module_plan(_meta_ebc(), sharder, ws, {**RESHARD_TABLES, "a": "cw"})
+    _, bad_delta = output_sharding_plan_delta_single(old_plan, bad)
+    lookups = list(moved.module.ebc._lookups)
+    with pytest.raises(ValueError, match=r"table 'a' would change sharding type from 'table_wise' to 'column_wise'"):
+        moved.reshard({"ebc": (0.0, bad_delta)}, sharded_module_fqn="ebc")
+    assert list(moved.module.ebc._lookups) == lookups
+    assert moved.module.ebc.module_sharding_plan["a"].sharding_type == "table_wise"
+    assert_same_state(before, full_state(moved.module.ebc), "after a refused reshard")
+
+    # the move
+    new_placements = {"a": "tw1", "b": "tw0", "c": "cw10", "s": "tw1"}
+    _, delta = output_sharding_plan_delta_single(old_plan, module_plan(_meta_ebc(), sharder, ws, new_placements))
+    assert sorted(delta) == ["a", "b", "c", "s"], sorted(delta)
+    moved.reshard({"ebc": (0.0, delta)}, sharded_module_fqn="ebc")
+    plan_now = moved.module.ebc.module_sharding_plan
+    assert plan_now["a"].ranks == [1] and plan_now["b"].ranks == [0] and plan_now["c"].ranks == [1, 0]
+    assert moved.plan.plan["ebc"]["a"].ranks == [1]
+    local_tables = {t.name for k in _kernels(moved) for t in k.config.embedding_tables}
+    assert ("b" in local_tables) == (rank == 0) and ("a" in local_tables) == (rank == 1), local_tables
+    assert_same_state(before, full_state(moved.module.ebc), "right after the reshard")
+
+    _train(moved, rank, ws, range(2, 4))
+    _train(still, rank, ws, range(2, 4))
+    assert_same_state(full_state(still.module.ebc), full_state(moved.module.ebc), "2 steps after the reshard")
+
+
+def _sharders():
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    return torchrec_ftrl.sharders({"optimizer": EmbOptimType.FTRL, **FUSED_KNOBS})
+
+
+def _meta_ebc():
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+    return EmbeddingBagCollection(tables=[EmbeddingBagConfig(
+        name=t, embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f"f_{t}"]) for t in RESHARD_TABLES],
+        device=torch.device("meta"))
+
+
+def _kernels(dmp):
+    from dist_scenarios import ftrl_kernels
+    return ftrl_kernels(dmp)

@@ -7,6 +7,11 @@ Full tables are assembled from every rank's local shards (:func:`full_state`), a
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import re
+import textwrap
+
 import numpy as np
 import pytest
 import torch
@@ -166,13 +171,121 @@ def _sharders():
     return torchrec_ftrl.sharders({"optimizer": EmbOptimType.FTRL, **FUSED_KNOBS})
 
 
-def _meta_ebc():
+def _meta_ebc(tables=tuple(RESHARD_TABLES)):
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
     return EmbeddingBagCollection(tables=[EmbeddingBagConfig(
-        name=t, embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f"f_{t}"]) for t in RESHARD_TABLES],
+        name=t, embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f"f_{t}"]) for t in tables],
         device=torch.device("meta"))
 
 
 def _kernels(dmp):
     from dist_scenarios import ftrl_kernels
     return ftrl_kernels(dmp)
+
+
+# ------------------------------------------------------------------------------ 2D parallel
+def _recompiled(fn, edits: list[tuple[str, str]], module):
+    """``fn`` compiled from its own source with each regex edit applied exactly once."""
+    src = textwrap.dedent(inspect.getsource(fn))
+    for pattern, repl in edits:
+        src, n = re.subn(pattern, repl, src)
+        assert n == 1, f"{fn.__qualname__} changed ({pattern!r}): update the shim"
+    namespace: dict = {}
+    exec(compile(src, inspect.getsourcefile(fn), "exec"), vars(module), namespace)
+    return namespace[fn.__name__]
+
+
+@contextlib.contextmanager
+def dmp_collection_on_cpu():
+    """Test-only shim for DMPCollection on CPU. Its constructor asserts a CUDA or MTIA device, and its
+    ``_remap_sharding_plan`` writes placements ``rank:R/<device type>:<local rank>`` (a CUDA device
+    index); the code around both (a DeviceMesh of the given device type and its process groups, DMP
+    construction, grouping of the sharded modules, ``sync``) is device-neutral. Inside this context
+    the stock constructor runs without that assert and the placements read ``rank:R/cpu``, both
+    compiled from TorchRec's own source, the constructor still under torchrec_ftrl's wrapper."""
+    from torchrec.distributed import model_parallel
+    from torchrec_ftrl.integration.replica_sync import ftrl_dmp_collection_init
+
+    cls = model_parallel.DMPCollection
+    installed = {name: cls.__dict__[name] for name in ("__init__", "_remap_sharding_plan")}
+    init = _recompiled(installed["__init__"].__wrapped__, [
+        (r'assert \(\s*device\.type == "cuda" or device\.type == "mtia"\s*\),\s*'
+         r'"DMPCollection only supports CUDA or MTIA"', "pass"),
+        (r"super\(\)\.__init__\(", "DistributedModelParallel.__init__(self, ")], model_parallel)
+    remap = _recompiled(installed["_remap_sharding_plan"], [
+        (r'\{self\._device\.type\}:\{shard_rank % get_local_size\(\)\}', "{self._device.type}")],
+        model_parallel)
+    cls.__init__ = ftrl_dmp_collection_init(init)
+    cls._remap_sharding_plan = remap
+    try:
+        yield cls
+    finally:
+        for name, fn in installed.items():
+            setattr(cls, name, fn)
+
+
+def _prox64(z: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """w = prox(z, n) in float64, transcribed from docs/ftrl.md (p = -0.5, "tensorflow" L2 = 2·λ2)."""
+    lr, l1, l2, beta = (FUSED_KNOBS[k] for k in ("learning_rate", "ftrl_l1_reg", "ftrl_l2_reg", "ftrl_beta"))
+    q = (beta + np.sqrt(n)) / lr + 2.0 * l2
+    return np.where(np.abs(z) > l1, (l1 * np.sign(z) - z) / q, 0.0)
+
+
+def _tables64(dmpc) -> list[dict[str, np.ndarray]]:
+    from torchrec_ftrl.integration.replica_sync import ftrl_tbes
+    out = []
+    for tbe in ftrl_tbes(dmpc):
+        for w, st in zip(tbe.split_embedding_weights(), tbe.get_optimizer_state()):
+            out.append({"w": w.double().cpu().numpy(), "n": st["accum"].double().cpu().numpy(),
+                        "z": st["linear"].double().cpu().numpy(),
+                        "bits": [bits_of(t) for t in (w, st["accum"], st["linear"])]})
+    return out
+
+
+def bits_of(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().contiguous().view(_INT_OF_SIZE[t.element_size()]).numpy().copy()
+
+
+def dmp_collection_syncs_ftrl(rank: int, ws: int) -> None:
+    """DMPCollection, sharding groups of 1 rank, 2 replicas, FTRL tables a and b with fp32 and with
+    bf16 states: each replica trains 2 steps on its own data; after sync() the replicas are bitwise
+    equal, every state is the float64 mean of the replicas' stored states (fp32 within 1e-5, bf16
+    within its rounding) and every weight is the float64 prox(z, n) of the stored states."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
+    from torchrec.distributed.types import ShardingPlan
+
+    for state_dtypes, rtol in (({}, 1e-5), ({"accum": SparseType.BF16, "linear": SparseType.BF16}, 2.0 ** -8)):
+        fused = {"optimizer": EmbOptimType.FTRL, **FUSED_KNOBS}
+        if state_dtypes:
+            fused["optimizer_state_dtypes"] = state_dtypes
+        sharders = torchrec_ftrl.sharders(fused)
+        ebc = _meta_ebc(["a", "b"])
+        plan = ShardingPlan({"": module_plan(ebc, sharders[0], 1, {"a": "tw0", "b": "tw0"})})
+        with dmp_collection_on_cpu() as DMPCollection:
+            dmpc = DMPCollection(module=ebc, device=device(), plan=plan, world_size=ws, sharding_group_size=1,
+                                 global_pg=dist.group.WORLD, sharders=sharders)
+        with torch.no_grad():   # (DMPCollection's state_dict holds DTensors: set the TBEs directly)
+            for kernel in _kernels(dmpc):
+                for table, w in zip(kernel.config.embedding_tables, kernel._emb_module.split_embedding_weights()):
+                    w.copy_(torch.from_numpy(global_init(table.name, ROWS, DIM)))
+        feats = ["f_a", "f_b"]
+        for step in range(2):
+            out = dmpc(local_kjt(batch(step, feats, rank, ws), feats, rank))
+            up = torch.from_numpy(upstream(step, ws, 2)[rank * B_LOCAL:(rank + 1) * B_LOCAL]).float()
+            (torch.stack([out[f] for f in feats], 1) * up).sum().backward()
+        mine = _tables64(dmpc)
+        replicas: list = [None] * ws
+        dist.all_gather_object(replicas, mine)
+        assert not np.array_equal(replicas[0][0]["n"], replicas[1][0]["n"]), "replicas trained alike"
+        dmpc.sync()
+        synced = _tables64(dmpc)
+        everyone: list = [None] * ws
+        dist.all_gather_object(everyone, synced)
+        for i, table in enumerate(synced):
+            for j in range(3):
+                assert all(np.array_equal(table["bits"][j], other[i]["bits"][j]) for other in everyone), (i, j)
+            for s in ("n", "z"):
+                mean = np.mean([r[i][s] for r in replicas], axis=0)
+                np.testing.assert_allclose(table[s], mean, rtol=rtol, atol=1e-7, err_msg=f"{state_dtypes} {s}")
+            np.testing.assert_allclose(table["w"], _prox64(table["z"], table["n"]), rtol=1e-5, atol=2e-7,
+                                       err_msg=f"{state_dtypes} w")

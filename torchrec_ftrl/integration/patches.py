@@ -21,6 +21,7 @@ from torchrec.distributed.planner import planners
 from .. import optim_type
 from ..optim import FTRL
 from .planner import FTRLEnumerator
+from .delta_tracker import ftrl_tracker_init
 from .replica_sync import ftrl_dmp_collection_init, ftrl_dmp_collection_sync
 from .resharding import ftrl_update_shards
 from .routing import ROUTES, routed_create_embedding_kernel
@@ -114,6 +115,14 @@ def _dmp_collection() -> Callable[[], None]:
     return lambda: [undo() for undo in reversed(undos)]
 
 
+def _delta_tracker() -> Callable[[], None]:
+    try:
+        from torchrec.distributed.model_tracker.model_delta_tracker import ModelDeltaTrackerTrec as tracker
+    except ImportError:   # a torchrec without the model tracker
+        return lambda: None
+    return _set_attr(tracker, "__init__", ftrl_tracker_init(tracker.__init__))
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch("fbgemm_gpu.split_embedding_configs.EmbOptimType",
           "adds the member FTRL = 'ftrl' unless fbgemm_gpu has one", _enum_member),
@@ -134,6 +143,9 @@ PATCHES: tuple[Patch, ...] = (
           "(2D parallel) a model with FTRL tables is refused at construction where its replicas cannot be "
           "synced; sync() then averages every FTRL state and derives the weights (replica_sync.py)",
           _dmp_collection),
+    Patch("torchrec.distributed.model_tracker.model_delta_tracker.ModelDeltaTrackerTrec.__init__",
+          "refuses the optimizer-state tracking modes for a model with FTRL tables (delta_tracker.py)",
+          _delta_tracker),
 )
 
 _undo: list[Callable[[], None]] = []

@@ -8,7 +8,8 @@ silently. :mod:`.patches` wraps both methods:
 
 * ``DMPCollection.__init__`` (:func:`ftrl_dmp_collection_init`): after TorchRec's construction, a model
   with FTRL tables is refused with ``ValueError`` where this module cannot sync them (a torchrec
-  without per-context replica groups, or ``submodule_configs``);
+  without per-context replica groups, ``submodule_configs``, or hash-ZCH tables, which TorchRec syncs
+  through ``sync_hash_zch_weights`` and its ``state["sum"]``);
 * ``DMPCollection.sync`` (:func:`ftrl_dmp_collection_sync`): after TorchRec's sync, every FTRL TBE
   is averaged across its replicas by :func:`average_ftrl_replicas`.
 
@@ -92,6 +93,13 @@ def check_ftrl_replicas(dmpc) -> None:
             f"{len(groups)} replica groups (submodule_configs, or a torchrec whose DMPCollection keeps "
             f"none per context); torchrec_ftrl syncs FTRL replicas over exactly one replica group. "
             f"Use DistributedModelParallel, or DMPCollection without submodule_configs")
+    zch = sorted({table for ctx in dmpc._ctxs for kernel, table in getattr(ctx, "hash_zch_modules", ())
+                  if ftrl_tbes(kernel)})
+    if zch:
+        raise ValueError(
+            f"DMPCollection holds hash-ZCH (MPZCH) FTRL tables {zch}: TorchRec syncs their replicas with "
+            f"sync_hash_zch_weights, which averages one optimizer state named 'sum'; FTRL's weight "
+            f"derives from two ('accum', 'linear'). Use DistributedModelParallel for these tables")
 
 
 def ftrl_dmp_collection_init(original: Callable[..., None]) -> Callable[..., None]:

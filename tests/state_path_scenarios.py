@@ -80,14 +80,15 @@ def _reshard_model(rank, ws, placements):
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
-    ebc = _meta_ebc()
-    apply_optimizer_in_backward(RowWiseAdagrad, ebc.embedding_bags["s"].parameters(), {"lr": 0.05})
+    ebc = _meta_ebc(list(placements))
+    if "s" in placements:
+        apply_optimizer_in_backward(RowWiseAdagrad, ebc.embedding_bags["s"].parameters(), {"lr": 0.05})
     sharders = _sharders()
     model = SparseDense(ebc)
     plan = ShardingPlan({"ebc": module_plan(ebc, sharders[0], ws, placements)})
     dmp = DistributedModelParallel(model, device=device(), sharders=sharders, plan=plan)
     msd = dmp.state_dict()
-    for t in RESHARD_TABLES:
+    for t in placements:
         copy_global_into(msd[f"ebc.embedding_bags.{t}.weight"], global_init(t, ROWS, DIM))
     with torch.no_grad():
         dmp.module.dense.weight.fill_(0.5)
@@ -108,7 +109,7 @@ def module_plan(ebc, sharder, ws, placements):
 
 
 def _train(dmp, rank, ws, steps):
-    feats = [f"f_{t}" for t in RESHARD_TABLES]
+    feats = [f"f_{t}" for t in dmp.module.ebc.module_sharding_plan]
     for step in steps:
         gb = batch(step, feats, rank, ws)
         up = upstream(step, ws, len(feats))
@@ -164,6 +165,19 @@ def reshard_carries_ftrl_state(rank: int, ws: int) -> None:
     _train(moved, rank, ws, range(2, 4))
     _train(still, rank, ws, range(2, 4))
     assert_same_state(full_state(still.module.ebc), full_state(moved.module.ebc), "2 steps after the reshard")
+
+    # a swap from the identity feature order: TorchRec keeps _has_features_permute False
+    placements = {"a": "tw0", "b": "tw1"}
+    moved, still = _reshard_model(rank, ws, placements), _reshard_model(rank, ws, placements)
+    _train(moved, rank, ws, range(1))
+    _train(still, rank, ws, range(1))
+    assert not moved.module.ebc._has_features_permute                   # features already in order
+    _, delta = output_sharding_plan_delta_single(
+        moved.plan.plan["ebc"], module_plan(_meta_ebc(["a", "b"]), sharder, ws, {"a": "tw1", "b": "tw0"}))
+    moved.reshard({"ebc": (0.0, delta)}, sharded_module_fqn="ebc")
+    _train(moved, rank, ws, range(1, 3))
+    _train(still, rank, ws, range(1, 3))
+    assert_same_state(full_state(still.module.ebc), full_state(moved.module.ebc), "after a swap")
 
 
 def _sharders():

@@ -115,3 +115,15 @@ def test_state_path_patches_uninstall_and_reinstall():
     finally:
         integration.install()
     assert all(hasattr(vars(cls)[name], "__wrapped__") for cls, name in targets)
+
+
+def test_unsharded_fused_collection_refuses_ftrl():
+    """torchrec.modules.fused_embedding_modules builds FBGEMM's TBE itself and names its states
+    momentum_1 / momentum_2; it has no FTRL and refuses it (TorchRec's own error)."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec import EmbeddingBagConfig
+    from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
+    table = EmbeddingBagConfig(name="t", embedding_dim=DIM, num_embeddings=ROWS, feature_names=["f"])
+    with pytest.raises(ValueError, match="Cannot fuse optimizer_type=ftrl"):
+        FusedEmbeddingBagCollection([table], optimizer_type=EmbOptimType.FTRL,
+                                    optimizer_kwargs={"learning_rate": 0.1}, device=torch.device("cpu"))

@@ -46,9 +46,20 @@ def _sharded_module():
     info = types.SimpleNamespace(embedding_config=types.SimpleNamespace(name="t", num_embeddings=ROWS,
                                                                         embedding_dim=DIM),
                                  fused_params={"optimizer": EmbOptimType.FTRL})
+    row_info = types.SimpleNamespace(embedding_config=types.SimpleNamespace(name="r", num_embeddings=ROWS,
+                                                                            embedding_dim=DIM),
+                                     fused_params={"optimizer": EmbOptimType.FTRL})
     return types.SimpleNamespace(
-        module_sharding_plan={"t": _ps("table_wise", [((0, 0), (ROWS, DIM), 0)])},
-        sharding_type_to_sharding_infos={"table_wise": [info]})
+        module_sharding_plan={"t": _ps("table_wise", [((0, 0), (ROWS, DIM), 0)]),
+                              "r": _ps("row_wise", [((0, 0), (5, DIM), 0), ((5, 0), (5, DIM), 1)])},
+        sharding_type_to_sharding_infos={"table_wise": [info], "row_wise": [row_info]})
+
+
+def _table_row_wise_module():
+    m = _sharded_module()
+    m.module_sharding_plan["r"].sharding_type = "table_row_wise"
+    m.sharding_type_to_sharding_infos = {"table_row_wise": m.sharding_type_to_sharding_infos["row_wise"]}
+    return m
 
 
 @pytest.mark.parametrize("name, new, match", [
@@ -60,6 +71,10 @@ def _sharded_module():
     ("t", _ps("table_wise", [((0, 0), (ROWS, DIM), 2)]), r"table 't' has ranks \[2\]; each must be in \[0, 2\)"),
     ("t", _ps("table_wise", [((0, 0), (ROWS - 1, DIM), 1)]), r"shards of table 't' .* do not tile its \[10, 4\]"),
     ("t", _ps("table_wise", [((1, 0), (ROWS, DIM), 1)]), r"do not tile"),
+    ("r", _ps("row_wise", [((0, 0), (8, DIM), 0), ((8, 0), (2, DIM), 1)]),   # another split
+     r"row_wise table 'r' would have shards .* its row blocks must stay"),
+    ("r", _ps("row_wise", [((0, 0), (5, DIM), 1), ((5, 0), (5, DIM), 0)]),   # blocks in another order
+     r"row_wise table 'r' .* block k on the k-th of consecutive ranks .* of \[0, 1\]"),
 ])
 def test_reshard_refuses_a_move_it_cannot_honour(name, new, match):
     with pytest.raises(ValueError, match=match):
@@ -68,6 +83,11 @@ def test_reshard_refuses_a_move_it_cannot_honour(name, new, match):
 
 def test_reshard_accepts_a_move_that_tiles_the_table():
     resharding.check_reshard(_sharded_module(), {"t": _ps("table_wise", [((0, 0), (ROWS, DIM), 1)])}, 2)
+    to_host_1 = _ps("table_row_wise", [((0, 0), (5, DIM), 2), ((5, 0), (5, DIM), 3)])
+    resharding.check_reshard(_table_row_wise_module(), {"r": to_host_1}, 4)
+    with pytest.raises(ValueError, match=r"table_row_wise table 'r' .* consecutive ranks \(TorchRec routes"):
+        resharding.check_reshard(_table_row_wise_module(), {"r": _ps("table_row_wise", [
+            ((0, 0), (5, DIM), 3), ((5, 0), (5, DIM), 2)])}, 4)
 
 
 def _with_ftrl_tbe() -> torch.nn.Module:

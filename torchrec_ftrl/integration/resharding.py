@@ -14,8 +14,7 @@ holding FTRL tables, :func:`update_shards` (installed over the stock method by :
 3. runs TorchRec's rebuild with its own tensor moves switched off;
 4. moves every kept tensor, bitwise, into the rebuilt module: each piece where an old shard and a new
    shard overlap goes from the old shard's rank to the new shard's rank (:func:`move_state`), so
-   table-wise, column-wise, row-wise and table-row-wise moves all go one way, and tables that did not
-   move are copied locally.
+   every sharding type moves one way, and tables that did not move are copied locally.
 
 The P2P tags are the index of the piece in one list every rank builds in the same order, never
 Python's ``hash()`` of a string (which the stock transfer uses, so ranks on gloo disagree unless
@@ -63,7 +62,8 @@ def check_reshard(module, changed: dict[str, Any], world_size: int) -> None:
     name -> new ``ParameterSharding``) is a move TorchRec's rebuild and :func:`move_state` can carry:
     a table of ``module``, the same sharding type (one of table-wise, column-wise, row-wise,
     table-row-wise, table-column-wise) and compute kernel as now (an FTRL table's kernel one of
-    FTRL's), ranks in ``[0, world_size)``, and shards that tile the table exactly."""
+    FTRL's), ranks in ``[0, world_size)``, shards that tile the table exactly, and for row-wise and
+    table-row-wise tables the same row blocks on consecutive ranks (:func:`_check_row_blocks`)."""
     plan = module.module_sharding_plan
     configs = {info.embedding_config.name: info for per_type in module.sharding_type_to_sharding_infos.values()
                for info in per_type}
@@ -102,6 +102,28 @@ def check_reshard(module, changed: dict[str, Any], world_size: int) -> None:
         if sorted({r for _, _, r in boxes}) != sorted(set(ranks)):
             raise ValueError(f"reshard: table {name!r} lists ranks {ranks} but its shards are placed on "
                              f"{sorted({r for _, _, r in boxes})}")
+        if new.sharding_type in _ROW_BLOCKS:
+            _check_row_blocks(name, new.sharding_type, boxes, _boxes(old.sharding_spec))
+
+
+_ROW_BLOCKS = frozenset({ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value})
+
+
+def _check_row_blocks(name: str, sharding_type: str, boxes: list[Box], old: list[Box]) -> None:
+    """Row-wise shards must keep TorchRec's row blocks, block k on the k-th of consecutive ranks:
+    TorchRec's row-wise input dist sends row block k (even blocks of the table) to the k-th rank of
+    its group whatever the sharding spec says, so another split or order would train wrong rows. A
+    row-wise table spans its whole sharding group, so its ranks stay too; a table-row-wise table may
+    move to another host's consecutive ranks."""
+    by_row = sorted(boxes)
+    first = by_row[0][2] if sharding_type == ShardingType.TABLE_ROW_WISE.value else sorted(old)[0][2]
+    if ([(o, s) for o, s, _ in by_row] != sorted((o, s) for o, s, _ in old)
+            or [r for _, _, r in by_row] != list(range(first, first + len(by_row)))):
+        raise ValueError(
+            f"reshard: {sharding_type} table {name!r} would have shards {[(o, s, r) for o, s, r in by_row]} "
+            f"(offsets, sizes, rank); its row blocks must stay {[(o, s) for o, s, _ in sorted(old)]}, "
+            f"block k on the k-th of consecutive ranks (TorchRec routes row block k to the k-th rank"
+            f"{'' if sharding_type == ShardingType.TABLE_ROW_WISE.value else ' of ' + str(sorted({r for *_, r in old}))})")
 
 
 def sharded_state(module) -> dict[str, ShardedTensor]:

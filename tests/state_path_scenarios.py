@@ -74,7 +74,7 @@ class SparseDense(torch.nn.Module):
 RESHARD_TABLES = {"a": "tw0", "b": "tw1", "c": "cw", "s": "tw0"}   # s: stock row-wise Adagrad
 
 
-def _reshard_model(rank, ws, placements):
+def _reshard_model(rank, ws, placements, kernel="fused"):
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.types import ShardingPlan
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
@@ -85,7 +85,7 @@ def _reshard_model(rank, ws, placements):
         apply_optimizer_in_backward(RowWiseAdagrad, ebc.embedding_bags["s"].parameters(), {"lr": 0.05})
     sharders = _sharders()
     model = SparseDense(ebc)
-    plan = ShardingPlan({"ebc": module_plan(ebc, sharders[0], ws, placements)})
+    plan = ShardingPlan({"ebc": module_plan(ebc, sharders[0], ws, placements, kernel)})
     dmp = DistributedModelParallel(model, device=device(), sharders=sharders, plan=plan)
     msd = dmp.state_dict()
     for t in placements:
@@ -96,15 +96,18 @@ def _reshard_model(rank, ws, placements):
     return dmp
 
 
-def module_plan(ebc, sharder, ws, placements):
-    """``placements``: table -> "tw<rank>" | "cw" (ranks 0, 1) | "cw10" (ranks 1, 0)."""
+def module_plan(ebc, sharder, ws, placements, kernel="fused"):
+    """``placements``: table -> "tw<rank>" | "cw" (ranks 0, 1) | "cw10" (ranks 1, 0) | "cw:<rank>,..."
+    (one column shard per listed rank); every table on compute kernel ``kernel``."""
     from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, table_wise
+    cw_ranks = {"cw": [0, 1], "cw10": [1, 0]}
     gens = {t: (table_wise(rank=int(p[2:])) if p.startswith("tw") else
-                column_wise(ranks=[0, 1] if p == "cw" else [1, 0])) for t, p in placements.items()}
+                column_wise(ranks=cw_ranks.get(p) or [int(r) for r in p[3:].split(",")]))
+            for t, p in placements.items()}
     plan = construct_module_sharding_plan(ebc, per_param_sharding=gens, sharder=sharder, local_size=ws,
                                           world_size=ws, device_type=device_type())
     for ps in plan.values():
-        ps.compute_kernel = "fused"
+        ps.compute_kernel = kernel
     return plan
 
 
@@ -180,6 +183,31 @@ def reshard_carries_ftrl_state(rank: int, ws: int) -> None:
     assert_same_state(full_state(still.module.ebc), full_state(moved.module.ebc), "after a swap")
 
 
+def reshard_merges_column_shards(rank: int, ws: int) -> None:
+    """Any world size (1 on one GPU): FTRL table c, column-wise over ranks [0, ws - 1] (two shards),
+    becomes one shard on rank ws - 1, next to table-wise a; on CUDA with each FTRL compute kernel.
+    Every state is bitwise what it was, and 2 more steps give bitwise the never-moved model's."""
+    from torchrec.distributed.sharding.dynamic_sharding import output_sharding_plan_delta_single
+    kernels = ["fused", "fused_uvm", "fused_uvm_caching"] if device_type() == "cuda" else ["fused"]
+    last = ws - 1
+    for kernel in kernels:
+        placements = {"a": "tw0", "c": f"cw:0,{last}"}
+        moved = _reshard_model(rank, ws, placements, kernel)
+        still = _reshard_model(rank, ws, placements, kernel)
+        _train(moved, rank, ws, range(2))
+        _train(still, rank, ws, range(2))
+        before = full_state(moved.module.ebc)
+        new_plan = module_plan(_meta_ebc(["a", "c"]), _sharders()[0], ws, {"a": "tw0", "c": f"cw:{last}"}, kernel)
+        _, delta = output_sharding_plan_delta_single(moved.plan.plan["ebc"], new_plan)
+        assert sorted(delta) == ["c"], sorted(delta)
+        moved.reshard({"ebc": (0.0, delta)}, sharded_module_fqn="ebc")
+        assert len(moved.module.ebc.module_sharding_plan["c"].sharding_spec.shards) == 1
+        assert_same_state(before, full_state(moved.module.ebc), f"{kernel}: right after the reshard")
+        _train(moved, rank, ws, range(2, 4))
+        _train(still, rank, ws, range(2, 4))
+        assert_same_state(full_state(still.module.ebc), full_state(moved.module.ebc), f"{kernel}: 2 steps after")
+
+
 def _sharders():
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     return torchrec_ftrl.sharders({"optimizer": EmbOptimType.FTRL, **FUSED_KNOBS})
@@ -238,6 +266,12 @@ def dmp_collection_on_cpu():
             setattr(cls, name, fn)
 
 
+@contextlib.contextmanager
+def _stock_dmp_collection():
+    from torchrec.distributed.model_parallel import DMPCollection
+    yield DMPCollection
+
+
 def _prox64(z: np.ndarray, n: np.ndarray) -> np.ndarray:
     """w = prox(z, n) in float64, transcribed from docs/ftrl.md (p = -0.5, "tensorflow" L2 = 2·λ2)."""
     lr, l1, l2, beta = (FUSED_KNOBS[k] for k in ("learning_rate", "ftrl_l1_reg", "ftrl_l2_reg", "ftrl_beta"))
@@ -275,22 +309,22 @@ def dmp_collection_syncs_ftrl(rank: int, ws: int) -> None:
         sharders = torchrec_ftrl.sharders(fused)
         ebc = _meta_ebc(["a", "b"])
         plan = ShardingPlan({"": module_plan(ebc, sharders[0], 1, {"a": "tw0", "b": "tw0"})})
-        with dmp_collection_on_cpu() as DMPCollection:
+        with (dmp_collection_on_cpu() if device_type() == "cpu" else _stock_dmp_collection()) as DMPCollection:
             dmpc = DMPCollection(module=ebc, device=device(), plan=plan, world_size=ws, sharding_group_size=1,
                                  global_pg=dist.group.WORLD, sharders=sharders)
         with torch.no_grad():   # (DMPCollection's state_dict holds DTensors: set the TBEs directly)
             for kernel in _kernels(dmpc):
                 for table, w in zip(kernel.config.embedding_tables, kernel._emb_module.split_embedding_weights()):
-                    w.copy_(torch.from_numpy(global_init(table.name, ROWS, DIM)))
+                    w.copy_(torch.from_numpy(global_init(table.name, ROWS, DIM)).to(w.device))
         feats = ["f_a", "f_b"]
         for step in range(2):
             out = dmpc(local_kjt(batch(step, feats, rank, ws), feats, rank))
-            up = torch.from_numpy(upstream(step, ws, 2)[rank * B_LOCAL:(rank + 1) * B_LOCAL]).float()
+            up = torch.from_numpy(upstream(step, ws, 2)[rank * B_LOCAL:(rank + 1) * B_LOCAL]).float().to(device())
             (torch.stack([out[f] for f in feats], 1) * up).sum().backward()
         mine = _tables64(dmpc)
         replicas: list = [None] * ws
         dist.all_gather_object(replicas, mine)
-        assert not np.array_equal(replicas[0][0]["n"], replicas[1][0]["n"]), "replicas trained alike"
+        assert ws == 1 or not np.array_equal(replicas[0][0]["n"], replicas[1][0]["n"]), "replicas trained alike"
         dmpc.sync()
         synced = _tables64(dmpc)
         everyone: list = [None] * ws

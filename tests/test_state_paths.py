@@ -27,6 +27,17 @@ def test_dmp_collection_sync_averages_ftrl_replicas(run_distributed):
     run_distributed(sc.dmp_collection_syncs_ftrl, 2)
 
 
+@pytest.mark.slow
+def test_reshard_merges_column_shards_world_1(run_distributed):
+    """One process (on CUDA: one GPU, NCCL, every FTRL compute kernel)."""
+    run_distributed(sc.reshard_merges_column_shards, 1)
+
+
+@pytest.mark.slow
+def test_dmp_collection_sync_one_replica_world_1(run_distributed):
+    run_distributed(sc.dmp_collection_syncs_ftrl, 1)
+
+
 # ------------------------------------------------------------------ refusals, on stand-in modules
 ROWS, DIM = 10, 4
 
@@ -104,6 +115,17 @@ def test_dmp_collection_refuses_ftrl_without_exactly_one_replica_group():
     model._ctxs = [types.SimpleNamespace(replica_pg=object(), hash_zch_modules=[])] * 2
     with pytest.raises(ValueError, match=r"has 2 replica groups \(submodule_configs"):
         replica_sync.check_ftrl_replicas(model)
+
+
+def test_dmp_collection_refuses_ftrl_under_fully_sharded():
+    from torchrec.distributed.types import ShardingStrategy
+    model = _with_ftrl_tbe()
+    model._ctxs = [types.SimpleNamespace(replica_pg=object(), hash_zch_modules=[],
+                                         sharding_strategy=ShardingStrategy.FULLY_SHARDED)]
+    with pytest.raises(ValueError, match=r"under sharding_strategy \['FULLY_SHARDED'\]"):
+        replica_sync.check_ftrl_replicas(model)
+    model._ctxs[0].sharding_strategy = ShardingStrategy.DEFAULT
+    replica_sync.check_ftrl_replicas(model)
 
 
 def test_dmp_collection_refuses_hash_zch_ftrl_tables():

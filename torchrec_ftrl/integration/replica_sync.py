@@ -8,8 +8,9 @@ silently. :mod:`.patches` wraps both methods:
 
 * ``DMPCollection.__init__`` (:func:`ftrl_dmp_collection_init`): after TorchRec's construction, a model
   with FTRL tables is refused with ``ValueError`` where this module cannot sync them (a torchrec
-  without per-context replica groups, ``submodule_configs``, or hash-ZCH tables, which TorchRec syncs
-  through ``sync_hash_zch_weights`` and its ``state["sum"]``);
+  without per-context replica groups, ``submodule_configs``, a sharding strategy other than
+  ``DEFAULT``, or hash-ZCH tables, which TorchRec syncs through ``sync_hash_zch_weights`` and its
+  ``state["sum"]``);
 * ``DMPCollection.sync`` (:func:`ftrl_dmp_collection_sync`): after TorchRec's sync, every FTRL TBE
   is averaged across its replicas by :func:`average_ftrl_replicas`.
 
@@ -93,6 +94,13 @@ def check_ftrl_replicas(dmpc) -> None:
             f"{len(groups)} replica groups (submodule_configs, or a torchrec whose DMPCollection keeps "
             f"none per context); torchrec_ftrl syncs FTRL replicas over exactly one replica group. "
             f"Use DistributedModelParallel, or DMPCollection without submodule_configs")
+    strategies = sorted({getattr(ctx, "sharding_strategy", None).name for ctx in dmpc._ctxs
+                         if getattr(getattr(ctx, "sharding_strategy", None), "name", "DEFAULT") != "DEFAULT"})
+    if strategies:
+        raise ValueError(
+            f"DMPCollection holds FTRL tables under sharding_strategy {strategies}; torchrec_ftrl syncs "
+            f"FTRL replicas only under ShardingStrategy.DEFAULT (sync() averages every state, then "
+            f"derives the weights); FULLY_SHARDED reduce-scatters the weights alone")
     zch = sorted({table for ctx in dmpc._ctxs for kernel, table in getattr(ctx, "hash_zch_modules", ())
                   if ftrl_tbes(kernel)})
     if zch:

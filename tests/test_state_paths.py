@@ -17,25 +17,19 @@ from torchrec_ftrl import integration
 from torchrec_ftrl.integration import delta_tracker, replica_sync, resharding
 
 
-@pytest.mark.slow
-def test_reshard_carries_every_ftrl_state_bitwise(run_distributed):
-    run_distributed(sc.reshard_carries_ftrl_state, 2)
+DISTRIBUTED = {   # test id: (worker in state_path_scenarios, world size); world size 1 also runs on one GPU
+    "reshard_carries_every_ftrl_state_bitwise": (sc.reshard_carries_ftrl_state, 2),
+    "dmp_collection_sync_averages_ftrl_replicas": (sc.dmp_collection_syncs_ftrl, 2),
+    "reshard_merges_column_shards_world_1": (sc.reshard_merges_column_shards, 1),
+    "dmp_collection_sync_one_replica_world_1": (sc.dmp_collection_syncs_ftrl, 1),
+}
 
 
 @pytest.mark.slow
-def test_dmp_collection_sync_averages_ftrl_replicas(run_distributed):
-    run_distributed(sc.dmp_collection_syncs_ftrl, 2)
-
-
-@pytest.mark.slow
-def test_reshard_merges_column_shards_world_1(run_distributed):
-    """One process (on CUDA: one GPU, NCCL, every FTRL compute kernel)."""
-    run_distributed(sc.reshard_merges_column_shards, 1)
-
-
-@pytest.mark.slow
-def test_dmp_collection_sync_one_replica_world_1(run_distributed):
-    run_distributed(sc.dmp_collection_syncs_ftrl, 1)
+@pytest.mark.parametrize("case", list(DISTRIBUTED))
+def test_state_path(run_distributed, case):
+    worker, world_size = DISTRIBUTED[case]
+    run_distributed(worker, world_size)
 
 
 # ------------------------------------------------------------------ refusals, on stand-in modules

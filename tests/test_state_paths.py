@@ -111,6 +111,11 @@ def test_dmp_collection_refuses_ftrl_without_exactly_one_replica_group():
         replica_sync.check_ftrl_replicas(model)
 
 
+def test_replica_sync_derives_weights_only_where_the_layout_stores_them():
+    assert replica_sync.stores_weights(_with_ftrl_tbe().tbe)
+    assert not replica_sync.stores_weights(types.SimpleNamespace(row_layout=types.SimpleNamespace(weights="derived")))
+
+
 def test_dmp_collection_refuses_ftrl_under_fully_sharded():
     from torchrec.distributed.types import ShardingStrategy
     model = _with_ftrl_tbe()

@@ -55,24 +55,33 @@ def ftrl_tbes(module: torch.nn.Module) -> list[FTRLTableBatchedEmbeddingBags]:
 
 @torch.no_grad()
 def average_ftrl_replicas(tbes: list[FTRLTableBatchedEmbeddingBags], replica_pg) -> None:
-    """Make every replica of each TBE in ``tbes`` equal (one all-reduce per TBE over ``replica_pg``):
+    """Make every replica of each TBE in ``tbes`` equal (one all-reduce per table over ``replica_pg``):
     each state of ``get_optimizer_state()`` := the fp32 mean over the replicas (sum, then divide by
     the group size; stored by ``copy_``, so a bf16 state rounds to nearest even), then each weight of
     ``split_embedding_weights()`` := ``ftrl_weight(accum, linear)`` of the stored states, in the
-    weight dtype. A cached TBE's HBM cache is flushed before and emptied after."""
+    weight dtype, where the TBE stores weights (:func:`stores_weights`). A cached TBE's HBM cache is
+    flushed before and emptied after."""
     replicas = dist.get_world_size(replica_pg)
     for tbe in tbes:
-        states = [t for per_table in tbe.get_optimizer_state() for _, t in sorted(per_table.items())]
-        flat = torch.cat([t.reshape(-1).to(torch.float32) for t in states])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=replica_pg)
-        flat /= replicas
-        start = 0
-        for t in states:
-            t.copy_(flat[start:start + t.numel()].view(t.shape))
-            start += t.numel()
-        for w, per_table in zip(tbe.split_embedding_weights(), tbe.get_optimizer_state()):
-            w.copy_(ftrl_weight(per_table[ACCUM], per_table[LINEAR], tbe.hyperparams))
+        for per_table in tbe.get_optimizer_state():   # one table at a time: one fp32 copy of its states
+            states = [t for _, t in sorted(per_table.items())]
+            flat = torch.cat([t.reshape(-1).to(torch.float32) for t in states])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=replica_pg)
+            flat /= replicas
+            start = 0
+            for t in states:
+                t.copy_(flat[start:start + t.numel()].view(t.shape))
+                start += t.numel()
+        if stores_weights(tbe):
+            for w, per_table in zip(tbe.split_embedding_weights(), tbe.get_optimizer_state()):
+                w.copy_(ftrl_weight(per_table[ACCUM], per_table[LINEAR], tbe.hyperparams))
         tbe.reset_cache_states()
+
+
+def stores_weights(tbe: FTRLTableBatchedEmbeddingBags) -> bool:
+    """Whether ``tbe``'s row layout stores the weight (a TBE without ``row_layout`` does); a layout
+    with derived weights computes ``prox(z, n)`` where it reads them, so only its states sync."""
+    return getattr(getattr(tbe, "row_layout", None), "weights", "stored") == "stored"
 
 
 def _replica_groups(dmpc) -> list:

@@ -74,7 +74,7 @@ class SparseDense(torch.nn.Module):
 RESHARD_TABLES = {"a": "tw0", "b": "tw1", "c": "cw", "s": "tw0"}   # s: stock row-wise Adagrad
 
 
-def _reshard_model(rank, ws, placements, kernel="fused"):
+def _reshard_model(rank, ws, placements, kernel="fused", state_dtype=None):
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.types import ShardingPlan
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
@@ -83,7 +83,7 @@ def _reshard_model(rank, ws, placements, kernel="fused"):
     ebc = _meta_ebc(list(placements))
     if "s" in placements:
         apply_optimizer_in_backward(RowWiseAdagrad, ebc.embedding_bags["s"].parameters(), {"lr": 0.05})
-    sharders = _sharders()
+    sharders = _sharders(state_dtype)
     model = SparseDense(ebc)
     plan = ShardingPlan({"ebc": module_plan(ebc, sharders[0], ws, placements, kernel)})
     dmp = DistributedModelParallel(model, device=device(), sharders=sharders, plan=plan)
@@ -185,32 +185,51 @@ def reshard_carries_ftrl_state(rank: int, ws: int) -> None:
 
 def reshard_merges_column_shards(rank: int, ws: int) -> None:
     """Any world size (1 on one GPU): FTRL table c, column-wise over ranks [0, ws - 1] (two shards),
-    becomes one shard on rank ws - 1, next to table-wise a; on CUDA with each FTRL compute kernel.
-    Every state is bitwise what it was, and 2 more steps give bitwise the never-moved model's."""
+    becomes one shard on rank ws - 1, next to table-wise a; fp32 and bf16 states; on CUDA with each
+    FTRL compute kernel. Every state is bitwise what it was, and 2 more steps give bitwise the
+    never-moved model's."""
     from torchrec.distributed.sharding.dynamic_sharding import output_sharding_plan_delta_single
     kernels = ["fused", "fused_uvm", "fused_uvm_caching"] if device_type() == "cuda" else ["fused"]
     last = ws - 1
-    for kernel in kernels:
+    for kernel, state_dtype in [(k, d) for k in kernels for d in (None, "bf16")]:
         placements = {"a": "tw0", "c": f"cw:0,{last}"}
-        moved = _reshard_model(rank, ws, placements, kernel)
-        still = _reshard_model(rank, ws, placements, kernel)
+        moved = _reshard_model(rank, ws, placements, kernel, state_dtype)
+        still = _reshard_model(rank, ws, placements, kernel, state_dtype)
         _train(moved, rank, ws, range(2))
         _train(still, rank, ws, range(2))
         before = full_state(moved.module.ebc)
-        new_plan = module_plan(_meta_ebc(["a", "c"]), _sharders()[0], ws, {"a": "tw0", "c": f"cw:{last}"}, kernel)
+        new_plan = module_plan(_meta_ebc(["a", "c"]), _sharders(state_dtype)[0], ws, {"a": "tw0", "c": f"cw:{last}"},
+                               kernel)
         _, delta = output_sharding_plan_delta_single(moved.plan.plan["ebc"], new_plan)
         assert sorted(delta) == ["c"], sorted(delta)
         moved.reshard({"ebc": (0.0, delta)}, sharded_module_fqn="ebc")
         assert len(moved.module.ebc.module_sharding_plan["c"].sharding_spec.shards) == 1
+        assert any(v.dtype == np.int16 for v in before.values()) == (state_dtype == "bf16")
         assert_same_state(before, full_state(moved.module.ebc), f"{kernel}: right after the reshard")
         _train(moved, rank, ws, range(2, 4))
         _train(still, rank, ws, range(2, 4))
-        assert_same_state(full_state(still.module.ebc), full_state(moved.module.ebc), f"{kernel}: 2 steps after")
+        want, got = full_state(still.module.ebc), full_state(moved.module.ebc)
+        if state_dtype == "bf16":
+            # c's shards change their columns, which key the stochastic rounding of bf16 states:
+            # the same values up to rounding; a keeps its keys and its bits
+            rerounded = [k for k in want if k.startswith("embedding_bags.c.")]
+            for k in rerounded:
+                np.testing.assert_allclose(_values(got[k]), _values(want[k]), rtol=2.0 ** -6, atol=1e-6, err_msg=k)
+            want = {k: v for k, v in want.items() if k not in rerounded}
+            got = {k: v for k, v in got.items() if k not in rerounded}
+        assert_same_state(want, got, f"{kernel} {state_dtype}: 2 steps after")
 
 
-def _sharders():
+def _values(bits: np.ndarray) -> np.ndarray:
+    """float64 values of raw bits from :func:`full_state` (int32: fp32, int16: bf16)."""
+    dtype = {np.dtype(np.int32): torch.float32, np.dtype(np.int16): torch.bfloat16}[bits.dtype]
+    return torch.from_numpy(bits).view(dtype).double().numpy()
+
+
+def _sharders(state_dtype=None):
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
-    return torchrec_ftrl.sharders({"optimizer": EmbOptimType.FTRL, **FUSED_KNOBS})
+    extra = {"state_dtype": state_dtype} if state_dtype else {}
+    return torchrec_ftrl.sharders({"optimizer": EmbOptimType.FTRL, **FUSED_KNOBS, **extra})
 
 
 def _meta_ebc(tables=tuple(RESHARD_TABLES)):
@@ -280,7 +299,7 @@ def _prox64(z: np.ndarray, n: np.ndarray) -> np.ndarray:
 
 
 def _tables64(dmpc) -> list[dict[str, np.ndarray]]:
-    from torchrec_ftrl.integration.replica_sync import ftrl_tbes
+    from torchrec_ftrl.integration.kernels import ftrl_tbes
     out = []
     for tbe in ftrl_tbes(dmpc):
         for w, st in zip(tbe.split_embedding_weights(), tbe.get_optimizer_state()):

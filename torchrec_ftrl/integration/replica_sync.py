@@ -33,24 +33,10 @@ import torch.distributed as dist
 
 from ..rule import ftrl_weight
 from ..tbe import FTRLTableBatchedEmbeddingBags
+from .kernels import ftrl_tbes
 
 # The TBE's names (``get_optimizer_state``) of the two states the weight derives from.
 ACCUM, LINEAR = "accum", "linear"
-
-
-def ftrl_tbes(module: torch.nn.Module) -> list[FTRLTableBatchedEmbeddingBags]:
-    """The FTRL TBEs inside ``module``, in module order (the same order on every replica). A sharded
-    module's lookups are searched too: TorchRec does not register ``_lookups`` as children."""
-    found: dict[int, FTRLTableBatchedEmbeddingBags] = {}
-
-    def visit(m: torch.nn.Module) -> None:
-        if isinstance(m, FTRLTableBatchedEmbeddingBags):
-            found.setdefault(id(m), m)
-            return
-        for child in [*(getattr(m, "_lookups", None) or []), *m.children()]:
-            visit(child)
-    visit(module)
-    return list(found.values())
 
 
 @torch.no_grad()

@@ -14,7 +14,9 @@ holding FTRL tables, :func:`update_shards` (installed over the stock method by :
 3. runs TorchRec's rebuild with its own tensor moves switched off;
 4. moves every kept tensor, bitwise, into the rebuilt module: each piece where an old shard and a new
    shard overlap goes from the old shard's rank to the new shard's rank (:func:`move_state`), so
-   every sharding type moves one way, and tables that did not move are copied locally.
+   every sharding type moves one way, and tables that did not move are copied locally; the rebuilt
+   FTRL TBEs continue at the module's optimizer step (``iter``, which keys the stochastic rounding of
+   bf16 states).
 
 The P2P tags are the index of the piece in one list every rank builds in the same order, never
 Python's ``hash()`` of a string (which the stock transfer uses, so ranks on gloo disagree unless
@@ -35,7 +37,7 @@ from torchrec.distributed.types import ShardingType
 from torchrec.optim.keyed import CombinedOptimizer
 
 from ..optim_type import is_ftrl
-from .kernels import FTRL_COMPUTE_KERNELS
+from .kernels import FTRL_COMPUTE_KERNELS, ftrl_tbes
 
 # A shard of one state tensor: (offsets, sizes, rank), in the tensor's global index space.
 Box = tuple[tuple[int, ...], tuple[int, ...], int]
@@ -238,6 +240,14 @@ def _stock_moves_off(module) -> Iterator[None]:
             module._optim = optim
 
 
+def _optimizer_step(module, pg, device) -> int:
+    """The largest ``iter`` (optimizer step) of the FTRL TBEs of ``module`` on any rank of ``pg``."""
+    local = max((int(tbe.iter.max()) for tbe in ftrl_tbes(module)), default=0)
+    steps = torch.tensor([local], dtype=torch.int64, device=device)
+    dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=pg)
+    return int(steps.item())
+
+
 def ftrl_update_shards(original: Callable[..., None]) -> Callable[..., None]:
     """``ShardedEmbeddingBagCollection.update_shards`` that carries every FTRL state (module docstring);
     modules without FTRL tables take ``original``."""
@@ -248,8 +258,11 @@ def ftrl_update_shards(original: Callable[..., None]) -> Callable[..., None]:
             return original(self, changed_sharding_params, env, device)
         check_reshard(self, dict(changed_sharding_params), env.world_size)
         old = sharded_state(self)
+        step = _optimizer_step(self, env.process_group, device)
         with _stock_moves_off(self):
             original(self, changed_sharding_params, env, device)
+        for tbe in ftrl_tbes(self):   # the rebuilt TBEs start at 0; bf16 states round keyed by it
+            tbe.set_optimizer_step(step)
         # TorchRec recreates the input dist at the next forward but keeps this flag, which its
         # _create_input_dist only ever clears: a new feature order would be skipped.
         self._has_features_permute = True

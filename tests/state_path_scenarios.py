@@ -317,7 +317,8 @@ def dmp_collection_syncs_ftrl(rank: int, ws: int) -> None:
     """DMPCollection, sharding groups of 1 rank, 2 replicas, FTRL tables a and b with fp32 and with
     bf16 states: each replica trains 2 steps on its own data; after sync() the replicas are bitwise
     equal, every state is the float64 mean of the replicas' stored states (fp32 within 1e-5, bf16
-    within its rounding) and every weight is the float64 prox(z, n) of the stored states."""
+    within its rounding) and every weight is the float64 prox(z, n) of the stored states; after one
+    more step, sync(include_optimizer_state=False) makes them bitwise equal too."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
     from torchrec.distributed.types import ShardingPlan
 
@@ -356,3 +357,12 @@ def dmp_collection_syncs_ftrl(rank: int, ws: int) -> None:
                 np.testing.assert_allclose(table[s], mean, rtol=rtol, atol=1e-7, err_msg=f"{state_dtypes} {s}")
             np.testing.assert_allclose(table["w"], _prox64(table["z"], table["n"]), rtol=1e-5, atol=2e-7,
                                        err_msg=f"{state_dtypes} w")
+        # FTRL's state defines its weight: sync(include_optimizer_state=False) syncs it too
+        out = dmpc(local_kjt(batch(2, feats, rank, ws), feats, rank))
+        up = torch.from_numpy(upstream(2, ws, 2)[rank * B_LOCAL:(rank + 1) * B_LOCAL]).float().to(device())
+        (torch.stack([out[f] for f in feats], 1) * up).sum().backward()
+        dmpc.sync(include_optimizer_state=False)
+        everyone = [None] * ws
+        dist.all_gather_object(everyone, [t["bits"] for t in _tables64(dmpc)])
+        assert all(all(np.array_equal(a, b) for ta, tb in zip(everyone[0], other) for a, b in zip(ta, tb))
+                   for other in everyone), "replicas differ after sync(include_optimizer_state=False)"

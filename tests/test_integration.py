@@ -105,12 +105,13 @@ def test_enum_member_and_lookups():
 
 def test_patch_list_names_every_change():
     assert integration.installed()
-    assert len(patches.PATCHES) == 4 + len(routing.ROUTES)
+    assert len(patches.PATCHES) == 7 + len(routing.ROUTES)
     for patch in patches.PATCHES:
         assert patch.target and patch.change and patch.verified and callable(patch.apply)
     targets = " ".join(p.target for p in patches.PATCHES)
     for name in ("EmbOptimType", "torchrec.optim.FTRL", *MAPS, "GroupedPooledEmbeddingsLookup",
-                 "GroupedEmbeddingsLookup", "torchrec.distributed.planner."):
+                 "GroupedEmbeddingsLookup", "torchrec.distributed.planner.", "update_shards", "DMPCollection",
+                 "ModelDeltaTrackerTrec"):
         assert name in targets, name
 
 

@@ -35,6 +35,29 @@ def test_rule_matches_reference_in_float64(hp):
     assert (w1.numpy()[zero] == 0.0).all() and not np.signbit(w1.numpy()[zero]).any()
 
 
+@pytest.mark.parametrize("hp", HPS, ids=range(len(HPS)))
+def test_weight_from_state_is_the_reference_step_with_zero_gradient(hp):
+    """ftrl_prox(z, n) is the weight a step with g = 0 leaves (no shrinkage: z and n unchanged),
+    in float64, and in fp32 for fp32 and bf16 states."""
+    rng = np.random.default_rng(1)
+    n, z = rng.uniform(0, 2, (6, 5)), rng.normal(size=(6, 5))
+    z[0, :2] = hp.l1_reg                                  # |z| == l1: exactly 0
+    knobs = {**reference_knobs(hp), "l2_shrinkage": 0.0}
+    wr, zr, nr = ftrl_reference_step(rng.normal(size=(6, 5)), z, n, np.zeros((6, 5)), **knobs)
+    assert np.array_equal(zr, z) and np.array_equal(nr, n)
+    w64 = ftrl_prox(torch.tensor(z), torch.tensor(n), hp)
+    assert w64.dtype == torch.float64
+    np.testing.assert_allclose(w64.numpy(), wr, rtol=1e-12, atol=1e-15)
+    assert (w64[0, :2] == 0).all()
+    for dtype in (torch.float32, torch.bfloat16):
+        nt, zt = torch.tensor(n).to(dtype), torch.tensor(z).to(dtype)
+        w = ftrl_prox(zt, nt, hp)
+        assert w.dtype == torch.float32
+        wr, _, _ = ftrl_reference_step(np.zeros((6, 5)), zt.double().numpy(), nt.double().numpy(),
+                                       np.zeros((6, 5)), **knobs)
+        np.testing.assert_allclose(w.double().numpy(), wr, rtol=2e-6, atol=1e-7)
+
+
 def test_rule_computes_in_the_states_dtype():
     hp = HPS[1]
     w = torch.tensor([0.5, -0.25], dtype=torch.float16)

@@ -350,3 +350,18 @@ class FTRLBatchedFusedEmbedding(BatchedFusedEmbedding):
         self._emb_module = _build_tbe(self, config, device, PoolingMode.NONE)
         self._optim = FTRLEmbeddingFusedOptimizer(config, self._emb_module, pg)
         self.init_parameters()
+
+
+def ftrl_tbes(module: torch.nn.Module) -> list[FTRLTableBatchedEmbeddingBags]:
+    """The FTRL TBEs inside ``module``, in module order (the same order on every replica). A sharded
+    module's lookups are searched too: TorchRec does not register ``_lookups`` as children."""
+    found: dict[int, FTRLTableBatchedEmbeddingBags] = {}
+
+    def visit(m: torch.nn.Module) -> None:
+        if isinstance(m, FTRLTableBatchedEmbeddingBags):
+            found.setdefault(id(m), m)
+            return
+        for child in [*(getattr(m, "_lookups", None) or []), *m.children()]:
+            visit(child)
+    visit(module)
+    return list(found.values())

@@ -15,12 +15,15 @@ from typing import Callable
 
 import torchrec
 import torchrec.optim as trec_optim
-from torchrec.distributed import utils as dist_utils
+from torchrec.distributed import embeddingbag, model_parallel, utils as dist_utils
 from torchrec.distributed.planner import planners
 
 from .. import optim_type
 from ..optim import FTRL
 from .planner import FTRLEnumerator
+from .delta_tracker import ftrl_tracker_init
+from .replica_sync import ftrl_dmp_collection_init, ftrl_dmp_collection_sync
+from .resharding import ftrl_update_shards
 from .routing import ROUTES, routed_create_embedding_kernel
 from .versions import check_torchrec_version
 
@@ -95,6 +98,31 @@ def _default_enumerator() -> Callable[[], None]:
     return _set_attr(planners, "EmbeddingEnumerator", FTRLEnumerator)
 
 
+def _update_shards() -> Callable[[], None]:
+    cls = embeddingbag.ShardedEmbeddingBagCollection
+    original = getattr(cls, "update_shards", None)
+    if original is None:   # a torchrec without dynamic sharding
+        return lambda: None
+    return _set_attr(cls, "update_shards", ftrl_update_shards(original))
+
+
+def _dmp_collection() -> Callable[[], None]:
+    cls = getattr(model_parallel, "DMPCollection", None)
+    if cls is None:   # a torchrec without 2D parallel
+        return lambda: None
+    undos = [_set_attr(cls, "__init__", ftrl_dmp_collection_init(cls.__init__)),
+             _set_attr(cls, "sync", ftrl_dmp_collection_sync(cls.sync))]
+    return lambda: [undo() for undo in reversed(undos)]
+
+
+def _delta_tracker() -> Callable[[], None]:
+    try:
+        from torchrec.distributed.model_tracker.model_delta_tracker import ModelDeltaTrackerTrec as tracker
+    except ImportError:   # a torchrec without the model tracker
+        return lambda: None
+    return _set_attr(tracker, "__init__", ftrl_tracker_init(tracker.__init__))
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch("fbgemm_gpu.split_embedding_configs.EmbOptimType",
           "adds the member FTRL = 'ftrl' unless fbgemm_gpu has one", _enum_member),
@@ -107,6 +135,17 @@ PATCHES: tuple[Patch, ...] = (
     Patch("torchrec.distributed.planner.planners.EmbeddingEnumerator",
           "EmbeddingShardingPlanner's default enumerator (DMP's default planner) is FTRLEnumerator",
           _default_enumerator),
+    Patch("torchrec.distributed.embeddingbag.ShardedEmbeddingBagCollection.update_shards",
+          "(DistributedModelParallel.reshard) a module with FTRL tables checks the new plan first, then "
+          "carries every weight and optimizer state by name (resharding.py); other modules unchanged",
+          _update_shards),
+    Patch("torchrec.distributed.model_parallel.DMPCollection.__init__ / sync",
+          "(2D parallel) a model with FTRL tables is refused at construction where its replicas cannot be "
+          "synced; sync() then averages every FTRL state and derives the weights (replica_sync.py)",
+          _dmp_collection),
+    Patch("torchrec.distributed.model_tracker.model_delta_tracker.ModelDeltaTrackerTrec.__init__",
+          "refuses the optimizer-state tracking modes for a model with FTRL tables (delta_tracker.py)",
+          _delta_tracker),
 )
 
 _undo: list[Callable[[], None]] = []

@@ -20,6 +20,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
+from .bounds_check import check_batch
 from .cache import UVM_CACHE_STATS, RowCache
 from .fbgemm_enums import (BoundsCheckMode, CacheAlgorithm, ComputeDevice, EmbeddingLocation,
                            PoolingMode, SparseType)
@@ -87,6 +88,19 @@ def _as_sparse_type(name: str, value: Any) -> SparseType:
     if isinstance(value, SparseType) and value in _PRECISIONS:
         return value
     raise ValueError(f"{name} must be SparseType.FP32, FP16 or BF16 (or the torch dtype), got {value!r}")
+
+
+def _enum_member(name: str, enum_cls, value: Any, allowed: Sequence) -> Any:
+    """``enum_cls(value)`` when it is one of ``allowed``; else ``ValueError`` naming ``name``, the
+    allowed members and the value."""
+    try:
+        member = enum_cls(value)
+    except ValueError:
+        member = None
+    if member not in allowed:
+        names = ", ".join(m.name for m in allowed)
+        raise ValueError(f"{name} must be {enum_cls.__name__} {names}, got {value!r}")
+    return member
 
 
 def _check_int_vector(name: str, t: Any, device: torch.device, cpu_too: bool = False) -> None:
@@ -309,23 +323,14 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         if not feature_table_map or bad:
             raise ValueError(f"feature_table_map entries must be table ids in [0, {T}), got "
                              f"{feature_table_map!r}")
-        try:
-            pooling_mode = PoolingMode(pooling_mode)
-        except ValueError:
-            raise ValueError(f"pooling_mode must be PoolingMode.SUM, MEAN or NONE, got {pooling_mode!r}")
-        if pooling_mode not in (PoolingMode.SUM, PoolingMode.MEAN, PoolingMode.NONE):
-            raise ValueError(f"pooling_mode must be PoolingMode.SUM, MEAN or NONE, got {pooling_mode!r}")
+        pooling_mode = _enum_member("pooling_mode", PoolingMode, pooling_mode,
+                                    (PoolingMode.SUM, PoolingMode.MEAN, PoolingMode.NONE))
         if pooling_mode == PoolingMode.NONE and len({d for _, d in rows_dims}) != 1:
             raise ValueError(f"pooling_mode=NONE needs one dim for all tables, got dims "
                              f"{[d for _, d in rows_dims]}")
-        try:
-            bounds_check_mode = BoundsCheckMode(bounds_check_mode)
-        except ValueError:
-            raise ValueError(f"bounds_check_mode must be a BoundsCheckMode, got {bounds_check_mode!r}")
-        if bounds_check_mode not in (BoundsCheckMode.FATAL, BoundsCheckMode.WARNING,
-                                     BoundsCheckMode.IGNORE, BoundsCheckMode.NONE):
-            raise ValueError(f"bounds_check_mode must be FATAL, WARNING, IGNORE or NONE, got "
-                             f"{bounds_check_mode!r}")
+        bounds_check_mode = _enum_member("bounds_check_mode", BoundsCheckMode, bounds_check_mode,
+                                         (BoundsCheckMode.FATAL, BoundsCheckMode.WARNING,
+                                          BoundsCheckMode.IGNORE, BoundsCheckMode.NONE))
         if table_names is not None and len(table_names) != T:
             raise ValueError(f"table_names must have {T} names, got {list(table_names)!r}")
 
@@ -730,66 +735,9 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         self._bounds_check(batch.indices, batch.offsets, batch.bag_feature, None)
         raise ValueError("the FATAL bounds check counted bad offsets or indices in this batch")
 
-    def _count_invalid(self, indices, offsets, bag_feature) -> torch.Tensor:
-        """int64 ``[]`` on the device: bad offsets (first not 0, a decreasing step, last not
-        ``indices.numel()``) plus indices outside their table, 0 for a valid batch; no host sync."""
-        N = indices.numel()
-        num_bags = offsets.numel() - 1
-        lengths = offsets[1:] - offsets[:-1]
-        bad = (offsets[0] != 0).long() + (lengths < 0).sum() + (offsets[-1] != N).long()
-        if N == 0 or num_bags <= 0:
-            return bad + N
-        bag = torch.searchsorted(offsets, torch.arange(N, device=indices.device), right=True) - 1
-        rows = self._table_rows[self._feature_table[bag_feature[bag.clamp_(0, num_bags - 1)]]]
-        return bad + ((indices < 0) | (indices >= rows)).sum()
-
     def _bounds_check(self, indices, offsets, bag_feature, counter):
-        mode = self.bounds_check_mode
-        if mode in (BoundsCheckMode.IGNORE, BoundsCheckMode.NONE):
-            return indices, offsets
-        if mode == BoundsCheckMode.FATAL and offsets.numel() > 0:
-            n = self._backend.count_invalid(self._table_rows, self._feature_table, bag_feature,
-                                            indices, offsets)
-            if n is None:     # no backend kernel: the device count, read once (the one host sync)
-                n = int(self._count_invalid(indices, offsets, bag_feature))
-            if n == 0:
-                return indices, offsets  # valid; otherwise the checks below name the problem
-        N = indices.numel()
-        lengths = offsets[1:] - offsets[:-1]
-        idx_bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=indices.device),
-                                          lengths.clamp(min=0), output_size=None) \
-            if mode == BoundsCheckMode.FATAL else None
-        if mode == BoundsCheckMode.FATAL:
-            if int(offsets[0]) != 0 or bool((lengths < 0).any()) or int(offsets[-1]) != N:
-                raise ValueError(
-                    f"offsets must start at 0, be non-decreasing and end at indices.numel()={N}; got "
-                    f"offsets[0]={int(offsets[0])}, offsets[-1]={int(offsets[-1])}, "
-                    f"{int((lengths < 0).sum())} decreasing step(s)")
-            rows = self._table_rows[self._feature_table[bag_feature[idx_bag]]]
-            bad = (indices < 0) | (indices >= rows)
-            if bool(bad.any()):
-                i = int(bad.nonzero()[0, 0])
-                raise ValueError(f"indices[{i}]={int(indices[i])} out of range [0, {int(rows[i])}) of "
-                                 f"table {self.table_names[int(self._feature_table[bag_feature[idx_bag[i]]])]!r}"
-                                 f" (feature {int(bag_feature[idx_bag[i]])}); {int(bad.sum())} bad index(es)")
-            return indices, offsets
-        # WARNING: repair as FBGEMM does, count, never sync. The offsets by the backend's one-pass
-        # kernel where it has one (Triton: counts into ``counter`` itself), else by torch ops.
-        if self._backend.CAPABILITIES.repairs_offsets:
-            fixed_off, n_off_bad = self._backend.repair_offsets(offsets, N, counter), 0
-        else:
-            fixed_off = offsets.clamp(0, N)
-            fixed_off = torch.cummax(fixed_off, 0).values
-            fixed_off = torch.cat([fixed_off.new_zeros(1), fixed_off[1:-1], fixed_off.new_full((1,), N)]) \
-                if fixed_off.numel() > 1 else fixed_off.new_zeros(1)
-            n_off_bad = (fixed_off != offsets).sum()
-        lens = fixed_off[1:] - fixed_off[:-1]
-        idx_bag = torch.repeat_interleave(torch.arange(lens.numel(), device=indices.device), lens,
-                                          output_size=N)
-        rows = self._table_rows[self._feature_table[bag_feature[idx_bag]]]
-        bad = (indices < 0) | (indices >= rows)
-        counter += bad.sum() + n_off_bad
-        return torch.where(bad, torch.zeros_like(indices), indices), fixed_off
+        return check_batch(self.bounds_check_mode, self._table_rows, self._feature_table, self.table_names,
+                           bag_feature, indices, offsets, counter, self._backend)
 
     # ------------------------------------------------------------------ FBGEMM-shaped API
     def _table_view(self, buf: torch.Tensor, t: int) -> torch.Tensor:

@@ -1,0 +1,109 @@
+"""The FTRL TBE's input check, FBGEMM's ``bounds_check_indices`` by ``BoundsCheckMode``, stated once.
+
+A batch is ``indices`` / ``offsets`` (int64, FBGEMM's layout: bag ``k`` holds
+``indices[offsets[k]:offsets[k+1]]``) with ``bag_feature`` (``[num_bags]`` feature of each bag);
+``table_rows`` ``[T]`` and ``feature_table`` ``[F]`` locate each index's table. Modes:
+
+* ``FATAL``: a valid batch passes unchanged after one count (the backend's parallel kernel, else
+  :func:`count_invalid` on the device, read once); otherwise ``ValueError`` names the first bad offset
+  or index and its table, before anything changes.
+* ``WARNING``: FBGEMM's repair, with no host sync: offsets become ``cummax(clamp(offsets, 0, N))``
+  with the first 0 and the last ``N``; an index outside its table reads row 0; the number of
+  repaired entries is added to a counter.
+* ``IGNORE`` / ``NONE``: the batch is trusted.
+
+Backends that fuse the check into their kernels (``fuses_bounds_check``) get the raw batch instead
+(:mod:`torchrec_ftrl.kernels.backend`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from .fbgemm_enums import BoundsCheckMode
+
+
+def count_invalid(table_rows: torch.Tensor, feature_table: torch.Tensor, bag_feature: torch.Tensor,
+                  indices: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """int64 ``[]`` on the device: bad offsets (first not 0, a decreasing step, last not
+    ``indices.numel()``) plus indices outside their table, 0 for a valid batch; no host sync."""
+    N = indices.numel()
+    num_bags = offsets.numel() - 1
+    lengths = offsets[1:] - offsets[:-1]
+    bad = (offsets[0] != 0).long() + (lengths < 0).sum() + (offsets[-1] != N).long()
+    if N == 0 or num_bags <= 0:
+        return bad + N
+    bag = torch.searchsorted(offsets, torch.arange(N, device=indices.device), right=True) - 1
+    rows = table_rows[feature_table[bag_feature[bag.clamp_(0, num_bags - 1)]]]
+    return bad + ((indices < 0) | (indices >= rows)).sum()
+
+
+def _raise_first_problem(table_rows, feature_table, table_names: Sequence[str], bag_feature, indices,
+                         offsets) -> None:
+    """Raise ``ValueError`` naming the first bad offset or index of a batch; return when there is none."""
+    N = indices.numel()
+    lengths = offsets[1:] - offsets[:-1]
+    if int(offsets[0]) != 0 or bool((lengths < 0).any()) or int(offsets[-1]) != N:
+        raise ValueError(
+            f"offsets must start at 0, be non-decreasing and end at indices.numel()={N}; got "
+            f"offsets[0]={int(offsets[0])}, offsets[-1]={int(offsets[-1])}, "
+            f"{int((lengths < 0).sum())} decreasing step(s)")
+    idx_bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=indices.device), lengths)
+    rows = table_rows[feature_table[bag_feature[idx_bag]]]
+    bad = (indices < 0) | (indices >= rows)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        feature = int(bag_feature[idx_bag[i]])
+        raise ValueError(f"indices[{i}]={int(indices[i])} out of range [0, {int(rows[i])}) of "
+                         f"table {table_names[int(feature_table[feature])]!r} (feature {feature}); "
+                         f"{int(bad.sum())} bad index(es)")
+
+
+def repair(table_rows, feature_table, bag_feature, indices, offsets, counter: torch.Tensor,
+           backend) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``WARNING`` repair (see the module docstring): ``(indices, offsets)`` repaired, the number
+    of repaired entries added to ``counter`` (int64 ``[1]``), no host sync. The offsets by the
+    backend's one-pass kernel where it has one (``CAPABILITIES.repairs_offsets``; it counts into
+    ``counter`` itself), else by torch ops."""
+    N = indices.numel()
+    if backend.CAPABILITIES.repairs_offsets:
+        fixed_off, n_off_bad = backend.repair_offsets(offsets, N, counter), 0
+    else:
+        fixed_off = offsets.clamp(0, N)
+        fixed_off = torch.cummax(fixed_off, 0).values
+        fixed_off = torch.cat([fixed_off.new_zeros(1), fixed_off[1:-1], fixed_off.new_full((1,), N)]) \
+            if fixed_off.numel() > 1 else fixed_off.new_zeros(1)
+        n_off_bad = (fixed_off != offsets).sum()
+    lens = fixed_off[1:] - fixed_off[:-1]
+    idx_bag = torch.repeat_interleave(torch.arange(lens.numel(), device=indices.device), lens,
+                                      output_size=N)
+    rows = table_rows[feature_table[bag_feature[idx_bag]]]
+    bad = (indices < 0) | (indices >= rows)
+    counter += bad.sum() + n_off_bad
+    return torch.where(bad, torch.zeros_like(indices), indices), fixed_off
+
+
+def check_batch(mode: BoundsCheckMode, table_rows: torch.Tensor, feature_table: torch.Tensor,
+                table_names: Sequence[str], bag_feature: torch.Tensor, indices: torch.Tensor,
+                offsets: torch.Tensor, counter: Optional[torch.Tensor],
+                backend) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check a batch by ``mode``; returns ``(indices, offsets)`` (repaired under ``WARNING``, counted
+    in ``counter``), the inputs themselves otherwise.
+
+    Raises:
+        ValueError: ``FATAL`` and a bad offset or index (naming the first, its table and feature).
+    """
+    if mode in (BoundsCheckMode.IGNORE, BoundsCheckMode.NONE):
+        return indices, offsets
+    if mode != BoundsCheckMode.FATAL:
+        return repair(table_rows, feature_table, bag_feature, indices, offsets, counter, backend)
+    if offsets.numel() > 0:
+        n = backend.count_invalid(table_rows, feature_table, bag_feature, indices, offsets)
+        if n is None:     # no backend kernel: the device count, read once (the one host sync)
+            n = int(count_invalid(table_rows, feature_table, bag_feature, indices, offsets))
+        if n == 0:
+            return indices, offsets
+    _raise_first_problem(table_rows, feature_table, table_names, bag_feature, indices, offsets)
+    return indices, offsets

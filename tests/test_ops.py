@@ -166,3 +166,19 @@ def test_prebuilt_variants_load_and_agree_bitwise():
         assert os.path.samefile(path, built[isa])
         results[isa] = digest
     assert len(set(results.values())) == 1, results
+
+
+@pytest.mark.parametrize("mode", ["WARNING", "IGNORE"])
+def test_tbe_lookup_compiles_without_graph_break(mode):
+    """The TBE's eval forward (CPU kernel) under torch.compile(fullgraph=True) equals eager; FATAL
+    is left out: its one host read of the count is a data-dependent branch by design."""
+    from torchrec_ftrl import FTRLTableBatchedEmbeddingBags
+    from torchrec_ftrl.fbgemm_enums import BoundsCheckMode
+    tbe = FTRLTableBatchedEmbeddingBags([(50, 8), (30, 16)], backend="cpp",
+                                        bounds_check_mode=getattr(BoundsCheckMode, mode))
+    bad = 60 if mode == "WARNING" else 20          # WARNING repairs row 60 of a 30-row table to row 0
+    idx, off = torch.tensor([1, 2, 3, 4, 5, 6, bad]), torch.tensor([0, 2, 3, 5, 7])
+    with torch.no_grad():
+        expected = tbe(idx, off)
+        got = torch.compile(tbe, fullgraph=True, backend="aot_eager")(idx, off)
+    assert torch.equal(got, expected)

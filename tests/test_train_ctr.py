@@ -360,7 +360,8 @@ def test_wrong_data_format_fails_in_one_line(tmp_path):
     p = run_job(["--data", str(bad), "--steps", "1", "--output-dir", str(tmp_path)])
     assert p.returncode == 2, p.stderr[-2000:]
     last = p.stderr.strip().splitlines()[-1]
-    assert last.startswith("train_ctr: error: the validation split") and "--data-format" in last
+    assert last.startswith(f"train_ctr: error: {bad}: the validation split --split every:10 is empty")
+    assert "most rows are malformed" in last and "--data-format" in last
     assert "30 malformed rows" in last and "Traceback" not in p.stderr
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 from typing import Any, Optional, Sequence
 
+from .errors import PROG, exit_with_error
 from .pipeline import PIPELINES
 
 SPARSE_OPTIMIZERS = ("ftrl", "rowwise_adagrad")
@@ -22,12 +22,11 @@ _FP32_MIN_NORMAL = 1.1754943508222875e-38
 _FP32_MAX = 3.4028234663852886e38
 
 
-def _prog() -> str:
-    """argparse's program name: the script's (``train_ctr.py``), also under ``python -m
-    torchrec_ftrl.job`` (argv[0] ``.../__main__.py``), so usage and error lines read as they always
-    have whichever way the job was started."""
-    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
-    return "train_ctr.py" if name in ("", "__main__.py", "-c") else name
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse with the job's error form: one line ``train_ctr: error: ...``, exit status 2."""
+
+    def error(self, message: str):  # argparse's hook for every flag error
+        exit_with_error(message)
 
 
 def _non_negative_int(text: str) -> int:
@@ -42,8 +41,8 @@ def _non_negative_int(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=_prog(),
+    p = _OneLineParser(
+        prog=PROG,
         description="DLRM CTR model whose embedding tables are trained with a fused sparse optimizer "
                     "(FTRL-Proximal by default), sharded with DistributedModelParallel.")
     d = p.add_argument_group("data")
@@ -204,14 +203,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error(f"--num-embeddings entries must be >= 1, got {a.num_embeddings}")
     if a.sparse_lr is None:
         a.sparse_lr = 0.05
-    if a.zch and a.sparse_optimizer == "rowwise_adagrad" and not _cuda_run(a.device):
+    if a.zch and a.sparse_optimizer == "rowwise_adagrad" and not cuda_run(a.device):
         p.error("--zch with --sparse-optimizer rowwise_adagrad needs --device cuda: FBGEMM resets "
                 "evicted rows with a CUDA-only op (fbgemm::reset_weight_momentum)")
     _check_optimizer_flags(p, a)
     return a
 
 
-def _cuda_run(device: str) -> bool:
+def cuda_run(device: str) -> bool:
     """Whether ``--device`` puts the run on CUDA (``auto``: when CUDA is present)."""
     import torch
     return device == "cuda" or (device == "auto" and torch.cuda.is_available())

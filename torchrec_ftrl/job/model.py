@@ -62,21 +62,30 @@ def build_dlrm(feature_names: Sequence[str], num_embeddings: Sequence[int], embe
                     over_arch_layer_sizes=[*over_arch, 1], dense_device=dense_device)
 
 
-def shard(model: nn.Module, table_names: Sequence[str], sharders: list, device: torch.device,
-          sharding_types: Sequence[str], world_size: int, local_world_size: int, batch_size: int):
-    """Plan (fused compute kernel only; ``sharding_types`` as allowed) and wrap in DMP.
-
-    Returns ``(dmp_model, plan)``.
-    """
-    from torchrec.distributed.model_parallel import DistributedModelParallel
+def make_planner(table_names: Sequence[str], sharding_types: Sequence[str], device_type: str,
+                 world_size: int, local_world_size: int, batch_size: int):
+    """The job's ``EmbeddingShardingPlanner``: the ``fused`` compute kernel only, ``sharding_types``
+    as allowed, for ``world_size`` ranks of ``device_type`` at ``batch_size`` rows per rank."""
     from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 
     constraints = {t: ParameterConstraints(sharding_types=list(sharding_types), compute_kernels=["fused"])
                    for t in table_names}
-    planner = EmbeddingShardingPlanner(
-        topology=Topology(world_size=world_size, compute_device=device.type,
+    return EmbeddingShardingPlanner(
+        topology=Topology(world_size=world_size, compute_device=device_type,
                           local_world_size=local_world_size),
         batch_size=batch_size, constraints=constraints, debug=False)
+
+
+def shard(model: nn.Module, table_names: Sequence[str], sharders: list, device: torch.device,
+          sharding_types: Sequence[str], world_size: int, local_world_size: int, batch_size: int):
+    """Plan (:func:`make_planner`, collectively: rank 0 plans for all) and wrap in DMP.
+
+    Returns ``(dmp_model, plan)``.
+    """
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+
+    planner = make_planner(table_names, sharding_types, device.type, world_size, local_world_size,
+                           batch_size)
     plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
     dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=sharders)
     return dmp, plan

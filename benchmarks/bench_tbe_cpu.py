@@ -11,13 +11,19 @@ permutation of the rows). Reports the median wall time in ms per step over ``--i
 All modules of one index distribution are built first and their steps interleaved round-robin, so that
 a shared machine's changing background load hits every method alike.
 
-Usage: python benchmarks/bench_tbe_cpu.py [--threads 2] [--iters 20] [--out results.md]
+``--profile K`` records K more steps of each method with ``torch.profiler`` (after the timed ones)
+and reports each method's top operators by self CPU time, to see where a method's step goes.
+
+Usage: python benchmarks/bench_tbe_cpu.py [--threads 2] [--iters 20] [--out results.md] [--json results.json]
+       [--profile 5]
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import gc
+import json
 import os
 import platform
 import statistics
@@ -102,6 +108,18 @@ def eager_step(args):
     return embs, step
 
 
+def profile_steps(step, batches, k: int, top: int = 8) -> list:
+    """``[(operator, self CPU ms per step, calls per step)]`` of the ``top`` operators of ``k`` steps
+    under ``torch.profiler`` (CPU activity), by self CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for i in range(k):
+            step(*batches[i % len(batches)])
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    return [(e.key, e.self_cpu_time_total / 1e3 / k, e.count / k) for e in events]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--T", type=int, default=8)
@@ -117,6 +135,9 @@ def main() -> None:
     ap.add_argument("--dists", default="uniform,zipf")
     ap.add_argument("--methods", default="cpp,torch,fbgemm_rowwise_adagrad,fbgemm_adagrad,fbgemm_sgd,eager")
     ap.add_argument("--out", default=None, help="also write the markdown table to this file")
+    ap.add_argument("--json", default=None, help="also write the results (machine, date, ms) as JSON")
+    ap.add_argument("--profile", type=int, default=0, metavar="K",
+                    help="profile K more steps of each method (top operators by self CPU time)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     methods = args.methods.split(",")
@@ -129,6 +150,7 @@ def main() -> None:
     dists = args.dists.split(",")
     res: dict[tuple[str, str], float] = {}
     cpu: dict[tuple[str, str], float] = {}
+    profiles: dict[tuple[str, str], list] = {}
     slow = {"torch": max(3, args.iters // 4), "eager": max(3, args.iters // 2)}
     for dist in dists:
         batches = make_batches(args, dist, args.batches)
@@ -164,6 +186,8 @@ def main() -> None:
                 steps[m](idx, off)
                 wall[m].append((time.perf_counter() - t0) * 1e3)
                 cpus[m].append((time.process_time() - c0) * 1e3)
+        for m in methods if args.profile else ():
+            profiles[(dist, m)] = profile_steps(steps[m], batches, args.profile)
         for m in methods:
             res[(dist, m)] = statistics.median(wall[m])
             cpu[(dist, m)] = statistics.median(cpus[m])
@@ -172,7 +196,11 @@ def main() -> None:
         del keep, steps
         gc.collect()
 
-    lines = [f"Fwd+bwd(+fused update) step, T={args.T}, E={args.E}, D={args.D}, B={args.B}, L={args.L}, fp32, "
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    machine = (f"{os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), "
+               f"{platform.platform()}")
+    lines = [f"Measured {date} on {machine}.", "",
+             f"Fwd+bwd(+fused update) step, T={args.T}, E={args.E}, D={args.D}, B={args.B}, L={args.L}, fp32, "
              f"SUM pooling, {args.threads} threads, {platform.processor() or platform.machine()}, "
              f"torch {torch.__version__}, fbgemm_gpu {_fbgemm_version()}; median of {args.iters} steps (torch "
              f"backend: {slow['torch']}, eager: {slow['eager']}) after {args.warmup} warm-up, methods "
@@ -188,11 +216,26 @@ def main() -> None:
             v = res[(d, m)]
             cells += [f"{v:.2f}", f"{v / ref:.2f}x" if ref else "-", f"{cpu[(d, m)]:.2f}"]
         lines.append(f"| {labels[m]} | " + " | ".join(cells) + " |")
+    for (d, m), top in profiles.items():
+        lines += ["", f"Top operators by self CPU time, {labels[m]}, {d} ({args.profile} steps, ms per step):",
+                  "", "| operator | self CPU ms | calls per step |", "|---|---:|---:|"]
+        lines += [f"| `{name}` | {ms:.2f} | {calls:g} |" for name, ms, calls in top]
     table = "\n".join(lines)
     print(table)
     if args.out:
         with open(args.out, "w") as f:
             f.write(table + "\n")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"date": date, "machine": machine, "torch": torch.__version__,
+                       "fbgemm_gpu": _fbgemm_version(), "args": vars(args),
+                       "load_avg_1min_at_end": os.getloadavg()[0],
+                       "median_wall_ms": {d: {m: res[(d, m)] for m in methods} for d in dists},
+                       "median_cpu_ms": {d: {m: cpu[(d, m)] for m in methods} for d in dists},
+                       "ratio_to_ours": {d: {m: res[(d, m)] / res[(d, "cpp")] for m in methods}
+                                         for d in dists if (d, "cpp") in res},
+                       "profile_top_ops": {f"{d}/{m}": top for (d, m), top in profiles.items()}},
+                      f, indent=1)
 
 
 if __name__ == "__main__":

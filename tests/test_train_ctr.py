@@ -428,7 +428,9 @@ def test_torchx_component_builds_ddp_appdef():
     app = train_ctr("--steps", "7", nproc=3, gpu=0)
     role = app.roles[0]
     cmd = role.args[-1]
-    assert "torchrun" in cmd and "--nproc_per_node 3" in cmd and "--nnodes 1" in cmd
+    assert cmd.startswith("python -m torchrec_ftrl.job.torchrun ") and "--nproc_per_node 3" in cmd
+    assert "--nnodes 1" in cmd and role.env["LOGLEVEL"] == "ERROR"
+    assert train_ctr(env={"LOGLEVEL": "INFO"}).roles[0].env["LOGLEVEL"] == "INFO"
     assert "-m torchrec_ftrl.job --steps 7" in cmd and "examples/" not in cmd
     assert role.name == "train_ctr" and app.name == "train_ctr"
     assert role.resource.gpu == 0

@@ -117,6 +117,7 @@ def test_gpu_script_runs_its_blocks_and_reports(tmp_path):
     demo = head + "\n" + "\n".join([
         "run_block ok \"$OUT/a.log\" <<'DOCEOF'", "echo fine", "DOCEOF",
         "run_block bad \"$OUT/b.log\" <<'DOCEOF'", "false", "echo never", "DOCEOF",
+        "run_block data \"$OUT/d.log\" <<'DOCEOF'", "ls ../shared/data", "DOCEOF",
         "BUDGET=-1", "run_block late \"$OUT/c.log\" <<'DOCEOF'", "echo late", "DOCEOF", ""])
     p = subprocess.run(["bash", "-c", demo], cwd=REPO, env=dict(os.environ, OUT=str(tmp_path)),
                        capture_output=True, text=True, timeout=120)
@@ -125,6 +126,8 @@ def test_gpu_script_runs_its_blocks_and_reports(tmp_path):
     assert "| ok | 0 |" in report and "fine" in report
     assert "| bad | 1 |" in report and "never" not in (tmp_path / "b.log").read_text()
     assert "| late | skipped (budget) |" in report and not (tmp_path / "c.log").exists()
+    assert ("| data | skipped (no ../shared/data) |" in report) != os.path.isdir(
+        os.path.join(os.path.dirname(REPO), "shared", "data"))
 
 
 def _pins():

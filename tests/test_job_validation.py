@@ -7,6 +7,7 @@ the job as a process; the torchx launch (``slow``) checks that torchrun adds no 
 """
 
 import os
+import re
 
 import pytest
 import torch
@@ -149,3 +150,23 @@ def test_torchx_shows_the_one_line_without_a_traceback(tmp_path):
     assert all(ln.endswith("train_ctr: error: --split foo: a split looks like 'every:10', "
                            "'tail:0.1' or 'none', got 'foo'") for ln in errors), errors
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("status", [2, 3])
+def test_launcher_exits_with_the_worker_status_without_a_traceback(status, capfd):
+    """``torchrec_ftrl.job.torchrun`` (what the torchx component runs instead of torchrun): a worker
+    that exits 2 has printed its own line, so nothing is added; another status adds one line."""
+    from torchrec_ftrl.job import torchrun
+
+    with pytest.raises(SystemExit) as e:
+        torchrun.main(["--standalone", "--nproc_per_node", "1", "--monitor_interval", "0.1",
+                       "--no-python", "bash", "-c", f"echo worker line >&2; exit {status}"])
+    assert e.value.code == status
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "ChildFailedError" not in err and "worker line" in err
+    ours = [ln for ln in err.splitlines() if ln.startswith("train_ctr:")]
+    if status == 2:
+        assert ours == []
+    else:
+        assert len(ours) == 1 and re.fullmatch(
+            rf"train_ctr: worker rank 0 \(pid \d+\) failed with exit status {status}", ours[0]), ours

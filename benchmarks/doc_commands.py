@@ -108,7 +108,8 @@ def script_text() -> str:
         "}",
     ]
     n = 0
-    for b in sorted((b for b in all_blocks() if b.info in RUN_BY_SCRIPT), key=lambda b: (b.info == "bash long", b.info == "bash gpu")):
+    first_gpu = lambda b: (b.info == "bash long", b.info == "bash gpu")  # noqa: E731 (python gpu first)
+    for b in sorted((b for b in all_blocks() if b.info in RUN_BY_SCRIPT), key=first_gpu):
         n += 1
         body = b.source if b.info.startswith("bash") else f"python - <<'PYEOF'\n{b.source}PYEOF\n"
         lines += ["", f"run_block {shlex.quote(f'{b.path}:{b.line} ({b.info})')} \"$OUT/doc_{n:02d}.log\" "

@@ -19,13 +19,22 @@ FLAG_CASES = [   # (argv, the one stderr line)
     (["--split", "foo"],
      "--split foo: a split looks like 'every:10', 'tail:0.1' or 'none', got 'foo'"),
     (["--split", "tail:0.1"],
-     "--split tail:0.1 does not apply to the synthetic data (no --data); it applies to a binary "
-     "--data folder and --data files"),
+     "--split tail:0.1 does not apply to this run: it needs --data (files or a binary folder)"),
     (["--max-val-rows", "5"],
-     "--max-val-rows 5 does not apply to the synthetic data (no --data); it applies to a binary "
-     "--data folder and --data files"),
-    (["--strict"],
-     "--strict does not apply to the synthetic data (no --data); it applies to --data files"),
+     "--max-val-rows 5 does not apply to this run: it needs --data (files or a binary folder)"),
+    (["--strict"], "--strict does not apply to this run: it needs --data files (not a binary folder)"),
+    (["--checkpoint-every", "5"], "--checkpoint-every 5 does not apply to this run: it needs "
+                                  "--checkpoint-dir"),
+    (["--zch-eviction-interval", "4"],
+     "--zch-eviction-interval 4 does not apply to this run: it needs --zch"),
+    (["--zch", "--sharding-types", "row_wise"],
+     "--sharding-types row_wise does not apply to this run: it needs tables without --zch (--zch "
+     "places every table row-wise)"),
+    (["--adagrad-eps", "1e-6"],
+     "--adagrad-eps 1e-06 does not apply to this run: it needs --sparse-optimizer rowwise_adagrad"),
+    (["--seed", "-1"], "--seed must be >= 0, got -1"),
+    (["--num-embeddings", "10,x"], "--num-embeddings must be a comma list of integers, got '10,x'"),
+    (["--num-embeddings", ""], "--num-embeddings entries must be >= 1, got ''"),
     (["--data-format", "{bad json"],
      "--data-format {bad json: column spec is not valid JSON: Expecting property name enclosed in "
      "double quotes: line 1 column 2 (char 1) (presets: avazu, criteo)"),
@@ -71,10 +80,9 @@ DATA_CASES = [   # (argv after --data CRITEO, the one stderr line with {data} fo
     (["--max-val-rows", "0"], "--max-val-rows must be >= 1, got 0 (--split none validates nothing)"),
     (["--epochs", "nan"], "--epochs must be a finite number > 0, got nan"),
     (["--synthetic-vocab", "5"],
-     "--synthetic-vocab 5 does not apply to --data files; it applies to the synthetic data (no "
-     "--data)"),
+     "--synthetic-vocab 5 does not apply to this run: it needs the synthetic data (no --data)"),
     (["--binary-dense", "stored"],
-     "--binary-dense stored does not apply to --data files; it applies to a binary --data folder"),
+     "--binary-dense stored does not apply to this run: it needs a binary --data folder"),
 ]
 
 

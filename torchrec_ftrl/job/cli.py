@@ -193,14 +193,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error(f"--epochs needs --data and a value > 0, got {a.epochs}")
     if a.embedding_dim % 4:
         p.error(f"--embedding-dim must be a multiple of 4 (TBE rows), got {a.embedding_dim}")
-    try:
-        a.num_embeddings_list = [int(x) for x in a.num_embeddings.split(",")]
-        a.dense_arch_list = [int(x) for x in a.dense_arch.split(",") if x]
-        a.over_arch_list = [int(x) for x in a.over_arch.split(",") if x]
-    except ValueError as e:
-        p.error(f"bad integer list: {e}")
-    if any(n < 1 for n in a.num_embeddings_list):
-        p.error(f"--num-embeddings entries must be >= 1, got {a.num_embeddings}")
+    for flag in ("--num-embeddings", "--dense-arch", "--over-arch"):
+        text = getattr(a, flag[2:].replace("-", "_"))
+        try:
+            setattr(a, f"{flag[2:].replace('-', '_')}_list", [int(x) for x in text.split(",") if x])
+        except ValueError:
+            p.error(f"{flag} must be a comma list of integers, got {text!r}")
+    if not a.num_embeddings_list or any(n < 1 for n in a.num_embeddings_list):
+        p.error(f"--num-embeddings entries must be >= 1, got {a.num_embeddings!r}")
     if a.sparse_lr is None:
         a.sparse_lr = 0.05
     if a.zch and a.sparse_optimizer == "rowwise_adagrad" and not cuda_run(a.device):

@@ -11,7 +11,7 @@ flags, the environment or the data's first bytes, one function per concern. Each
 * :func:`check_plan`: TorchRec's planner finds a placement of the tables.
 
 A new flag adds a function ``check_...(args)`` to :data:`FLAG_CHECKS`, or a line to
-:data:`APPLIES_TO` when it applies to some data sources only.
+:data:`APPLIES_WHEN` when it applies to some runs only.
 """
 
 from __future__ import annotations
@@ -24,17 +24,7 @@ from typing import Callable, Sequence
 from .errors import JobConfigError
 
 # Data sources: no --data (the synthetic generator), one folder (binary layout), text files.
-SYNTHETIC, BINARY, TEXT = "the synthetic data (no --data)", "a binary --data folder", "--data files"
-# The flags that apply to some data sources only: a non-default value with another source is refused.
-APPLIES_TO = {
-    "--split": (BINARY, TEXT),
-    "--max-val-rows": (BINARY, TEXT),
-    "--data-format": (TEXT,),
-    "--strict": (TEXT,),
-    "--binary-dense": (BINARY,),
-    "--synthetic-vocab": (SYNTHETIC,),
-    "--val-batches": (SYNTHETIC,),
-}
+SYNTHETIC, BINARY, TEXT = "synthetic", "binary folder", "text files"
 
 
 def data_kind(args: argparse.Namespace) -> str:
@@ -44,21 +34,40 @@ def data_kind(args: argparse.Namespace) -> str:
     return BINARY if len(args.data) == 1 and os.path.isdir(args.data[0]) else TEXT
 
 
+# The flags that apply to some runs only: flag -> (whether it applies, what it needs). A value other
+# than the default where the flag does not apply is refused, never ignored.
+APPLIES_WHEN: dict = {
+    "--split": (lambda a: data_kind(a) != SYNTHETIC, "--data (files or a binary folder)"),
+    "--max-val-rows": (lambda a: data_kind(a) != SYNTHETIC, "--data (files or a binary folder)"),
+    "--data-format": (lambda a: data_kind(a) == TEXT, "--data files (not a binary folder)"),
+    "--strict": (lambda a: data_kind(a) == TEXT, "--data files (not a binary folder)"),
+    "--binary-dense": (lambda a: data_kind(a) == BINARY, "a binary --data folder"),
+    "--synthetic-vocab": (lambda a: data_kind(a) == SYNTHETIC, "the synthetic data (no --data)"),
+    "--val-batches": (lambda a: data_kind(a) == SYNTHETIC, "the synthetic data (no --data)"),
+    "--checkpoint-every": (lambda a: a.checkpoint_dir is not None, "--checkpoint-dir"),
+    "--keep-checkpoints": (lambda a: a.checkpoint_dir is not None, "--checkpoint-dir"),
+    "--zch-eviction-interval": (lambda a: a.zch, "--zch"),
+    "--sharding-types": (lambda a: not a.zch, "tables without --zch (--zch places every table "
+                                              "row-wise)"),
+    "--adagrad-eps": (lambda a: a.sparse_optimizer == "rowwise_adagrad",
+                      "--sparse-optimizer rowwise_adagrad"),
+}
+
+
 def _dest(flag: str) -> str:
     return flag[2:].replace("-", "_")
 
 
 def check_applicable(args: argparse.Namespace) -> None:
-    """A flag of :data:`APPLIES_TO` set to a non-default value for a data source it does not apply to."""
+    """A flag of :data:`APPLIES_WHEN` set to a non-default value where it does not apply."""
     from .cli import build_parser
 
-    kind, defaults = data_kind(args), build_parser()
-    for flag, kinds in APPLIES_TO.items():
+    defaults = build_parser()
+    for flag, (applies, needs) in APPLIES_WHEN.items():
         value = getattr(args, _dest(flag))
-        if kind not in kinds and value != defaults.get_default(_dest(flag)):
+        if value != defaults.get_default(_dest(flag)) and not applies(args):
             shown = "" if value is True else f" {value}"
-            raise JobConfigError(f"{flag}{shown} does not apply to {kind}; it applies to "
-                                 f"{' and '.join(kinds)}")
+            raise JobConfigError(f"{flag}{shown} does not apply to this run: it needs {needs}")
 
 
 def check_numbers(args: argparse.Namespace) -> None:
@@ -73,6 +82,8 @@ def check_numbers(args: argparse.Namespace) -> None:
     if args.max_val_rows is not None and args.max_val_rows < 1:
         raise JobConfigError(f"--max-val-rows must be >= 1, got {args.max_val_rows} (--split none "
                              f"validates nothing)")
+    if args.seed < 0:
+        raise JobConfigError(f"--seed must be >= 0, got {args.seed}")
     if args.cpu_threads < 0:
         raise JobConfigError(f"--cpu-threads must be >= 0, got {args.cpu_threads}")
     for flag in ("--dense-arch", "--over-arch"):

@@ -178,3 +178,19 @@ def test_launcher_exits_with_the_worker_status_without_a_traceback(status, capfd
     else:
         assert len(ours) == 1 and re.fullmatch(
             rf"train_ctr: worker rank 0 \(pid \d+\) failed with exit status {status}", ours[0]), ours
+
+
+@pytest.mark.parametrize("load_s,said", [(0.0, False), (0.6, True)])
+def test_a_slow_cpu_kernel_build_is_announced(load_s, said, monkeypatch, capsys):
+    """The first run of an install builds the C++ kernel: rank 0 says so when loading is slow."""
+    import time
+
+    from torchrec_ftrl.job import train
+    from torchrec_ftrl.kernels import backend
+
+    monkeypatch.setattr(train, "KERNEL_BUILD_NOTICE_S", 0.2)
+    monkeypatch.setattr(backend, "resolve_backend", lambda name, device: time.sleep(load_s))
+    train._load_cpu_kernel(say=True)
+    train._load_cpu_kernel(say=False)   # other ranks stay quiet
+    out = capsys.readouterr().out.splitlines()
+    assert out == ([train.KERNEL_BUILD_NOTICE] if said else [])

@@ -36,6 +36,9 @@ from torchrec_ftrl.data import train_loader
 
 
 STEADY_AFTER = 10   # steps left out of ``steady_examples_per_s``
+KERNEL_BUILD_NOTICE_S = 5.0   # rank 0 says the CPU kernel is being built when loading takes longer
+KERNEL_BUILD_NOTICE = ("train_ctr: building the compiled CPU kernel (once per install; about 1-2 "
+                       "minutes on 2 cores)")
 
 
 def _sum_over_ranks(x: float, device: torch.device) -> float:
@@ -95,16 +98,15 @@ def run(argv=None) -> dict:
 
 def _load_cpu_kernel(say: bool) -> None:
     """Load (on first use of an install: build) the compiled CPU kernel now, rather than silently
-    inside the model's construction; when ``say`` and it has not loaded after 5 s, print that it is
-    being built."""
-    from torchrec_ftrl.kernels.backend import resolve_backend
+    inside the model's construction; when ``say`` and it has not loaded after
+    ``KERNEL_BUILD_NOTICE_S``, print ``KERNEL_BUILD_NOTICE``."""
+    from torchrec_ftrl.kernels import backend
 
-    timer = threading.Timer(5.0, print, ("train_ctr: building the compiled CPU kernel (once per "
-                                         "install; about 1-2 minutes on 2 cores)",), {"flush": True})
+    timer = threading.Timer(KERNEL_BUILD_NOTICE_S, print, (KERNEL_BUILD_NOTICE,), {"flush": True})
     if say:
         timer.start()
     try:
-        resolve_backend(None, torch.device("cpu"))   # falls back to the PyTorch path with a warning
+        backend.resolve_backend(None, torch.device("cpu"))   # falls back to the PyTorch path, warning
     finally:
         timer.cancel()
 

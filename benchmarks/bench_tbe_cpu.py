@@ -77,8 +77,11 @@ def tbe_step(module, grad):
     return step
 
 
-def build_ours(args, backend):
-    return FTRLTableBatchedEmbeddingBags([(args.E, args.D)] * args.T, backend=backend, **FTRL_KW)
+def build_ours(args, backend, state_dtype=None):
+    """Our TBE on ``backend``; ``state_dtype="bf16"`` stores accum and linear in bf16 (half the state
+    bytes each update reads and writes)."""
+    extra = {"optimizer_state_dtypes": {"accum": state_dtype, "linear": state_dtype}} if state_dtype else {}
+    return FTRLTableBatchedEmbeddingBags([(args.E, args.D)] * args.T, backend=backend, **FTRL_KW, **extra)
 
 
 def build_fbgemm(args, optim):
@@ -133,7 +136,9 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--batches", type=int, default=4)
     ap.add_argument("--dists", default="uniform,zipf")
-    ap.add_argument("--methods", default="cpp,torch,fbgemm_rowwise_adagrad,fbgemm_adagrad,fbgemm_sgd,eager")
+    ap.add_argument("--methods", default="cpp,torch,fbgemm_rowwise_adagrad,fbgemm_adagrad,fbgemm_sgd,eager",
+                    help="of cpp, cpp_bf16 (bf16 FTRL state), torch, fbgemm_rowwise_adagrad, "
+                         "fbgemm_adagrad, fbgemm_sgd, eager")
     ap.add_argument("--out", default=None, help="also write the markdown table to this file")
     ap.add_argument("--json", default=None, help="also write the results (machine, date, ms) as JSON")
     ap.add_argument("--profile", type=int, default=0, metavar="K",
@@ -144,6 +149,7 @@ def main() -> None:
     fb = {"fbgemm_rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
           "fbgemm_adagrad": EmbOptimType.EXACT_ADAGRAD, "fbgemm_sgd": EmbOptimType.EXACT_SGD}
     labels = {"cpp": "torchrec_ftrl FTRL, cpp backend", "torch": "torchrec_ftrl FTRL, torch backend",
+              "cpp_bf16": "torchrec_ftrl FTRL, cpp backend, bf16 state",
               "fbgemm_rowwise_adagrad": "FBGEMM CPU TBE EXACT_ROWWISE_ADAGRAD",
               "fbgemm_adagrad": "FBGEMM CPU TBE EXACT_ADAGRAD", "fbgemm_sgd": "FBGEMM CPU TBE EXACT_SGD",
               "eager": "nn.EmbeddingBag(sparse=True) x T + torchrec_ftrl.FTRL"}
@@ -159,8 +165,8 @@ def main() -> None:
         steps, keep = {}, []
         for m in methods:
             grad = torch.randn(args.B, args.T * args.D)
-            if m in ("cpp", "torch"):
-                mod = build_ours(args, m)
+            if m in ("cpp", "torch", "cpp_bf16"):
+                mod = build_ours(args, m.split("_")[0], "bf16" if m.endswith("bf16") else None)
                 steps[m] = tbe_step(mod, grad)
             elif m in fb:
                 mod = build_fbgemm(args, fb[m])

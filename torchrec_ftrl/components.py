@@ -77,7 +77,9 @@ def train_ctr(
         rdzv_port=rdzv_port,
     )
     for role in app.roles:   # ddp's command is "torchrun ARGS" under bash -c
-        role.args[-1] = role.args[-1].replace("torchrun ", f"{_LAUNCHER} ", 1)
+        if not role.args[-1].startswith("torchrun "):
+            raise RuntimeError(f"torchx's ddp command does not start with torchrun: {role.args[-1]!r}")
+        role.args[-1] = _LAUNCHER + role.args[-1][len("torchrun"):]
     if not script:
         # ddp names the role after the module's last part ("job"); keep the job's name (log prefixes
         # "train_ctr/0", as when it was launched as a script).

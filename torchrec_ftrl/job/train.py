@@ -78,17 +78,17 @@ def run(argv=None) -> dict:
     validate.check_flags(args)
     faults.parse(os.environ.get(faults.ENV))  # a malformed fault spec fails before any work
     fused_params = cli.sparse_fused_params(args)  # fails early if FTRL is not registered
-    source = validate.build_source(args)
+    source, data_desc = validate.build_source(args)
     world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    validate.check_plan(args, source[0], fused_params, world_size, local_world,
+    validate.check_plan(args, source, fused_params, world_size, local_world,
                         "cuda" if cli.cuda_run(args.device) else "cpu")
     env = dist_env.init(args.device)
     if env.device.type == "cpu" and args.cpu_threads > 0:
         torch.set_num_threads(args.cpu_threads)
     rank0 = env.rank == 0
     try:
-        summary = _run(args, env, fused_params, source, rank0)
+        summary = _run(args, env, fused_params, source, data_desc, rank0)
     except BaseException:
         dist_env.shutdown(clean=False)  # peers may be gone: no barrier
         raise
@@ -111,7 +111,7 @@ def _load_cpu_kernel(say: bool) -> None:
         timer.cancel()
 
 
-def _run(args, env, fused_params, source, rank0) -> dict:
+def _run(args, env, fused_params, source, data_desc, rank0) -> dict:
     import torchrec_ftrl
 
     torch.manual_seed(args.seed)
@@ -120,7 +120,6 @@ def _run(args, env, fused_params, source, rank0) -> dict:
         path = checkpoint.resolve(args.resume, args.checkpoint_dir)
         checkpoint.check_ftrl_state_dtype(path, checkpoint.read_meta(path), args.ftrl_state_dtype,
                                           args.sparse_optimizer)
-    source, data_desc = source
     steps = args.steps
     if args.epochs is not None:
         steps = steps_for_epochs(source, args.epochs, env.world_size, args.batch_size)

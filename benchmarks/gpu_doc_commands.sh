@@ -62,15 +62,15 @@ torchx run -s local_cwd torchrec_ftrl/components.py:train_ctr --nproc 2 -- \
     --data ../shared/data/criteo/criteo_dac_combined.tsv --epochs 5
 DOCEOF
 
-run_block 'docs/main-job.md:285 (bash long)' "$OUT/doc_05.log" <<'DOCEOF'
+run_block 'docs/main-job.md:287 (bash long)' "$OUT/doc_05.log" <<'DOCEOF'
 python benchmarks/bench_readers.py --json bench_readers.json   # --binary-dense stored: the stored row
 DOCEOF
 
-run_block 'docs/main-job.md:379 (bash long)' "$OUT/doc_06.log" <<'DOCEOF'
+run_block 'docs/main-job.md:386 (bash long)' "$OUT/doc_06.log" <<'DOCEOF'
 python -m torchrec_ftrl.job --zch --data ../shared/data/criteo/criteo_dac_combined.tsv --epochs 5 --num-embeddings 1000
 DOCEOF
 
-run_block 'docs/main-job.md:514 (bash long)' "$OUT/doc_07.log" <<'DOCEOF'
+run_block 'docs/main-job.md:522 (bash long)' "$OUT/doc_07.log" <<'DOCEOF'
 python benchmarks/sweep_l1.py --sets synthetic criteo --l1 0 0.01 0.03 0.1 0.3 1 3 10 --adagrad-reference
 DOCEOF
 

@@ -18,6 +18,7 @@ the page cache: this measures decoding and batch building, not the disk.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import os
@@ -96,8 +97,10 @@ def main(argv=None) -> dict:
         tsv_rows_s, _ = _time_source(tsv_src, a.batch_size, 1)
 
     res = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{os.cpu_count()}-core CPU ({platform.processor() or platform.machine()}), "
                    f"Python {platform.python_version()}, numpy {np.__version__}",
+        "load_avg_1min_at_end": os.getloadavg()[0],
         "batch_size": a.batch_size, "split": "every:10", "num_embeddings": 10_000,
         "binary": {"rows": a.rows, "batches_per_pass": bin_batches, "dense": a.binary_dense,
                    "rows_per_s": bin_rows_s},

@@ -11,13 +11,19 @@ permutation of the rows). Reports the median wall time in ms per step over ``--i
 All modules of one index distribution are built first and their steps interleaved round-robin, so that
 a shared machine's changing background load hits every method alike.
 
-Usage: python benchmarks/bench_tbe_cpu.py [--threads 2] [--iters 20] [--out results.md]
+``--profile K`` records K more steps of each method with ``torch.profiler`` (after the timed ones)
+and reports each method's top operators by self CPU time, to see where a method's step goes.
+
+Usage: python benchmarks/bench_tbe_cpu.py [--threads 2] [--iters 20] [--out results.md] [--json results.json]
+       [--profile 5]
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import gc
+import json
 import os
 import platform
 import statistics
@@ -71,8 +77,11 @@ def tbe_step(module, grad):
     return step
 
 
-def build_ours(args, backend):
-    return FTRLTableBatchedEmbeddingBags([(args.E, args.D)] * args.T, backend=backend, **FTRL_KW)
+def build_ours(args, backend, state_dtype=None):
+    """Our TBE on ``backend``; ``state_dtype="bf16"`` stores accum and linear in bf16 (half the state
+    bytes each update reads and writes)."""
+    extra = {"optimizer_state_dtypes": {"accum": state_dtype, "linear": state_dtype}} if state_dtype else {}
+    return FTRLTableBatchedEmbeddingBags([(args.E, args.D)] * args.T, backend=backend, **FTRL_KW, **extra)
 
 
 def build_fbgemm(args, optim):
@@ -102,6 +111,18 @@ def eager_step(args):
     return embs, step
 
 
+def profile_steps(step, batches, k: int, top: int = 8) -> list:
+    """``[(operator, self CPU ms per step, calls per step)]`` of the ``top`` operators of ``k`` steps
+    under ``torch.profiler`` (CPU activity), by self CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for i in range(k):
+            step(*batches[i % len(batches)])
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    return [(e.key, e.self_cpu_time_total / 1e3 / k, e.count / k) for e in events]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--T", type=int, default=8)
@@ -115,20 +136,27 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--batches", type=int, default=4)
     ap.add_argument("--dists", default="uniform,zipf")
-    ap.add_argument("--methods", default="cpp,torch,fbgemm_rowwise_adagrad,fbgemm_adagrad,fbgemm_sgd,eager")
+    ap.add_argument("--methods", default="cpp,torch,fbgemm_rowwise_adagrad,fbgemm_adagrad,fbgemm_sgd,eager",
+                    help="of cpp, cpp_bf16 (bf16 FTRL state), torch, fbgemm_rowwise_adagrad, "
+                         "fbgemm_adagrad, fbgemm_sgd, eager")
     ap.add_argument("--out", default=None, help="also write the markdown table to this file")
+    ap.add_argument("--json", default=None, help="also write the results (machine, date, ms) as JSON")
+    ap.add_argument("--profile", type=int, default=0, metavar="K",
+                    help="profile K more steps of each method (top operators by self CPU time)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     methods = args.methods.split(",")
     fb = {"fbgemm_rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
           "fbgemm_adagrad": EmbOptimType.EXACT_ADAGRAD, "fbgemm_sgd": EmbOptimType.EXACT_SGD}
     labels = {"cpp": "torchrec_ftrl FTRL, cpp backend", "torch": "torchrec_ftrl FTRL, torch backend",
+              "cpp_bf16": "torchrec_ftrl FTRL, cpp backend, bf16 state",
               "fbgemm_rowwise_adagrad": "FBGEMM CPU TBE EXACT_ROWWISE_ADAGRAD",
               "fbgemm_adagrad": "FBGEMM CPU TBE EXACT_ADAGRAD", "fbgemm_sgd": "FBGEMM CPU TBE EXACT_SGD",
               "eager": "nn.EmbeddingBag(sparse=True) x T + torchrec_ftrl.FTRL"}
     dists = args.dists.split(",")
     res: dict[tuple[str, str], float] = {}
     cpu: dict[tuple[str, str], float] = {}
+    profiles: dict[tuple[str, str], list] = {}
     slow = {"torch": max(3, args.iters // 4), "eager": max(3, args.iters // 2)}
     for dist in dists:
         batches = make_batches(args, dist, args.batches)
@@ -137,8 +165,8 @@ def main() -> None:
         steps, keep = {}, []
         for m in methods:
             grad = torch.randn(args.B, args.T * args.D)
-            if m in ("cpp", "torch"):
-                mod = build_ours(args, m)
+            if m in ("cpp", "torch", "cpp_bf16"):
+                mod = build_ours(args, m.split("_")[0], "bf16" if m.endswith("bf16") else None)
                 steps[m] = tbe_step(mod, grad)
             elif m in fb:
                 mod = build_fbgemm(args, fb[m])
@@ -164,6 +192,8 @@ def main() -> None:
                 steps[m](idx, off)
                 wall[m].append((time.perf_counter() - t0) * 1e3)
                 cpus[m].append((time.process_time() - c0) * 1e3)
+        for m in methods if args.profile else ():
+            profiles[(dist, m)] = profile_steps(steps[m], batches, args.profile)
         for m in methods:
             res[(dist, m)] = statistics.median(wall[m])
             cpu[(dist, m)] = statistics.median(cpus[m])
@@ -172,7 +202,11 @@ def main() -> None:
         del keep, steps
         gc.collect()
 
-    lines = [f"Fwd+bwd(+fused update) step, T={args.T}, E={args.E}, D={args.D}, B={args.B}, L={args.L}, fp32, "
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    machine = (f"{os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), "
+               f"{platform.platform()}")
+    lines = [f"Measured {date} on {machine}.", "",
+             f"Fwd+bwd(+fused update) step, T={args.T}, E={args.E}, D={args.D}, B={args.B}, L={args.L}, fp32, "
              f"SUM pooling, {args.threads} threads, {platform.processor() or platform.machine()}, "
              f"torch {torch.__version__}, fbgemm_gpu {_fbgemm_version()}; median of {args.iters} steps (torch "
              f"backend: {slow['torch']}, eager: {slow['eager']}) after {args.warmup} warm-up, methods "
@@ -188,11 +222,26 @@ def main() -> None:
             v = res[(d, m)]
             cells += [f"{v:.2f}", f"{v / ref:.2f}x" if ref else "-", f"{cpu[(d, m)]:.2f}"]
         lines.append(f"| {labels[m]} | " + " | ".join(cells) + " |")
+    for (d, m), top in profiles.items():
+        lines += ["", f"Top operators by self CPU time, {labels[m]}, {d} ({args.profile} steps, ms per step):",
+                  "", "| operator | self CPU ms | calls per step |", "|---|---:|---:|"]
+        lines += [f"| `{name}` | {ms:.2f} | {calls:g} |" for name, ms, calls in top]
     table = "\n".join(lines)
     print(table)
     if args.out:
         with open(args.out, "w") as f:
             f.write(table + "\n")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"date": date, "machine": machine, "torch": torch.__version__,
+                       "fbgemm_gpu": _fbgemm_version(), "args": vars(args),
+                       "load_avg_1min_at_end": os.getloadavg()[0],
+                       "median_wall_ms": {d: {m: res[(d, m)] for m in methods} for d in dists},
+                       "median_cpu_ms": {d: {m: cpu[(d, m)] for m in methods} for d in dists},
+                       "ratio_to_ours": {d: {m: res[(d, m)] / res[(d, "cpp")] for m in methods}
+                                         for d in dists if (d, "cpp") in res},
+                       "profile_top_ops": {f"{d}/{m}": top for (d, m), top in profiles.items()}},
+                      f, indent=1)
 
 
 if __name__ == "__main__":

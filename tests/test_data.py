@@ -134,7 +134,7 @@ def test_bad_arguments_raise_value_error(tmp_path):
         ColumnSpec(label="click", categorical=(1,))
     with pytest.raises(ValueError, match="split every:k needs an integer k >= 2"):
         Split.parse("every:1")
-    with pytest.raises(ValueError, match="--split must look like"):
+    with pytest.raises(ValueError, match="a split looks like"):
         Split.parse("10")
 
 

@@ -360,7 +360,8 @@ def test_wrong_data_format_fails_in_one_line(tmp_path):
     p = run_job(["--data", str(bad), "--steps", "1", "--output-dir", str(tmp_path)])
     assert p.returncode == 2, p.stderr[-2000:]
     last = p.stderr.strip().splitlines()[-1]
-    assert last.startswith("train_ctr: error: the validation split") and "--data-format" in last
+    assert last.startswith(f"train_ctr: error: {bad}: the validation split --split every:10 is empty")
+    assert "most rows are malformed" in last and "--data-format" in last
     assert "30 malformed rows" in last and "Traceback" not in p.stderr
 
 
@@ -427,13 +428,16 @@ def test_torchx_component_builds_ddp_appdef():
     app = train_ctr("--steps", "7", nproc=3, gpu=0)
     role = app.roles[0]
     cmd = role.args[-1]
-    assert "torchrun" in cmd and "--nproc_per_node 3" in cmd and "--nnodes 1" in cmd
+    assert cmd.startswith("python -m torchrec_ftrl.job.torchrun ") and "--nproc_per_node 3" in cmd
+    assert "--nnodes 1" in cmd and role.env["LOGLEVEL"] == "ERROR"
+    assert train_ctr(env={"LOGLEVEL": "INFO"}).roles[0].env["LOGLEVEL"] == "INFO"
     assert "-m torchrec_ftrl.job --steps 7" in cmd and "examples/" not in cmd
     assert role.name == "train_ctr" and app.name == "train_ctr"
     assert role.resource.gpu == 0
     # a custom script is launched as a script
     custom = train_ctr("--steps", "7", nproc=1, gpu=0, script="my/job.py").roles[0].args[-1]
-    assert "--nproc_per_node 1" in custom and "my/job.py --steps 7" in custom and " -m " not in custom
+    assert "--nproc_per_node 1" in custom and "my/job.py --steps 7" in custom
+    assert "-m torchrec_ftrl.job " not in custom
     with pytest.raises(ValueError, match="nproc and nnodes must be >= 1"):
         train_ctr(nproc=0)
 

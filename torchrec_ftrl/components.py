@@ -9,8 +9,10 @@ From an installed wheel, in any directory, name this file by its installed path:
     torchx run -s local_cwd "$(python -c 'import torchrec_ftrl.components as c; print(c.__file__)')":train_ctr --nproc 2
 
 It wraps ``torchx.components.dist.ddp`` (torchrun, one node by default) and launches
-``torchrun ... -m torchrec_ftrl.job``, so it needs only the installed package, not a checkout;
-everything after ``--`` goes to the job unchanged. Each process picks ``cuda:LOCAL_RANK`` with NCCL
+``python -m torchrec_ftrl.job.torchrun ... -m torchrec_ftrl.job``, so it needs only the installed
+package, not a checkout; everything after ``--`` goes to the job unchanged. That module is torchrun
+with one difference: a worker that fails ends the launch with its exit status, without torchrun's
+``ChildFailedError`` traceback (``torchrec_ftrl/job/torchrun.py``). Each process picks ``cuda:LOCAL_RANK`` with NCCL
 when CUDA is present and CPU with gloo otherwise (see the job's ``--device``).
 """
 
@@ -21,6 +23,7 @@ import torchx.specs as specs
 from torchx.components import dist as dist_components
 
 _MODULE = "torchrec_ftrl.job"
+_LAUNCHER = "python -m torchrec_ftrl.job.torchrun"
 _ROLE = "train_ctr"
 
 
@@ -50,7 +53,8 @@ def train_ctr(
         script: path of a custom training script to run instead; default: the installed module torchrec_ftrl.job
         image: container image (image-based schedulers only)
         name: job name
-        env: extra environment variables for the workers
+        env: extra environment variables for the workers (``LOGLEVEL`` defaults to ``ERROR``:
+            torchrun's log without its warnings)
         max_retries: restarts on failure
         rdzv_port: c10d rendezvous port (multi-node only)
     """
@@ -68,10 +72,14 @@ def train_ctr(
         gpu=gpu,
         memMB=memMB,
         j=f"{nnodes}x{nproc}",
-        env=dict(env or {}),
+        env={"LOGLEVEL": "ERROR", **(env or {})},   # torchrun's warnings off unless asked for
         max_retries=max_retries,
         rdzv_port=rdzv_port,
     )
+    for role in app.roles:   # ddp's command is "torchrun ARGS" under bash -c
+        if not role.args[-1].startswith("torchrun "):
+            raise RuntimeError(f"torchx's ddp command does not start with torchrun: {role.args[-1]!r}")
+        role.args[-1] = _LAUNCHER + role.args[-1][len("torchrun"):]
     if not script:
         # ddp names the role after the module's last part ("job"); keep the job's name (log prefixes
         # "train_ctr/0", as when it was launched as a script).

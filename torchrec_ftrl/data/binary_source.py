@@ -199,7 +199,8 @@ class BinarySource:
         """
         _check_rank(rank, world_size, batch_size)
         if self.n_val < 1:
-            raise NoUsableRowsError(f"the validation split {self.split} is empty; binary data: "
+            raise NoUsableRowsError(f"{self.folder}: the validation split --split {self.split} is "
+                                    f"empty; binary data: "
                                     f"{self.stats().summary()}")
         mine = np.arange(rank, self.n_val, world_size, dtype=np.int64)
         n_batches = math.ceil(math.ceil(self.n_val / world_size) / batch_size)

@@ -109,8 +109,8 @@ class FileSource:
                     rest = rows.take(slice(batch_size, None))
                     buf, buffered = ([rest] if rest.num_rows else []), rest.num_rows
             if seen < world_size:
-                raise ValueError(f"only {seen} training rows for world_size={world_size}; "
-                                 f"reader: {self.reader.stats.summary()}")
+                raise NoUsableRowsError(f"only {seen} training rows for world_size={world_size}; "
+                                        f"reader: {self.reader.stats.summary()}")
             self.epoch += 1
 
     def validation_batches(self, rank: int, world_size: int,
@@ -126,10 +126,7 @@ class FileSource:
         if rows is not None and self.max_val_rows is not None:
             rows = rows.take(slice(0, self.max_val_rows))
         if rows is None or not rows.num_rows:
-            raise NoUsableRowsError(
-                f"the validation split {self.split} is empty; reader: {self.reader.stats.summary()}; "
-                f"if most rows are malformed, the file's layout is probably not the --data-format "
-                f"given (a preset or a JSON column spec)")
+            raise NoUsableRowsError(_no_validation_rows(self.reader, self.split))
         total = rows.num_rows
         mine = rows.take(slice(rank, None, world_size))
         n_batches = math.ceil(math.ceil(total / world_size) / batch_size)
@@ -140,6 +137,18 @@ class FileSource:
             pad = np.zeros(batch_size - n_real, dtype=np.int64)  # pad rows repeat row 0
             out.append((self._to_batch(RowChunk.concat([chunk, rows.take(pad)])), n_real))
         return out
+
+
+def _no_validation_rows(reader: CTRFileReader, split: Split) -> str:
+    """Why a text source has no validation row: no row at all, no valid row, or a split too coarse."""
+    st, files = reader.stats, ", ".join(reader.paths)
+    if st.valid == 0 and st.malformed == 0:
+        return f"{files}: no data rows (empty file)"
+    if st.malformed > st.valid:
+        return (f"{files}: the validation split --split {split} is empty; reader: {st.summary()}; "
+                f"most rows are malformed, so the file's layout is probably not the --data-format "
+                f"given (a preset or a JSON column spec)")
+    return f"{files}: the validation split --split {split} is empty; reader: {st.summary()}"
 
 
 class SyntheticSource:

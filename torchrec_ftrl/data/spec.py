@@ -109,7 +109,10 @@ class ColumnSpec:
             try:
                 return list(header_fields).index(c)
             except ValueError:
-                raise ValueError(f"column {c!r} not in the header {list(header_fields)}") from None
+                shown = ", ".join(repr(h[:20]) for h in header_fields[:8])
+                more = ", ..." if len(header_fields) > 8 else ""
+                raise ValueError(f"column {c!r} not in the header ({len(header_fields)} field(s) "
+                                 f"split on {self.delimiter!r}: {shown}{more})") from None
 
         label = index(self.label)
         dense = tuple(index(c) for c in self.dense)

@@ -31,6 +31,12 @@ class Split:
         elif self.mode != "none":
             raise ValueError(f"split mode must be 'every', 'tail' or 'none', got {self.mode!r}")
 
+    def __str__(self) -> str:
+        """The flag form: ``every:10``, ``tail:0.1``, ``none``."""
+        if self.mode == "none":
+            return "none"
+        return f"{self.mode}:{int(self.value) if self.mode == 'every' else self.value:g}"
+
     @classmethod
     def parse(cls, text: str) -> "Split":
         """``"every:10"``, ``"tail:0.1"`` or ``"none"``."""
@@ -38,11 +44,11 @@ class Split:
             return cls("none")
         mode, sep, val = text.partition(":")
         if not sep:
-            raise ValueError(f"--split must look like 'every:10', 'tail:0.1' or 'none', got {text!r}")
+            raise ValueError(f"a split looks like 'every:10', 'tail:0.1' or 'none', got {text!r}")
         try:
             num = float(val)
         except ValueError:
-            raise ValueError(f"--split value must be a number, got {text!r}") from None
+            raise ValueError(f"the split's value must be a number, got {text!r}") from None
         return cls(mode, num)
 
     @property

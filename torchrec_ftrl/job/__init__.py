@@ -1,7 +1,9 @@
 """The CTR training job (``python -m torchrec_ftrl.job``, the torchx component
 ``torchrec_ftrl/components.py:train_ctr``, ``examples/train_ctr.py``): one module per job.
 
-``cli`` (flags, fused_params), ``dist_env`` (process group, device), ``model`` (DLRM, planner, DMP,
+``cli`` (flags, fused_params), ``validate`` (the whole configuration, before any work), ``errors``
+(the one-line ``train_ctr: error:`` form), ``torchrun`` (torchrun as the torchx component runs it),
+``dist_env`` (process group, device), ``model`` (DLRM, planner, DMP,
 optimizers), ``source`` (flags -> data source), ``evaluate`` (validation AUC / log loss), ``sparsity``
 (per-table zero shares over local shards), ``checkpoint`` (atomic DCP save / resume), ``report``
 (summary JSON and PNG), ``faults`` (the ``TORCHREC_FTRL_FAULT`` hook of the reliability tests),

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 from typing import Any, Optional, Sequence
 
 from . import presets
+from .errors import PROG, exit_with_error
 from .pipeline import PIPELINES
 
 SPARSE_OPTIMIZERS = ("ftrl", "rowwise_adagrad")
@@ -23,12 +23,11 @@ _FP32_MIN_NORMAL = 1.1754943508222875e-38
 _FP32_MAX = 3.4028234663852886e38
 
 
-def _prog() -> str:
-    """argparse's program name: the script's (``train_ctr.py``), also under ``python -m
-    torchrec_ftrl.job`` (argv[0] ``.../__main__.py``), so usage and error lines read as they always
-    have whichever way the job was started."""
-    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
-    return "train_ctr.py" if name in ("", "__main__.py", "-c") else name
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse with the job's error form: one line ``train_ctr: error: ...``, exit status 2."""
+
+    def error(self, message: str):  # argparse's hook for every flag error
+        exit_with_error(message)
 
 
 def _non_negative_int(text: str) -> int:
@@ -43,8 +42,8 @@ def _non_negative_int(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=_prog(),
+    p = _OneLineParser(
+        prog=PROG,
         description="DLRM CTR model whose embedding tables are trained with a fused sparse optimizer "
                     "(FTRL-Proximal by default), sharded with DistributedModelParallel.")
     d = p.add_argument_group("data")
@@ -197,17 +196,17 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error(f"--epochs needs --data and a value > 0, got {a.epochs}")
     if a.embedding_dim % 4:
         p.error(f"--embedding-dim must be a multiple of 4 (TBE rows), got {a.embedding_dim}")
-    try:
-        a.num_embeddings_list = [int(x) for x in a.num_embeddings.split(",")]
-        a.dense_arch_list = [int(x) for x in a.dense_arch.split(",") if x]
-        a.over_arch_list = [int(x) for x in a.over_arch.split(",") if x]
-    except ValueError as e:
-        p.error(f"bad integer list: {e}")
-    if any(n < 1 for n in a.num_embeddings_list):
-        p.error(f"--num-embeddings entries must be >= 1, got {a.num_embeddings}")
+    for flag in ("--num-embeddings", "--dense-arch", "--over-arch"):
+        text = getattr(a, flag[2:].replace("-", "_"))
+        try:
+            setattr(a, f"{flag[2:].replace('-', '_')}_list", [int(x) for x in text.split(",") if x])
+        except ValueError:
+            p.error(f"{flag} must be a comma list of integers, got {text!r}")
+    if not a.num_embeddings_list or any(n < 1 for n in a.num_embeddings_list):
+        p.error(f"--num-embeddings entries must be >= 1, got {a.num_embeddings!r}")
     if a.sparse_lr is None:
         a.sparse_lr = 0.05
-    if a.zch and a.sparse_optimizer == "rowwise_adagrad" and not _cuda_run(a.device):
+    if a.zch and a.sparse_optimizer == "rowwise_adagrad" and not cuda_run(a.device):
         p.error("--zch with --sparse-optimizer rowwise_adagrad needs --device cuda: FBGEMM resets "
                 "evicted rows with a CUDA-only op (fbgemm::reset_weight_momentum)")
     _check_optimizer_flags(p, a)
@@ -215,7 +214,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return a
 
 
-def _cuda_run(device: str) -> bool:
+def cuda_run(device: str) -> bool:
     """Whether ``--device`` puts the run on CUDA (``auto``: when CUDA is present)."""
     import torch
     return device == "cuda" or (device == "auto" and torch.cuda.is_available())

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
+import threading
 import time
 import warnings
 
@@ -29,12 +29,16 @@ import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
 from . import (checkpoint, cli, dist_env, evaluate, faults, model as model_lib, pipeline, plan_only,
-               profile as profile_lib, report, sparsity, warmup as kernel_warmup, zch)
+               profile as profile_lib, report, sparsity, validate, warmup as kernel_warmup, zch)
+from .errors import JobConfigError, exit_with_error
 from .source import make_source, steps_for_epochs
 from torchrec_ftrl.data import train_loader
 
 
 STEADY_AFTER = 10   # steps left out of ``steady_examples_per_s``
+KERNEL_BUILD_NOTICE_S = 5.0   # rank 0 says the CPU kernel is being built when loading takes longer
+KERNEL_BUILD_NOTICE = ("train_ctr: building the compiled CPU kernel (once per install; about 1-2 "
+                       "minutes on 2 cores)")
 
 
 def _sum_over_ranks(x: float, device: torch.device) -> float:
@@ -60,23 +64,33 @@ def _quiet() -> None:
 def run(argv=None) -> dict:
     """Run the job with ``argv`` (default ``sys.argv[1:]``); returns the summary dict (every rank).
 
+    The whole configuration is checked (``validate``) before the process group, the model or any
+    output exists.
+
     Raises:
-        FileNotFoundError, MalformedRowError, NoUsableRowsError, CheckpointError: bad data or
-            checkpoint (``main`` turns these into one ``train_ctr: error: ...`` line and status 2).
-        SystemExit: bad flags (argparse, status 2).
+        JobConfigError, FileNotFoundError, MalformedRowError, NoUsableRowsError, CheckpointError: a
+            configuration the job cannot run, bad data or checkpoint (``main`` turns these into one
+            ``train_ctr: error: ...`` line and status 2).
+        SystemExit: bad flags (argparse: one ``train_ctr: error: ...`` line, status 2).
     """
     _quiet()
     args = cli.parse_args(argv)
+    validate.check_flags(args)
     if args.plan_only:
         return plan_only.run(args)
     faults.parse(os.environ.get(faults.ENV))  # a malformed fault spec fails before any work
     fused_params = cli.sparse_fused_params(args)  # fails early if FTRL is not registered
+    source, data_desc = validate.build_source(args)
+    world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    validate.check_plan(args, source, fused_params, world_size, local_world,
+                        "cuda" if cli.cuda_run(args.device) else "cpu")
     env = dist_env.init(args.device)
     if env.device.type == "cpu" and args.cpu_threads > 0:
         torch.set_num_threads(args.cpu_threads)
     rank0 = env.rank == 0
     try:
-        summary = _run(args, env, fused_params, rank0)
+        summary = _run(args, env, fused_params, source, data_desc, rank0)
     except BaseException:
         dist_env.shutdown(clean=False)  # peers may be gone: no barrier
         raise
@@ -84,7 +98,22 @@ def run(argv=None) -> dict:
     return summary
 
 
-def _run(args, env, fused_params, rank0) -> dict:
+def _load_cpu_kernel(say: bool) -> None:
+    """Load (on first use of an install: build) the compiled CPU kernel now, rather than silently
+    inside the model's construction; when ``say`` and it has not loaded after
+    ``KERNEL_BUILD_NOTICE_S``, print ``KERNEL_BUILD_NOTICE``."""
+    from torchrec_ftrl.kernels import backend
+
+    timer = threading.Timer(KERNEL_BUILD_NOTICE_S, print, (KERNEL_BUILD_NOTICE,), {"flush": True})
+    if say:
+        timer.start()
+    try:
+        backend.resolve_backend(None, torch.device("cpu"))   # falls back to the PyTorch path, warning
+    finally:
+        timer.cancel()
+
+
+def _run(args, env, fused_params, source, data_desc, rank0) -> dict:
     import torchrec_ftrl
 
     torch.manual_seed(args.seed)
@@ -93,7 +122,8 @@ def _run(args, env, fused_params, rank0) -> dict:
         path = checkpoint.resolve(args.resume, args.checkpoint_dir)
         checkpoint.check_ftrl_state_dtype(path, checkpoint.read_meta(path), args.ftrl_state_dtype,
                                           args.sparse_optimizer)
-    source, data_desc = make_source(args, env.device)
+    if data_desc["kind"].startswith("synthetic-"):   # drawn on the device: made again on it
+        source, data_desc = make_source(args, env.device)
     steps = args.steps
     if args.epochs is not None:
         steps = steps_for_epochs(source, args.epochs, env.world_size, args.batch_size)
@@ -102,6 +132,8 @@ def _run(args, env, fused_params, rank0) -> dict:
              else source.num_embeddings)
     num_dense = len(source.dense_names)
 
+    if env.device.type == "cpu":
+        _load_cpu_kernel(rank0)
     net = model_lib.build_dlrm(features, sizes, args.embedding_dim, num_dense, args.dense_arch_list,
                                args.over_arch_list, env.device,
                                dcn=(args.dcn_layers, args.dcn_rank) if args.dcn_layers else None)
@@ -349,16 +381,15 @@ def cli_ftrl_registered() -> bool:
 
 def main(argv=None) -> dict:
     """Command-line entry point (``python -m torchrec_ftrl.job``, ``examples/train_ctr.py``, the torchx
-    component): :func:`run`, except that a missing or malformed data file and an unloadable checkpoint
-    end the process with one line ``train_ctr: error: ...`` on stderr and exit status 2 (no traceback).
-    Returns the summary dict (every rank)."""
+    component): :func:`run`, except that a bad configuration, a missing or malformed data file and an
+    unloadable checkpoint end the process with one line ``train_ctr: error: ...`` on stderr and exit
+    status 2 (no traceback). Returns the summary dict (every rank)."""
     from torchrec_ftrl.data import MalformedRowError, NoUsableRowsError
     try:
         return run(argv)
-    except (FileNotFoundError, MalformedRowError, NoUsableRowsError,
+    except (JobConfigError, FileNotFoundError, MalformedRowError, NoUsableRowsError,
             checkpoint.CheckpointError, model_lib.PlanDoesNotFitError) as e:  # one clear line, no traceback
-        print(f"train_ctr: error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        exit_with_error(str(e))
 
 
 if __name__ == "__main__":

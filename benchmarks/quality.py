@@ -48,7 +48,7 @@ SAMPLES = {"criteo": ("criteo", "criteo/criteo_dac_combined.tsv"),
 # name -> (teacher table sizes, training examples, evaluation examples)
 TEACHERS = {
     "tiny": (log_spaced_sizes(26, 100, 2_000), 8_192, 4_096),
-    "small": (log_spaced_sizes(26, 1_000, 100_000), 400_000, 200_000),
+    "small": (log_spaced_sizes(26, 1_000, 20_000), 100_000, 100_000),
     "large": (log_spaced_sizes(26, 100_000, 10_000_000), 10_000_000, 1_000_000),
 }
 EVAL_STREAM = 1_000_003          # the teacher's evaluation set is this stream, whatever the seed

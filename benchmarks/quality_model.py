@@ -144,7 +144,8 @@ def build_tbe(variant: Variant, sizes: list[int], dim: int, batch_size: int,
 
 
 class SparseDLRM(nn.Module):
-    """DLRM over a TBE: ``forward(dense [B, num_dense] f32, indices, offsets) -> logits [B] f32``.
+    """DLRM over a TBE: ``forward(dense [B, num_dense] f32, indices, offsets) -> logits [B] f32``
+    (``num_dense == 0``: a constant ``ones [B, 1]`` input, as ``torchrec_ftrl.job.model.CTRTrain``).
     ``indices``/``offsets``: FBGEMM's feature-major layout, one id per example and feature."""
 
     def __init__(self, tbe: nn.Module, num_features: int, dim: int, num_dense: int,
@@ -159,6 +160,8 @@ class SparseDLRM(nn.Module):
 
     def forward(self, dense, indices, offsets):
         b = dense.shape[0]
+        if dense.shape[1] == 0:   # no dense features: a constant input (the bottom MLP learns a bias)
+            dense = torch.ones((b, 1), dtype=torch.float32, device=dense.device)
         emb = self.tbe(indices, offsets).view(b, self.num_features, self.dim)
         return self.over_arch(self.inter_arch(self.dense_arch(dense), emb)).squeeze(-1)
 

@@ -128,8 +128,9 @@ class Teacher:
         return torch.where(self.informative(ids), w, torch.zeros_like(w))
 
     def sample(self, n: int, seed: int, chunk: int = 1 << 21) -> TeacherData:
-        """``n`` examples drawn from the stream ``seed`` (same ``(config, seed, n)``, same examples, on
-        a given device type), generated in chunks of ``chunk`` rows to bound the memory peak.
+        """``n`` examples drawn from the stream ``seed`` (same ``(config, seed, n, chunk)``, same
+        examples, on a given device type), generated in chunks of ``chunk`` rows to bound the memory
+        peak.
 
         Raises:
             ValueError: ``n < 1``.

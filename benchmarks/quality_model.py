@@ -82,8 +82,8 @@ def check_supported(variant: Variant, device: torch.device) -> None:
 
     Raises:
         ValueError: an unknown optimizer; an FTRL layout key ``FTRLTableBatchedEmbeddingBags`` does
-            not take (naming the variant and the key); a stock optimizer FBGEMM has no kernel for on
-            ``device`` (ADAM on CPU).
+            not take, or a layout it refuses (naming the variant and the key); a stock optimizer
+            FBGEMM has no kernel for on ``device`` (ADAM on CPU).
     """
     if variant.optimizer == "ftrl":
         from torchrec_ftrl import FTRLTableBatchedEmbeddingBags
@@ -97,6 +97,12 @@ def check_supported(variant: Variant, device: torch.device) -> None:
         if unknown:
             raise ValueError(f"variant {variant.name!r}: unknown FTRL knob(s) {sorted(unknown)}; "
                              f"known: {sorted(FTRL_DEFAULTS)}")
+        if variant.layout:   # a TBE that takes the key may still refuse the value (not implemented)
+            try:
+                FTRLTableBatchedEmbeddingBags([(1, 4)], device=device, **ftrl_tbe_kwargs(variant, 1))
+            except ValueError as e:
+                raise ValueError(f"variant {variant.name!r}: layout {variant.layout} is refused by "
+                                 f"FTRLTableBatchedEmbeddingBags: {e}") from e
     elif variant.optimizer in STOCK_OPTIMIZERS:
         if variant.optimizer == "adam" and device.type != "cuda":
             raise ValueError(f"variant {variant.name!r}: FBGEMM has no {device.type} kernel for ADAM "

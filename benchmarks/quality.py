@@ -38,7 +38,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import quality_model as qm  # noqa: E402
-from quality_stats import AUC_MARGIN, ZERO_SHARE_MARGIN, PairedInterval, paired_interval, verdict  # noqa: E402
+from quality_stats import (AUC_MARGIN, ZERO_SHARE_MARGIN, PairedInterval, mean_interval,  # noqa: E402
+                           paired_interval, verdict)  # noqa: E402
 from teacher import Teacher, TeacherConfig, log_spaced_sizes, teacher_summary  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -72,11 +73,12 @@ def teacher_dataset(preset: str, device: torch.device, teacher_seed: int = 0) ->
 
     def train(seed):
         d = t.sample(n_train, seed)
-        return qm.Examples(d.dense, d.ids, d.labels)
+        return qm.Examples(d.dense, d.ids, d.labels, missing=False)
 
-    desc = {"kind": "teacher", "preset": preset, "train_rows": n_train,
-            **teacher_summary(t, ev)}
-    return Dataset("teacher", sizes, qm.Examples(ev.dense, ev.ids, ev.labels), train, 1, False, desc)
+    desc = {"kind": "teacher", "preset": preset, "train_rows": n_train, **teacher_summary(t, ev)}
+    desc["eval_rows"] = desc.pop("rows")
+    return Dataset("teacher", sizes, qm.Examples(ev.dense, ev.ids, ev.labels, missing=False), train, 1,
+                   False, desc)
 
 
 def sample_dataset(name: str, device: torch.device, num_embeddings: int, epochs: int,
@@ -220,6 +222,97 @@ def plot(result: dict, png: str) -> None:
     plt.close(fig)
 
 
+def l1_sweep(ds: Dataset, examples: qm.Examples, batch: int, seed: int, order: torch.Tensor,
+             l1s: list[float], cfg: qm.ModelConfig, device: torch.device) -> list[dict]:
+    """FTRL at each per-example ``l1`` of ``l1s``, and row-wise Adagrad (trained once) magnitude-pruned
+    to each FTRL model's non-zero weights (:func:`quality_model.prune_to`), all on the same examples,
+    order and initial weights. One record per (method, l1)."""
+    touched = qm.touched_masks(examples.ids[order], ds.sizes)
+    out = []
+    for l1 in l1s:
+        v = qm.Variant(f"ftrl_l1={l1:g}", "ftrl", knobs={"ftrl_l1": l1})
+        model, _ = qm.train(v, examples, ds.sizes, batch, seed, order, cfg, device)
+        nz = qm.sparse_model_stats(model.tbe, touched)["nonzero_weights_touched"]
+        out.append({"method": "ftrl", "l1": l1, "nonzero_weights_touched": nz,
+                    **qm.evaluate(model, ds.evaluation, cfg)})
+        del model
+    model, _ = qm.train(qm.VARIANTS["rowwise_adagrad"], examples, ds.sizes, batch, seed, order, cfg, device)
+    for rec in sorted(out, key=lambda r: -r["nonzero_weights_touched"]):   # pruning only removes
+        left = qm.prune_to(model.tbe, touched, rec["nonzero_weights_touched"])
+        out.append({"method": "rowwise_adagrad_pruned", "l1": rec["l1"], "nonzero_weights_touched": left,
+                    **qm.evaluate(model, ds.evaluation, cfg)})
+    for r in out:
+        r.update(dataset=ds.name, batch=batch, seed=seed)
+    return out
+
+
+def summarize_l1(records: list[dict]) -> list[dict]:
+    """Per (data set, batch, l1): FTRL's and pruned Adagrad's mean AUC and non-zero weights over seeds,
+    the t-interval of each mean AUC, and the paired interval of AUC(pruned Adagrad) - AUC(FTRL)."""
+    out = []
+    for key in dict.fromkeys((r["dataset"], r["batch"], r["l1"]) for r in records):
+        by = {(r["method"], r["seed"]): r for r in records if (r["dataset"], r["batch"], r["l1"]) == key}
+        seeds = sorted(s for m, s in by if m == "ftrl" and ("rowwise_adagrad_pruned", s) in by)
+        if not seeds:
+            continue
+        rec = {"dataset": key[0], "batch": key[1], "l1": key[2], "seeds": seeds}
+        for m in ("ftrl", "rowwise_adagrad_pruned"):
+            auc = [by[(m, s)]["auc"] for s in seeds]
+            rec[m] = {"auc": mean_interval(auc).to_dict(),
+                      "nonzero_weights_touched": statistics.fmean(by[(m, s)]["nonzero_weights_touched"]
+                                                                  for s in seeds)}
+        rec["pruned_minus_ftrl_auc"] = paired_interval(
+            [by[("rowwise_adagrad_pruned", s)]["auc"] for s in seeds],
+            [by[("ftrl", s)]["auc"] for s in seeds]).to_dict()
+        out.append(rec)
+    return out
+
+
+def l1_markdown(rows: list[dict]) -> str:
+    lines = ["| data | batch | l1 (per example) | seeds | non-zero weights | AUC FTRL | "
+             "AUC row-wise Adagrad pruned to that size | pruned - FTRL [95% CI] |",
+             "|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        lines.append(f"| {r['dataset']} | {r['batch']:,} | {r['l1']:g} | {len(r['seeds'])} | "
+                     f"{r['ftrl']['nonzero_weights_touched']:,.0f} | {r['ftrl']['auc']['mean']:.4f} | "
+                     f"{r['rowwise_adagrad_pruned']['auc']['mean']:.4f} | "
+                     f"{_ci(r['pruned_minus_ftrl_auc'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_l1(rows: list[dict], png: str) -> None:
+    """AUC (mean over seeds, 95% t-interval) against non-zero weights of the touched rows: FTRL over
+    its l1 values, and row-wise Adagrad magnitude-pruned to the same sizes; a panel per data set and
+    batch."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = list(dict.fromkeys((r["dataset"], r["batch"]) for r in rows))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
+    for ax, (ds, b) in zip(axes[0], panels):
+        mine = sorted((r for r in rows if (r["dataset"], r["batch"]) == (ds, b)), key=lambda r: r["l1"])
+        for i, (m, label) in enumerate((("ftrl", "FTRL (l1 sweep)"),
+                                        ("rowwise_adagrad_pruned", "row-wise Adagrad, magnitude-pruned"))):
+            xs = [max(r[m]["nonzero_weights_touched"], 1) for r in mine]
+            iv = [r[m]["auc"] for r in mine]
+            lo = [v["mean"] - (v["lo"] if math.isfinite(v["lo"]) else v["mean"]) for v in iv]
+            hi = [(v["hi"] if math.isfinite(v["hi"]) else v["mean"]) - v["mean"] for v in iv]
+            ax.errorbar(xs, [v["mean"] for v in iv], yerr=[lo, hi], marker="os"[i], capsize=3, label=label)
+        for r in mine:
+            ax.annotate(f"l1={r['l1']:g}", (max(r["ftrl"]["nonzero_weights_touched"], 1),
+                                            r["ftrl"]["auc"]["mean"]), fontsize=6)
+        ax.set_xscale("log")
+        ax.set_title(f"{ds}, batch {b:,}")
+        ax.set_xlabel("non-zero weights in touched rows")
+        ax.set_ylabel("AUC (mean over seeds, 95% t-interval)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
 def resolve_variants(names: list[str], device: torch.device) -> tuple[list, dict]:
     """``(variants to run, {name: why not})``. ``all``: every registered variant this installation
     can train (the others are listed with the reason); a variant named explicitly that cannot run
@@ -261,6 +354,9 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--time-budget-s", type=float, default=None,
                    help="start no new seed after this many seconds (a seed's runs stay paired)")
+    p.add_argument("--l1-sweep", type=float, nargs="*", default=[],
+                   help="also FTRL at these per-example l1 values against row-wise Adagrad "
+                        "magnitude-pruned to the same non-zero weights (OUT_l1.png)")
     p.add_argument("--out", required=True, help="output stem: OUT.json, OUT.md, OUT.png")
     a = p.parse_args(argv)
     device = torch.device(a.device)
@@ -281,7 +377,7 @@ def main(argv=None) -> int:
                                     "state_dtypes": v.state_dtypes, "layout": v.layout,
                                     "description": v.description} for v in variants},
               "not_run": not_run, "datasets": {d.name: d.describe for d in sets}, "runs": [],
-              "seeds_done": []}
+              "seeds_done": [], "l1_sweep_runs": []}
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     cfg = qm.ModelConfig()
     for seed in a.seeds:
@@ -302,13 +398,24 @@ def main(argv=None) -> int:
                           f"({r['steps']} steps, {r['train_s']:.1f} s)", flush=True)
                     with open(a.out + ".json", "w") as f:
                         json.dump(result, f, indent=1)
+                if a.l1_sweep:
+                    recs = l1_sweep(ds, train, b, seed, order, a.l1_sweep, cfg, device)
+                    result["l1_sweep_runs"] += recs
+                    for r in recs:
+                        print(f"{ds.name} batch {b} seed {seed} l1 {r['l1']:g} {r['method']}: AUC "
+                              f"{r['auc']:.4f}, {r['nonzero_weights_touched']:,} non-zero", flush=True)
             del train
         result["seeds_done"].append(seed)
     result["wall_s"] = time.perf_counter() - t_start
     result["summary"] = summarize(result["runs"], qm.REFERENCE)
+    table = markdown(result)
+    if a.l1_sweep:
+        result["l1_sweep"] = summarize_l1(result["l1_sweep_runs"])
+        table += "\nl1 sweep: FTRL against row-wise Adagrad magnitude-pruned to FTRL's non-zero weights\n\n" \
+            + l1_markdown(result["l1_sweep"])
+        plot_l1(result["l1_sweep"], a.out + "_l1.png")
     with open(a.out + ".json", "w") as f:
         json.dump(result, f, indent=1)
-    table = markdown(result)
     with open(a.out + ".md", "w") as f:
         f.write(describe(result) + "\n\n" + table)
     plot(result, a.out + ".png")

@@ -175,10 +175,13 @@ class SparseDLRM(nn.Module):
         return [p for n, p in self.named_parameters() if not n.startswith("tbe.")]
 
 
-def tbe_input(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def tbe_input(ids: torch.Tensor, missing: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``ids [B, F]`` int64 (-1 = missing: an empty bag, as the CTR job's batches have it) -> FBGEMM
-    ``(indices [nnz], offsets [F * B + 1])``, feature-major."""
+    ``(indices [nnz], offsets [F * B + 1])``, feature-major. ``missing=False``: the caller knows no
+    id is -1 (one id per bag, no device-to-host sync)."""
     flat = ids.t().reshape(-1)
+    if not missing:
+        return flat, torch.arange(flat.numel() + 1, dtype=torch.int64, device=ids.device)
     keep = flat >= 0
     offsets = torch.zeros(flat.numel() + 1, dtype=torch.int64, device=ids.device)
     torch.cumsum(keep, 0, out=offsets[1:])
@@ -233,11 +236,13 @@ def sparse_model_stats(tbe: nn.Module, touched: list[torch.Tensor]) -> dict:
 
 @dataclass
 class Examples:
-    """``dense [n, num_dense]`` f32, ``ids [n, F]`` int64, ``labels [n]`` f32, on the run's device."""
+    """``dense [n, num_dense]`` f32, ``ids [n, F]`` int64 (-1 = missing), ``labels [n]`` f32, on the
+    run's device; ``missing``: whether any id is -1 (else batches skip the masking, which syncs)."""
 
     dense: torch.Tensor
     ids: torch.Tensor
     labels: torch.Tensor
+    missing: bool = True
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
@@ -270,19 +275,14 @@ def train_order(n: int, batch_size: int, epochs: int, seed: int, shuffle: bool,
     return torch.cat(passes).to(device)
 
 
-def run(variant: Variant, train: Examples, evaluation: Examples, sizes: list[int], batch_size: int,
-        seed: int, order: torch.Tensor, cfg: ModelConfig, device: torch.device) -> dict:
-    """Train ``variant`` on ``train`` in ``order`` (row indices, a multiple of ``batch_size``), from the
-    initial weights of ``seed``; evaluate on ``evaluation``. Returns the metrics
-    (``torchrec_ftrl.job.evaluate.binary_metrics``: AUC, log loss, NE, CTR, rows), the sparse-model
-    statistics (:func:`sparse_model_stats`), ``steps`` and ``train_s``.
-    """
-    from torchrec_ftrl.job.evaluate import binary_metrics
-
+def train(variant: Variant, examples: Examples, sizes: list[int], batch_size: int, seed: int,
+          order: torch.Tensor, cfg: ModelConfig, device: torch.device) -> tuple[SparseDLRM, dict]:
+    """Train ``variant`` on ``examples`` in ``order`` (row indices, a multiple of ``batch_size``) from
+    the initial weights of ``seed``. Returns ``(model, {"steps", "train_s"})``."""
     tbe = build_tbe(variant, sizes, cfg.dim, batch_size, device)
     init_weights(tbe, sizes, seed, device)
     torch.manual_seed(seed)
-    model = SparseDLRM(tbe, len(sizes), cfg.dim, train.dense.shape[1], list(cfg.dense_arch),
+    model = SparseDLRM(tbe, len(sizes), cfg.dim, examples.dense.shape[1], list(cfg.dense_arch),
                        list(cfg.over_arch), device)
     opt = torch.optim.Adagrad(model.dense_parameters(), lr=cfg.dense_lr)
     steps = order.numel() // batch_size
@@ -290,19 +290,55 @@ def run(variant: Variant, train: Examples, evaluation: Examples, sizes: list[int
     t0 = time.perf_counter()
     for s in range(steps):
         rows = order[s * batch_size:(s + 1) * batch_size]
-        logits = model(train.dense[rows], *tbe_input(train.ids[rows]))
-        loss = F.binary_cross_entropy_with_logits(logits, train.labels[rows])
+        logits = model(examples.dense[rows], *tbe_input(examples.ids[rows], examples.missing))
+        loss = F.binary_cross_entropy_with_logits(logits, examples.labels[rows])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    train_s = time.perf_counter() - t0
+    return model, {"steps": steps, "train_s": time.perf_counter() - t0}
+
+
+@torch.no_grad()
+def evaluate(model: SparseDLRM, evaluation: Examples, cfg: ModelConfig) -> dict:
+    """``torchrec_ftrl.job.evaluate.binary_metrics`` of ``model`` on ``evaluation``: AUC, log loss,
+    NE, CTR, rows."""
+    from torchrec_ftrl.job.evaluate import binary_metrics
+
+    was = model.training
     model.eval()
-    with torch.no_grad():
-        out = [model(evaluation.dense[i:i + cfg.eval_batch],
-                     *tbe_input(evaluation.ids[i:i + cfg.eval_batch]))
-               for i in range(0, len(evaluation), cfg.eval_batch)]
-    metrics = binary_metrics(torch.cat(out), evaluation.labels)
-    stats = sparse_model_stats(tbe, touched_masks(train.ids[order], sizes))
-    return {**metrics, **stats, "steps": steps, "train_s": train_s}
+    out = [model(evaluation.dense[i:i + cfg.eval_batch],
+                 *tbe_input(evaluation.ids[i:i + cfg.eval_batch], evaluation.missing))
+           for i in range(0, len(evaluation), cfg.eval_batch)]
+    model.train(was)
+    return binary_metrics(torch.cat(out), evaluation.labels)
+
+
+def run(variant: Variant, examples: Examples, evaluation: Examples, sizes: list[int], batch_size: int,
+        seed: int, order: torch.Tensor, cfg: ModelConfig, device: torch.device) -> dict:
+    """:func:`train`, then :func:`evaluate` and :func:`sparse_model_stats` (rows touched by
+    ``order``): one dict with every metric, ``steps`` and ``train_s``."""
+    model, info = train(variant, examples, sizes, batch_size, seed, order, cfg, device)
+    stats = sparse_model_stats(model.tbe, touched_masks(examples.ids[order], sizes))
+    return {**evaluate(model, evaluation, cfg), **stats, **info}
+
+
+@torch.no_grad()
+def prune_to(tbe: nn.Module, touched: list[torch.Tensor], keep: int) -> int:
+    """Magnitude pruning: zero every weight of the touched rows except the ``keep`` largest in
+    absolute value (over all tables; ties at the threshold are kept). Returns the non-zero weights
+    left in the touched rows."""
+    tables = [(w, m) for w, m in zip(tbe.split_embedding_weights(), touched)]
+    mags = torch.cat([w[m].abs().reshape(-1) for w, m in tables])
+    if keep >= int((mags > 0).sum()):
+        return int((mags > 0).sum())
+    thr = torch.kthvalue(mags.float().cpu(), mags.numel() - max(keep, 0)).values.item() if keep > 0 \
+        else math.inf
+    left = 0
+    for w, m in tables:
+        rows = w[m]
+        rows[rows.abs() <= thr] = 0
+        w[m] = rows
+        left += int((rows != 0).sum())
+    return left

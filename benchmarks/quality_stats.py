@@ -56,6 +56,12 @@ def paired_interval(variant: Sequence[float], reference: Sequence[float],
     return PairedInterval(mean, float(ci.low), float(ci.high), n)
 
 
+def mean_interval(values: Sequence[float], confidence: float = 0.95) -> PairedInterval:
+    """The t-interval of the mean of ``values`` (``scipy.stats.t.interval`` with the standard error
+    ``sd / sqrt(n)``); one value or zero spread: as :func:`paired_interval` against zeros."""
+    return paired_interval(list(values), [0.0] * len(values), confidence)
+
+
 def verdict(intervals: Iterable[PairedInterval], margin: float) -> str:
     """``equivalent`` / ``worse`` / ``better`` / ``inconclusive`` for a variant's intervals, one per
     batch size studied (see the module docstring). No interval at all: ``inconclusive``."""

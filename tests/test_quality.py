@@ -189,3 +189,17 @@ def test_two_seed_study_writes_paired_results(tmp_path):
     assert runs[("rowwise_adagrad", 0)]["zero_weight_share_touched"] == 0.0
     verdicts = {v["variant"]: v for v in res["summary"]["verdicts"]}
     assert verdicts["rowwise_adagrad"]["zero_share"] == "worse"
+
+
+def test_prune_to_keeps_the_largest_magnitudes_of_touched_rows():
+    tbe = qm.build_tbe(qm.VARIANTS["rowwise_adagrad"], [3, 2], 4, 8, CPU)
+    w0, w1 = tbe.split_embedding_weights()
+    with torch.no_grad():
+        w0.copy_(torch.arange(1, 13, dtype=torch.float32).view(3, 4) * torch.tensor([1, -1, 1, -1]))
+        w1.copy_(torch.arange(13, 21, dtype=torch.float32).view(2, 4) / 10)   # 1.3 .. 2.0
+    touched = [torch.tensor([True, True, False]), torch.tensor([True, True])]
+    # touched magnitudes: 1..8 (table 0, rows 0-1) and 1.3..2.0 (table 1); the 5 largest: 8, 7, 6, 5, 4
+    assert qm.prune_to(tbe, touched, 5) == 5
+    assert w0[:2].abs().reshape(-1).tolist() == [0, 0, 0, 4, 5, 6, 7, 8]
+    assert w0[2].abs().tolist() == [9, 10, 11, 12]          # untouched row kept
+    assert w1.abs().sum().item() == 0

@@ -31,7 +31,8 @@ import platform
 import statistics
 import sys
 import time
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -58,17 +59,27 @@ METRICS = ("auc", "logloss", "ne", "zero_weight_share_touched", "zero_row_share_
            "nonzero_weights_touched", "sparse_model_bytes")
 
 
+@dataclass
 class Dataset:
-    """``name``, table ``sizes``, ``evaluation`` examples, ``train(seed)`` examples, ``epochs``,
-    ``shuffle`` (whether each pass is a seeded permutation) and ``describe`` (a JSON dict)."""
+    """``name``, table ``sizes``, ``evaluation`` examples, ``train(seed)`` -> that seed's training
+    examples, ``epochs``, ``shuffle`` (whether each pass is a seeded permutation) and ``describe``
+    (a JSON dict)."""
 
-    def __init__(self, name, sizes, evaluation, train_fn, epochs, shuffle, describe):
-        self.name, self.sizes, self.evaluation = name, sizes, evaluation
-        self.train, self.epochs, self.shuffle, self.describe = train_fn, epochs, shuffle, describe
+    name: str
+    sizes: list
+    evaluation: qm.Examples
+    train: Callable[[int], qm.Examples]
+    epochs: int
+    shuffle: bool
+    describe: dict
 
 
-def teacher_dataset(preset: str, device: torch.device, teacher_seed: int = 0) -> Dataset:
+def teacher_dataset(preset: str, device: torch.device, teacher_seed: int = 0,
+                    train_rows: Optional[int] = None) -> Dataset:
+    """The teacher of ``preset`` (``TEACHERS``) on ``device``; ``train_rows`` overrides its training
+    examples per seed."""
     sizes, n_train, n_eval = TEACHERS[preset]
+    n_train = train_rows or n_train
     t = Teacher(TeacherConfig(sizes, seed=teacher_seed), device)
     ev = t.sample(n_eval, EVAL_STREAM)
 
@@ -344,6 +355,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--datasets", nargs="+", choices=("teacher", *SAMPLES), default=["teacher"])
     p.add_argument("--teacher", choices=tuple(TEACHERS), default="small", help="teacher preset")
+    p.add_argument("--train-rows", type=int, default=None,
+                   help="training examples per seed of the teacher (default: the preset's)")
     p.add_argument("--variants", nargs="+", default=["all"],
                    help=f"variant names (the reference {qm.REFERENCE!r} is always first), or 'all' "
                         f"(those this installation can train); known: {', '.join(qm.VARIANTS)}")
@@ -370,7 +383,7 @@ def main(argv=None) -> int:
     variants, not_run = resolve_variants(names, device)
     variants = [v for v in variants if v.name not in a.exclude or v.name == qm.REFERENCE]
     t_start = time.perf_counter()
-    sets = [teacher_dataset(a.teacher, device) if d == "teacher"
+    sets = [teacher_dataset(a.teacher, device, train_rows=a.train_rows) if d == "teacher"
             else sample_dataset(d, device, a.num_embeddings, a.epochs) for d in a.datasets]
     result = {"args": vars(a), "machine": platform.platform(), "device": str(device),
               "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

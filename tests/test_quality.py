@@ -169,19 +169,31 @@ def test_train_order_is_a_seeded_permutation_cut_to_whole_batches():
         qm.train_order(10, 16, 1, seed=1, shuffle=True, device=CPU)
 
 
+def test_sample_dataset_holds_out_every_fifth_row(sample_data):
+    from conftest import data_dir
+    sample_data("criteo", "criteo_dac_combined.tsv")   # skips without the sample
+    ds = quality.sample_dataset("criteo", CPU, 1000, epochs=2, data_dir=data_dir())
+    train = ds.train(0)
+    # 6,726 rows (data/README.md): rows 4, 9, 14, ... held out -> 1,345 evaluation, 5,381 training
+    assert (len(ds.evaluation), len(train)) == (1345, 5381)
+    assert train.dense.shape == (5381, 13) and train.ids.shape == (5381, 26)
+    assert int(train.ids.max()) < 1000 and int(train.ids.min()) >= -1 and train.missing
+
+
 # --------------------------------------------------------------------------------------- end to end
 
 def test_two_seed_study_writes_paired_results(tmp_path):
     out = str(tmp_path / "q")
     # 'all' less sgd: ftrl, ftrl_bf16_state, rowwise_adagrad on CPU (ADAM and the layouts the TBE lacks
     # are listed as not run); a zero time budget still runs 2 seeds, then starts no third
-    assert quality.main(["--teacher", "tiny", "--batches", "512", "--seeds", "0", "1", "2", "--variants",
-                         "all", "--exclude", "sgd", "--time-budget-s", "0", "--threads", "1",
-                         "--out", out]) == 0
+    assert quality.main(["--teacher", "tiny", "--train-rows", "4096", "--batches", "512",
+                         "--seeds", "0", "1", "2", "--variants", "all", "--exclude", "sgd",
+                         "--time-budget-s", "0", "--threads", "1", "--out", out]) == 0
     with open(out + ".json") as f:
         res = json.load(f)
     assert res["seeds_done"] == [0, 1] and "seed 2 not started" in res["stopped"]
     assert "adam" in res["not_run"] and "sgd" not in res["variants"]
+    assert {r["steps"] for r in res["runs"]} == {4096 // 512}
     assert os.path.getsize(out + ".png") > 0 and "| teacher | ftrl_bf16_state |" in open(out + ".md").read()
     runs = {(r["variant"], r["seed"]): r for r in res["runs"]}
     assert set(runs) == {(v, s) for v in ("ftrl", "ftrl_bf16_state", "rowwise_adagrad") for s in (0, 1)}

@@ -18,7 +18,7 @@ difference against non-zero weights, with the intervals).
     python benchmarks/quality.py --datasets criteo avazu --batches 256 1024 --seeds 0 1 2 3 4 5 6 7 \\
         --out benchmarks/results/quality_samples_cpu
     python3 benchmarks/quality.py --device cuda --datasets teacher --teacher large --exclude sgd \\
-        --batches 8192 65536 --seeds 0 1 2 3 4 5 6 7 --time-budget-s 230 --out DIR/quality_teacher_large_h200
+        --batches 8192 65536 --seeds 0 1 2 3 4 5 6 7 --time-budget-s 180 --out DIR/quality_teacher_large_h200
 """
 
 from __future__ import annotations

@@ -73,10 +73,11 @@ def _build_at_first_use(isa: str) -> str:
     digest = cpu_build.source_digest() + hashlib.sha1(cpu_build.SOURCE.encode()).hexdigest()[:6]
     print(f"torchrec_ftrl: no prebuilt CPU kernel for this install (torch {torch.__version__}, {isa}); "
           "building it once (about a minute; later runs reuse it)", file=sys.stderr, flush=True)
+    name = f"torchrec_ftrl_tbe_cpu_{digest}_{isa}"
     with _interpreter_bin_first_on_path():
-        return load(name=f"torchrec_ftrl_tbe_cpu_{digest}_{isa}", sources=[cpu_build.SOURCE],
-                    extra_cflags=cpu_build.BASE_FLAGS + cpu_build.ISA_FLAGS[isa],
+        path = load(name=name, sources=[cpu_build.SOURCE], extra_cflags=cpu_build.BASE_FLAGS + cpu_build.ISA_FLAGS[isa],
                     extra_ldflags=cpu_build.LINK_FLAGS, is_python_module=False)
+    return path or name     # torch versions that load without returning the path
 
 
 def load_extension() -> str:

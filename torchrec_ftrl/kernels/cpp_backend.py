@@ -75,7 +75,8 @@ def _build_at_first_use(isa: str) -> str:
           "building it once (about a minute; later runs reuse it)", file=sys.stderr, flush=True)
     name = f"torchrec_ftrl_tbe_cpu_{digest}_{isa}"
     with _interpreter_bin_first_on_path():
-        path = load(name=name, sources=[cpu_build.SOURCE], extra_cflags=cpu_build.BASE_FLAGS + cpu_build.ISA_FLAGS[isa],
+        path = load(name=name, sources=[cpu_build.SOURCE],
+                    extra_cflags=cpu_build.BASE_FLAGS + cpu_build.ISA_FLAGS[isa],
                     extra_ldflags=cpu_build.LINK_FLAGS, is_python_module=False)
     return path or name     # torch versions that load without returning the path
 

@@ -37,8 +37,8 @@ from torchrec_ftrl.data import train_loader
 
 STEADY_AFTER = 10   # steps left out of ``steady_examples_per_s``
 KERNEL_BUILD_NOTICE_S = 5.0   # rank 0 says the CPU kernel is being built when loading takes longer
-KERNEL_BUILD_NOTICE = ("train_ctr: building the compiled CPU kernel (once per install; about 1-2 "
-                       "minutes on 2 cores)")
+KERNEL_BUILD_NOTICE = ("train_ctr: building the compiled CPU kernel (this install has no prebuilt one "
+                       "for this torch; once, about 1-2 minutes on 2 cores)")
 
 
 def _sum_over_ranks(x: float, device: torch.device) -> float:

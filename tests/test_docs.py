@@ -1,5 +1,7 @@
 """The docs run as written: every ``python`` and ``bash`` block of README.md and docs/*.md, through
-sybil (``python`` blocks in this process, each in a fresh namespace; ``bash`` blocks under ``bash -e``;
+sybil (``python`` blocks each in a fresh interpreter, as a user runs a snippet, so what one starts
+(process groups and their threads) never reaches the test process, whose later tests fork
+DataLoader workers; ``bash`` blocks under ``bash -e``;
 both in a scratch copy of the checkout whose ``../shared/data`` is the sample data), asserting the
 figures the docs state beside them (``<!-- expect: TEXT -->``). The kinds of block and where the
 others run: ``benchmarks/doc_commands.py``. Also: every block has a known kind, the docs have no
@@ -43,23 +45,28 @@ def scratch(tmp_path_factory):
     return checkout
 
 
-def _python(block):
-    """sybil parses the block's document and evaluates the example at the block's line (a fresh
-    namespace: each snippet is complete)."""
-    from sybil import Document
-    from sybil.parsers.markdown import PythonCodeBlockParser
+def _env() -> dict:
+    return dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
+                PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), TF_CPP_MIN_LOG_LEVEL="2")
 
-    doc = Document.parse(os.path.join(REPO, block.path), PythonCodeBlockParser())
-    (example,) = [e for e in doc if e.line == block.line]
-    example.evaluate()
+
+def _python(block, cwd):
+    """A child interpreter in ``cwd`` where sybil parses the block's document and evaluates the
+    example at the block's line (each snippet is complete)."""
+    code = ("from sybil import Document\n"
+            "from sybil.parsers.markdown import PythonCodeBlockParser\n"
+            f"doc = Document.parse({os.path.join(REPO, block.path)!r}, PythonCodeBlockParser())\n"
+            f"(example,) = [e for e in doc if e.line == {block.line}]\n"
+            "example.evaluate()\n")
+    p = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=_env(), capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
 
 
 def _bash(block, cwd):
     if "../shared/data" in block.source and not os.path.isdir(data_dir()):
         pytest.skip(f"the sample data is not at {data_dir()}")
-    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
-               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.run(["bash", "-eo", "pipefail", "-c", block.source], cwd=cwd, env=env,
+    p = subprocess.run(["bash", "-eo", "pipefail", "-c", block.source], cwd=cwd, env=_env(),
                        capture_output=True, text=True, timeout=600)
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-4000:]
@@ -68,11 +75,9 @@ def _bash(block, cwd):
 
 
 @pytest.mark.parametrize("block", RUN, ids=[_id(b) for b in RUN])
-def test_block_runs_as_written(block, scratch, monkeypatch):
+def test_block_runs_as_written(block, scratch):
     if block.info == "python":
-        monkeypatch.chdir(scratch)   # files a snippet writes land in the scratch checkout
-        monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "2")
-        _python(block)
+        _python(block, scratch)      # files a snippet writes land in the scratch checkout
     else:
         _bash(block, scratch)
 

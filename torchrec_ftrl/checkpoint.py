@@ -140,11 +140,11 @@ def import_ftrl_tables(model: torch.nn.Module, path: str | os.PathLike) -> None:
                 local.copy_(src[sl].to(local.dtype))
     # The writes went to the tables themselves (reading the state dicts above flushed every HBM
     # cache): drop the cached copies, which hold the values from before the import.
-    for tbe in ftrl_tbes(opt_root=getattr(model, "fused_optimizer", None)):
+    for tbe in _ftrl_tbes(opt_root=getattr(model, "fused_optimizer", None)):
         tbe.reset_cache_states()
 
 
-def ftrl_tbes(opt_root) -> list:
+def _ftrl_tbes(opt_root) -> list:
     """The FTRL TBEs behind a (nested) TorchRec ``CombinedOptimizer``: one per fused optimizer."""
     from .tbe import FTRLTableBatchedEmbeddingBags
     found, todo = {}, [opt_root]

@@ -16,6 +16,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from torchrec_ftrl.integration.kernels import ftrl_tbes
+
 WARMUP_ROWS = 64
 
 
@@ -24,17 +26,6 @@ def enabled(mode: str, sparse_optimizer: str, device: torch.device) -> bool:
     if mode == "auto":
         return sparse_optimizer == "ftrl" and device.type == "cuda"
     return mode == "on" and sparse_optimizer == "ftrl"
-
-
-def ftrl_tbes(model: torch.nn.Module) -> list:
-    """The FTRL TBEs (:class:`torchrec_ftrl.tbe.FTRLTableBatchedEmbeddingBags`) of ``model``: its
-    submodules, and those behind its ``fused_optimizer`` (a DMP's sharded modules keep their lookup
-    kernels outside ``modules()``)."""
-    from torchrec_ftrl.checkpoint import ftrl_tbes as behind_optimizer
-    from torchrec_ftrl.tbe import FTRLTableBatchedEmbeddingBags
-    found = {id(m): m for m in model.modules() if isinstance(m, FTRLTableBatchedEmbeddingBags)}
-    found.update((id(m), m) for m in behind_optimizer(getattr(model, "fused_optimizer", None)))
-    return list(found.values())
 
 
 def _warm_batch(tbe, batch_size: int, bag_size: int, gen: torch.Generator):

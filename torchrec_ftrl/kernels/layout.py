@@ -6,6 +6,10 @@ With the UVM-caching placement (:mod:`torchrec_ftrl.placement`) an HBM cache hol
 ``cache_locations[i]`` is the slot of index ``i``'s row (-1: read and update the flat buffers), whose
 weight is ``cache_weights[slot, :D]`` and whose states are ``cache_states[0 or 1][slot, :D]``.
 ``accum`` and ``linear`` (and their caches) are fp32 or bf16 (:mod:`torchrec_ftrl.state_dtype`).
+The row layout (:class:`torchrec_ftrl.row_layout.RowLayout`) decides which arrays exist
+(:class:`TableArrays`): with derived weights there is no weight buffer and every kernel reads a row's
+weight as ``prox(linear, accum)``; with a row-wise accumulator ``accum`` holds one value per row, row
+``r`` of table ``t`` at ``table_row_base[t] + r``.
 
 Indices and offsets follow FBGEMM's TBE convention: bag ``k`` (``0 <= k < num_bags``) holds
 ``indices[offsets[k]:offsets[k+1]]``; bags are feature-major (all bags of feature 0 first). Each bag
@@ -25,6 +29,36 @@ from ..fbgemm_enums import PoolingMode
 
 # FBGEMM's PoolingMode values, as the kernels take them (the C++ kernel's kPool* constants equal these).
 POOL_SUM, POOL_MEAN, POOL_NONE = (int(PoolingMode.SUM), int(PoolingMode.MEAN), int(PoolingMode.NONE))
+
+
+@dataclasses.dataclass(frozen=True)
+class TableArrays:
+    """The flat arrays of a TBE's tables, as every backend reads and updates them.
+
+    Attributes:
+        weights: ``[total]`` in the weights' dtype (fp32 / fp16 / bf16) when the layout stores
+            weights; None when they are derived (``w = prox(linear, accum)``,
+            :func:`torchrec_ftrl.rule.ftrl_prox`).
+        accum: n, fp32 or bf16: ``[total]`` (element-wise, same offsets as the weights) or
+            ``[total_rows]`` (row-wise: row ``r`` of table ``t`` at ``table_row_base[t] + r``).
+        linear: z, fp32 or bf16, ``[total]``.
+        rowwise: True for a row-wise ``accum``.
+    """
+
+    weights: torch.Tensor | None
+    accum: torch.Tensor
+    linear: torch.Tensor
+    rowwise: bool = False
+
+    @property
+    def derived(self) -> bool:
+        """True when the weights are derived from ``(linear, accum)``."""
+        return self.weights is None
+
+    @property
+    def stored_elementwise(self) -> bool:
+        """True for the layout with a weight buffer and an element-wise ``accum``."""
+        return self.weights is not None and not self.rowwise
 
 
 @dataclasses.dataclass

@@ -239,7 +239,7 @@ def tune_forward(T, E, B, L, batches_by_dist, log):
         lists = [[(m._make_batch(i, o, None, None), None) for i, o in b] for b in batches_by_dist.values()]
 
         def fwd(batch, _):
-            return triton_backend.forward_train(m.weights_dev, batch, torch.float32)[0]
+            return triton_backend.forward_train(m.table_arrays, batch, torch.float32, m.hyperparams)[0]
 
         res = []
         for tile, unroll, ev in itertools.product((1024, 2048, 4096), (1, 2, 4), ("", "evict_last")):

@@ -105,9 +105,9 @@ def test_interp_cached_rows_are_read_and_updated_in_the_cache(interp, pooling, s
     flat_before = [t.clone() for t in (m.weights_dev, m.accum_dev, m.linear_dev)]
     cache_before = (cache_w.clone(), cache_s.clone())
 
-    out, ctx = triton_backend.forward_train(m.weights_dev, batch, torch.float32)
+    out, ctx = triton_backend.forward_train(m.table_arrays, batch, torch.float32, m.hyperparams)
     g = torch.randn(out.shape, generator=torch.Generator().manual_seed(5))
-    triton_backend.backward_update_(m.weights_dev, m.accum_dev, m.linear_dev, batch, ctx, g,
+    triton_backend.backward_update_(m.table_arrays, batch, ctx, g,
                                     m.hyperparams, m.nonfinite_grad_rows)
 
     ref = reference_update(logical_w, [a for a, _ in logical_s], [z for _, z in logical_s], fmap,

@@ -358,7 +358,7 @@ def test_backends_refuse_bf16_state_without_a_step():
     g = torch.ones(3 * m.total_D)
     for backend in (torch_backend, cpp_backend):
         with pytest.raises(ValueError, match="step"):
-            backend.backward_update_(m.weights_dev, m.accum_dev, m.linear_dev, batch, None, g,
+            backend.backward_update_(m.table_arrays, batch, None, g,
                                      m.hyperparams, m.nonfinite_grad_rows)
 
 
@@ -429,9 +429,9 @@ def test_interp_cached_rows_with_bf16_state_match_the_flat_update(interp, states
     loc = torch.tensor([slot_of.get(k, -1) for k in keys], dtype=torch.int32)
     batch = dataclasses.replace(batch, cache_locations=loc, cache_weights=cw, cache_states=(cn, cz))
     flat_before = [t.clone() for t in (cached.weights_dev, cached.accum_dev, cached.linear_dev)]
-    out, ctx = triton_backend.forward_train(cached.weights_dev, batch, torch.float32)
+    out, ctx = triton_backend.forward_train(cached.table_arrays, batch, torch.float32, cached.hyperparams)
     g = torch.randn(out.shape, generator=torch.Generator().manual_seed(g_seed)).reshape(-1)
-    triton_backend.backward_update_(cached.weights_dev, cached.accum_dev, cached.linear_dev, batch,
+    triton_backend.backward_update_(cached.table_arrays, batch,
                                     ctx, g, cached.hyperparams, cached.nonfinite_grad_rows)
     out_flat = flat(idx, off)
     out_flat.backward(g.view(out_flat.shape))                # flat.iter was 1 too: same step

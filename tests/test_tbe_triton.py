@@ -293,12 +293,12 @@ def test_interp_backward_without_training_forward(interp, pooling):
     for m, train in zip(mods, (True, False)):
         b = m._make_batch(idx, case["offsets"], None, None)
         if train:
-            out, ctx = triton_backend.forward_train(m.weights_dev, b, torch.float32)
+            out, ctx = triton_backend.forward_train(m.table_arrays, b, torch.float32, m.hyperparams)
             assert isinstance(ctx, triton_backend.TritonContext) and len(ctx.linearized) == 4
         else:
-            out, ctx = triton_backend.forward(m.weights_dev, b, torch.float32), None
+            out, ctx = triton_backend.forward(m.table_arrays, b, torch.float32, m.hyperparams), None
         g = torch.cos(out.double() * 3).float()
-        triton_backend.backward_update_(m.weights_dev, m.accum_dev, m.linear_dev, b, ctx, g,
+        triton_backend.backward_update_(m.table_arrays, b, ctx, g,
                                         m.hyperparams, m.nonfinite_grad_rows)
         outs.append(out)
         assert int(m.bounds_check_warning) == 2

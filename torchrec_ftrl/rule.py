@@ -115,18 +115,23 @@ def ftrl_rule_rowwise(w: torch.Tensor, accum: torch.Tensor, linear: torch.Tensor
     return ftrl_prox(z, n_new.unsqueeze(-1), hp), n_new, z
 
 
-def ftrl_update_rows_(weight: torch.Tensor, accum: torch.Tensor, linear: torch.Tensor,
+def ftrl_update_rows_(weight: Optional[torch.Tensor], accum: torch.Tensor, linear: torch.Tensor,
                       rows: torch.Tensor, grad_rows: torch.Tensor, hp: FTRLHyperparams,
                       skip_nonfinite: bool = False, row_keys: Optional[torch.Tensor] = None,
                       step: Optional[int | torch.Tensor] = None) -> torch.Tensor:
     """In place: one FTRL update of each row in ``rows`` (distinct, int64 ``[U]``) of ``[R, D]`` tables.
 
+    Every row layout (:class:`torchrec_ftrl.row_layout.RowLayout`): ``weight`` ``[R, D]``, or None
+    for derived weights (the old weight is then ``prox(linear, accum)``, :func:`ftrl_prox`);
+    ``accum`` ``[R, D]`` (element-wise, :func:`ftrl_rule`) or ``[R]`` (row-wise,
+    :func:`ftrl_rule_rowwise`); ``linear`` ``[R, D]``.
+
     ``grad_rows`` ``[U, D]`` is the summed gradient of each row. With ``skip_nonfinite``, rows whose
     gradient holds NaN/Inf are left untouched. ``accum`` / ``linear`` are fp32 (fp64) or bf16: a bf16
     state is stored stochastically rounded (:func:`torchrec_ftrl.state_dtype.store_state`) with the
-    hash of ``(row_keys[u], column, step, state)``: ``row_keys`` (int64 ``[U]``, the global row key
-    of each row; default ``rows``) and ``step`` (int or int64 tensor) are then required. Returns a
-    bool ``[U]`` mask of the rows updated.
+    hash of ``(row_keys[u], column, step, state)`` (column 0 for a row-wise ``accum``): ``row_keys``
+    (int64 ``[U]``, the global row key of each row; default ``rows``) and ``step`` (int or int64
+    tensor) are then required. Returns a bool ``[U]`` mask of the rows updated.
 
     Raises:
         ValueError: a bf16 state without ``step``.
@@ -140,14 +145,21 @@ def ftrl_update_rows_(weight: torch.Tensor, accum: torch.Tensor, linear: torch.T
     ok = torch.isfinite(grad_rows).all(dim=1) if skip_nonfinite else None
     if ok is not None and not bool(ok.all()):
         rows, grad_rows, row_keys = rows[ok], grad_rows[ok], row_keys[ok]
-    w_new, n_new, z_new = ftrl_rule(weight[rows], accum[rows], linear[rows], grad_rows, hp)
-    weight[rows] = w_new.to(weight.dtype)
+    rowwise = accum.dim() == 1
+    n_old, z_old = accum[rows], linear[rows]
+    w_old = weight[rows] if weight is not None else ftrl_prox(
+        z_old, n_old.unsqueeze(-1) if rowwise else n_old, hp)
+    rule = ftrl_rule_rowwise if rowwise else ftrl_rule
+    w_new, n_new, z_new = rule(w_old, n_old, z_old, grad_rows, hp)
+    if weight is not None:
+        weight[rows] = w_new.to(weight.dtype)
     if compact:
         col = torch.arange(grad_rows.shape[1], device=grad_rows.device)
         key = row_keys.to(torch.int64).unsqueeze(1)
-        accum[rows] = store_state(n_new, accum.dtype, key, col, step, 0).to(accum.dtype)
+        n_key, n_col = (key.squeeze(1), torch.zeros_like(row_keys)) if rowwise else (key, col)
+        accum[rows] = store_state(n_new, accum.dtype, n_key, n_col, step, 0).to(accum.dtype)
         linear[rows] = store_state(z_new, linear.dtype, key, col, step, 1).to(linear.dtype)
     else:
-        accum[rows] = n_new
-        linear[rows] = z_new
+        accum[rows] = n_new.to(accum.dtype)
+        linear[rows] = z_new.to(linear.dtype)
     return ok if ok is not None else torch.ones(rows.shape[0], dtype=torch.bool, device=rows.device)

@@ -26,7 +26,7 @@ from .fbgemm_enums import (BoundsCheckMode, CacheAlgorithm, ComputeDevice, Embed
                            PoolingMode, SparseType)
 from .hyperparams import DEFAULT_LEARNING_RATE, FTRLHyperparams, parse_options
 from .kernels.backend import resolve_backend
-from .kernels.layout import TBEBatch
+from .kernels.layout import TableArrays, TBEBatch
 from .optim_type import emb_optim_type
 from .placement import PLACEMENTS, check_cache_dims, check_cache_options
 from .row_layout import RowLayout, require_kernel_layout
@@ -148,8 +148,8 @@ class _FTRLLookupFunction(torch.autograd.Function):
         backend, out_dtype = module._backend, module._output_torch_dtype
         if not train:
             ctx.backend_ctx = None
-            return backend.forward(module.weights_dev, batch, out_dtype)
-        out, ctx.backend_ctx = backend.forward_train(module.weights_dev, batch, out_dtype)
+            return backend.forward(module.table_arrays, batch, out_dtype, module._hp)
+        out, ctx.backend_ctx = backend.forward_train(module.table_arrays, batch, out_dtype, module._hp)
         return out
 
     @staticmethod
@@ -159,10 +159,10 @@ class _FTRLLookupFunction(torch.autograd.Function):
             batch = module._relocate_cached_rows(batch, *ctx.cache_keys)
         grad_out = grad_out.contiguous().reshape(-1)
         backend = module._backend
-        grad_psw = (backend.per_sample_weight_grad(module.weights_dev, batch, bctx, grad_out)
+        arrays = module.table_arrays
+        grad_psw = (backend.per_sample_weight_grad(arrays, batch, bctx, grad_out, module._hp)
                     if ctx.psw_needs_grad else None)
-        backend.backward_update_(module.weights_dev, module.accum_dev, module.linear_dev, batch, bctx,
-                                 grad_out, module._hp, module.nonfinite_grad_rows)
+        backend.backward_update_(arrays, batch, bctx, grad_out, module._hp, module.nonfinite_grad_rows)
         if ctx.cache_keys is not None:
             module._after_cached_update(*ctx.cache_keys)
         module.iter += 1
@@ -434,6 +434,12 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
     @property
     def weights(self) -> torch.Tensor:
         return self.weights_dev
+
+    @property
+    def table_arrays(self) -> TableArrays:
+        """The flat arrays the kernels read and update, by :attr:`row_layout`."""
+        return TableArrays(self.weights_dev if self.row_layout.weights == "stored" else None,
+                           self.accum_dev, self.linear_dev, self.row_layout.accumulator == "rowwise")
 
     @property
     def optimizer(self):

@@ -17,7 +17,7 @@ import torch
 
 from ..hyperparams import FTRLHyperparams
 from .capabilities import Capabilities
-from .layout import TBEBatch
+from .layout import TableArrays, TBEBatch
 
 BACKENDS = ("triton", "cpp", "torch")
 _warned = False
@@ -26,9 +26,11 @@ _warned = False
 
 @runtime_checkable
 class Backend(Protocol):
-    """What a backend module provides. Tensors are on the tables' device; flat buffers as in
-    :mod:`.layout` (``weights`` ``[total]`` fp32/fp16/bf16, ``accum`` and ``linear`` ``[total]``, each fp32
-    or bf16, :mod:`torchrec_ftrl.state_dtype`).
+    """What a backend module provides. Tensors are on the tables' device; the tables' flat arrays
+    (:class:`~.layout.TableArrays`, by the row layout: a weight buffer or derived weights, an
+    element-wise or row-wise ``accum``; each state fp32 or bf16, :mod:`torchrec_ftrl.state_dtype`)
+    as in :mod:`.layout`; ``hp`` the validated knobs (derived weights are ``prox(linear, accum)``
+    with them, :func:`torchrec_ftrl.rule.ftrl_prox`).
 
     * ``fuses_bounds_check(mode, needs_psw_grad)``: True when the backend checks a raw batch itself
       for this FBGEMM ``BoundsCheckMode`` (the TBE then skips its own check and passes the counter
@@ -37,20 +39,22 @@ class Backend(Protocol):
     * ``count_invalid(table_rows, feature_table, bag_feature, indices, offsets)``: number of bad
       offsets and indices (0 for a valid batch) for the FATAL check's fast path, or None when the
       backend has no such kernel.
-    * ``forward(weights, batch, out_dtype)``: the pooled lookup, flat ``[batch.out_numel]``.
-    * ``forward_train(weights, batch, out_dtype) -> (out, ctx)``: the forward of a training step; ``ctx``
-      is backend-owned (e.g. the linearised batch) and handed back to the two calls below.
-    * ``per_sample_weight_grad(weights, batch, ctx, grad_out)``: ``[N]`` fp32 gradient of the
+    * ``forward(arrays, batch, out_dtype, hp)``: the pooled lookup, flat ``[batch.out_numel]``.
+    * ``forward_train(arrays, batch, out_dtype, hp) -> (out, ctx)``: the forward of a training step;
+      ``ctx`` is backend-owned (e.g. the linearised batch) and handed back to the two calls below.
+    * ``per_sample_weight_grad(arrays, batch, ctx, grad_out, hp)``: ``[N]`` fp32 gradient of the
       per-sample weights, read before the update.
-    * ``backward_update_(weights, accum, linear, batch, ctx, grad_out, hp, nonfinite_rows)``: sum the
-      gradient per touched row, ONE FTRL update per row in place; rows whose summed gradient holds a
-      NaN/Inf are skipped and counted in ``nonfinite_rows`` (int64 ``[1]``). ``ctx`` may be None (no
-      training forward ran). The math is fp32 whatever the state dtypes; a bf16 state is stored
-      with ``state_dtype.round_bf16_stochastic`` by ``sr_bits(row key, column, batch.step, state)``
-      (row key ``table_row_base[t] + row``; state 0 accum, 1 linear), bit for bit the same on every
-      backend for the same fp32 value; a bf16 state without ``batch.step`` raises ``ValueError``.
+    * ``backward_update_(arrays, batch, ctx, grad_out, hp, nonfinite_rows)``: sum the gradient per
+      touched row, ONE FTRL update per row in place; rows whose summed gradient holds a NaN/Inf are
+      skipped and counted in ``nonfinite_rows`` (int64 ``[1]``). ``ctx`` may be None (no training
+      forward ran). The math is fp32 whatever the state dtypes; a bf16 state is stored with
+      ``state_dtype.round_bf16_stochastic`` by ``sr_bits(row key, column, batch.step, state)`` (row
+      key ``table_row_base[t] + row``; column 0 for a row-wise ``accum``; state 0 accum, 1 linear),
+      bit for bit the same on every backend for the same fp32 value; a bf16 state without
+      ``batch.step`` raises ``ValueError``.
 
-    * ``CAPABILITIES``: what the backend supports beyond the members above (:class:`Capabilities`).
+    * ``CAPABILITIES``: what the backend supports beyond the members above (:class:`Capabilities`),
+      among it the row layouts its kernels implement.
     * ``repair_offsets(offsets, num_indices, counter)``, where ``CAPABILITIES.repairs_offsets``: the
       WARNING repair of raw offsets on the device, the repaired entries added to ``counter`` (the
       TBE's own check uses it, e.g. for cached batches).
@@ -64,17 +68,17 @@ class Backend(Protocol):
                       bag_feature: torch.Tensor, indices: torch.Tensor,
                       offsets: torch.Tensor) -> Optional[int]: ...
 
-    def forward(self, weights: torch.Tensor, batch: TBEBatch, out_dtype: torch.dtype) -> torch.Tensor: ...
+    def forward(self, arrays: TableArrays, batch: TBEBatch, out_dtype: torch.dtype,
+                hp: FTRLHyperparams) -> torch.Tensor: ...
 
-    def forward_train(self, weights: torch.Tensor, batch: TBEBatch,
-                      out_dtype: torch.dtype) -> tuple[torch.Tensor, Any]: ...
+    def forward_train(self, arrays: TableArrays, batch: TBEBatch, out_dtype: torch.dtype,
+                      hp: FTRLHyperparams) -> tuple[torch.Tensor, Any]: ...
 
-    def per_sample_weight_grad(self, weights: torch.Tensor, batch: TBEBatch, ctx: Any,
-                               grad_out: torch.Tensor) -> torch.Tensor: ...
+    def per_sample_weight_grad(self, arrays: TableArrays, batch: TBEBatch, ctx: Any,
+                               grad_out: torch.Tensor, hp: FTRLHyperparams) -> torch.Tensor: ...
 
-    def backward_update_(self, weights: torch.Tensor, accum: torch.Tensor, linear: torch.Tensor,
-                         batch: TBEBatch, ctx: Any, grad_out: torch.Tensor, hp: FTRLHyperparams,
-                         nonfinite_rows: torch.Tensor) -> None: ...
+    def backward_update_(self, arrays: TableArrays, batch: TBEBatch, ctx: Any, grad_out: torch.Tensor,
+                         hp: FTRLHyperparams, nonfinite_rows: torch.Tensor) -> None: ...
 
 
 def _load(name: str) -> Backend:

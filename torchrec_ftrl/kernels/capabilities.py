@@ -15,8 +15,13 @@ class Capabilities:
         graph_capture: a training step can be captured in a CUDA graph (no host sync, no host-side
             state per step).
         repairs_offsets: has ``repair_offsets`` (the WARNING repair of offsets on the device).
+        layouts: the ``(weights, accumulator)`` row layouts
+            (:class:`torchrec_ftrl.row_layout.RowLayout`) its kernels implement.
+        cached_layouts: those of them it implements under ``cached_placement``.
     """
 
     cached_placement: bool = False
     graph_capture: bool = False
     repairs_offsets: bool = False
+    layouts: frozenset = frozenset({("stored", "elementwise")})
+    cached_layouts: frozenset = frozenset()

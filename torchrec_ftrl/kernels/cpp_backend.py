@@ -32,7 +32,7 @@ from typing import Any
 from ..hyperparams import FTRLHyperparams
 from . import cpu_build, ops  # noqa: F401  (ops: the schemas the library implements)
 from .capabilities import Capabilities
-from .layout import TBEBatch
+from .layout import TableArrays, TBEBatch
 from .torch_backend import per_sample_weight_grad  # noqa: F401  (the Backend member, shared)
 
 CAPABILITIES = Capabilities()
@@ -123,7 +123,16 @@ def count_invalid(table_rows: torch.Tensor, feature_table: torch.Tensor, bag_fea
                                                          indices.contiguous(), offsets.contiguous()))
 
 
-def forward(weights: torch.Tensor, batch: TBEBatch, out_dtype: torch.dtype) -> torch.Tensor:
+def _stored_weights(arrays: TableArrays) -> torch.Tensor:
+    """The weight buffer of the one layout this backend's kernels implement."""
+    if not arrays.stored_elementwise:
+        raise NotImplementedError("the compiled CPU FTRL kernel implements stored weights with an "
+                                  "element-wise accum only")
+    return arrays.weights
+
+
+def forward(arrays: TableArrays, batch: TBEBatch, out_dtype: torch.dtype,
+            hp: FTRLHyperparams) -> torch.Tensor:
     """Pooled (SUM/MEAN) or sequence (NONE) lookup, fp32 accumulation.
 
     Returns:
@@ -132,25 +141,25 @@ def forward(weights: torch.Tensor, batch: TBEBatch, out_dtype: torch.dtype) -> t
     """
     load_extension()
     return torch.ops.torchrec_ftrl.tbe_forward(
-        weights, batch.table_w_offset, batch.table_dim, batch.feature_table,
+        _stored_weights(arrays), batch.table_w_offset, batch.table_dim, batch.feature_table,
         batch.bag_feature.contiguous(), batch.bag_out_offset.contiguous(), batch.indices.contiguous(),
         batch.offsets.contiguous(), _psw(batch), int(batch.pooling_mode), int(batch.max_D),
         int(batch.out_numel), out_dtype)
 
 
-def forward_train(weights: torch.Tensor, batch: TBEBatch, out_dtype: torch.dtype) -> tuple[torch.Tensor, None]:
+def forward_train(arrays: TableArrays, batch: TBEBatch, out_dtype: torch.dtype,
+                  hp: FTRLHyperparams) -> tuple[torch.Tensor, None]:
     """:func:`forward`; nothing is kept for the backward (context None)."""
-    return forward(weights, batch, out_dtype), None
+    return forward(arrays, batch, out_dtype, hp), None
 
 
-def backward_update_(weights: torch.Tensor, accum: torch.Tensor, linear: torch.Tensor,
-                     batch: TBEBatch, ctx: Any, grad_out: torch.Tensor, hp: FTRLHyperparams,
-                     nonfinite_rows: torch.Tensor) -> None:
+def backward_update_(arrays: TableArrays, batch: TBEBatch, ctx: Any, grad_out: torch.Tensor,
+                     hp: FTRLHyperparams, nonfinite_rows: torch.Tensor) -> None:
     """In place: sum the gradient of every touched (table, row), then ONE FTRL update per row.
 
     Args:
-        weights: flat ``[total]`` fp32/fp16/bf16. accum, linear: flat ``[total]`` fp32 or bf16 (n
-            and z; bf16 ones stored by stochastic rounding with step ``batch.step``).
+        arrays: weights flat ``[total]`` fp32/fp16/bf16; accum, linear flat ``[total]`` fp32 or bf16
+            (n and z; bf16 ones stored by stochastic rounding with step ``batch.step``).
         grad_out: flat ``[batch.out_numel]`` gradient of the forward output (fp32/fp16/bf16).
         nonfinite_rows: int64 ``[1]``, incremented by the number of rows skipped because their summed
             gradient holds a NaN/Inf (those rows are left bit-for-bit unchanged).
@@ -160,6 +169,7 @@ def backward_update_(weights: torch.Tensor, accum: torch.Tensor, linear: torch.T
     """
     if batch.indices.numel() == 0:
         return
+    weights, accum, linear = _stored_weights(arrays), arrays.accum, arrays.linear
     compact = torch.bfloat16 in (accum.dtype, linear.dtype)
     if compact and batch.step is None:
         raise ValueError("a bf16 optimizer state needs batch.step (the TBE's iter) for its "

@@ -13,11 +13,12 @@ from typing import Any, Optional
 import torch
 
 from ..hyperparams import FTRLHyperparams
-from ..rule import ftrl_update_rows_
+from ..rule import ftrl_prox, ftrl_update_rows_
 from .capabilities import Capabilities
-from .layout import POOL_NONE, TBEBatch
+from .layout import POOL_NONE, TableArrays, TBEBatch
 
-CAPABILITIES = Capabilities()
+CAPABILITIES = Capabilities(layouts=frozenset({("stored", "elementwise"), ("stored", "rowwise"),
+                                               ("derived", "elementwise"), ("derived", "rowwise")}))
 
 
 def fuses_bounds_check(mode: Any, needs_psw_grad: bool) -> bool:
@@ -39,11 +40,28 @@ def gather_index_rows(buf: torch.Tensor, batch: TBEBatch, base: torch.Tensor):
     return buf[src].float() * mask, mask, col
 
 
-def forward(weights: torch.Tensor, batch: TBEBatch, out_dtype: torch.dtype) -> torch.Tensor:
+def index_weight_rows(arrays: TableArrays, batch: TBEBatch, hp: FTRLHyperparams):
+    """Weight row of every index as fp32 ``[N, max_D]`` (zero-padded beyond its table's D): read from
+    the weight buffer, or ``prox(linear, accum)`` for derived weights. Also returns the validity mask
+    and the column ids."""
+    base = batch.index_row_offset()
+    if not arrays.derived:
+        return gather_index_rows(arrays.weights, batch, base)
+    z, mask, col = gather_index_rows(arrays.linear, batch, base)
+    if arrays.rowwise:
+        t = batch.index_table()
+        n = arrays.accum[batch.table_row_base[t] + batch.indices].float().unsqueeze(1)
+    else:
+        n, _, _ = gather_index_rows(arrays.accum, batch, base)
+    return ftrl_prox(z, n, hp).float() * mask, mask, col
+
+
+def forward(arrays: TableArrays, batch: TBEBatch, out_dtype: torch.dtype,
+            hp: FTRLHyperparams) -> torch.Tensor:
     """Pooled lookup. Returns the flat output ``[batch.out_numel]`` in ``out_dtype`` (fp32 accumulation)."""
-    out = torch.zeros(batch.out_numel, dtype=torch.float32, device=weights.device)
+    out = torch.zeros(batch.out_numel, dtype=torch.float32, device=arrays.linear.device)
     if batch.indices.numel():
-        rows, mask, col = gather_index_rows(weights, batch, batch.index_row_offset())
+        rows, mask, col = index_weight_rows(arrays, batch, hp)
         scale = batch.index_scale() if batch.pooling_mode != POOL_NONE else None  # psw, 1/L (MEAN)
         if scale is not None:
             rows = rows * scale.unsqueeze(1)
@@ -52,9 +70,10 @@ def forward(weights: torch.Tensor, batch: TBEBatch, out_dtype: torch.dtype) -> t
     return out.to(out_dtype)
 
 
-def forward_train(weights: torch.Tensor, batch: TBEBatch, out_dtype: torch.dtype) -> tuple[torch.Tensor, None]:
+def forward_train(arrays: TableArrays, batch: TBEBatch, out_dtype: torch.dtype,
+                  hp: FTRLHyperparams) -> tuple[torch.Tensor, None]:
     """:func:`forward`; nothing is kept for the backward (context None)."""
-    return forward(weights, batch, out_dtype), None
+    return forward(arrays, batch, out_dtype, hp), None
 
 
 def index_gradients(grad_out: torch.Tensor, batch: TBEBatch) -> torch.Tensor:
@@ -64,12 +83,12 @@ def index_gradients(grad_out: torch.Tensor, batch: TBEBatch) -> torch.Tensor:
     return g * scale.unsqueeze(1) if scale is not None else g
 
 
-def per_sample_weight_grad(weights: torch.Tensor, batch: TBEBatch, ctx: Any,
-                           grad_out: torch.Tensor) -> torch.Tensor:
+def per_sample_weight_grad(arrays: TableArrays, batch: TBEBatch, ctx: Any, grad_out: torch.Tensor,
+                           hp: FTRLHyperparams) -> torch.Tensor:
     """``[N]`` fp32: d loss / d psw[i] = <grad of its bag (/L for MEAN), weight row before the update>.
     Needs a checked batch (``batch.unchecked_counter`` None)."""
     g = index_gradients(grad_out, dataclasses.replace(batch, per_sample_weights=None))  # [N, max_D]
-    w, _, _ = gather_index_rows(weights, batch, batch.index_row_offset())
+    w, _, _ = index_weight_rows(arrays, batch, hp)
     if batch.cache_locations is not None:   # rows held by the cache are read there
         loc = batch.cache_locations.long()
         hit = loc >= 0
@@ -79,12 +98,12 @@ def per_sample_weight_grad(weights: torch.Tensor, batch: TBEBatch, ctx: Any,
     return (g * w).sum(1)
 
 
-def backward_update_(weights: torch.Tensor, accum: torch.Tensor, linear: torch.Tensor,
-                     batch: TBEBatch, ctx: Any, grad_out: torch.Tensor, hp: FTRLHyperparams,
-                     nonfinite_rows: torch.Tensor) -> None:
+def backward_update_(arrays: TableArrays, batch: TBEBatch, ctx: Any, grad_out: torch.Tensor,
+                     hp: FTRLHyperparams, nonfinite_rows: torch.Tensor) -> None:
     """Sum gradients per unique (table, row), then one FTRL update per touched row, in place.
 
     Rows whose summed gradient has NaN/Inf are skipped and counted in ``nonfinite_rows`` (int64 [1]).
+    Every row layout of :class:`~.layout.TableArrays` (:func:`torchrec_ftrl.rule.ftrl_update_rows_`).
     ``accum`` / ``linear`` fp32 or bf16: the math is fp32, a bf16 state is stored by
     :func:`torchrec_ftrl.state_dtype.store_state` with row key ``table_row_base[t] + row`` and step
     ``batch.step`` (read as a tensor: no host sync on a device).
@@ -106,7 +125,10 @@ def backward_update_(weights: torch.Tensor, accum: torch.Tensor, linear: torch.T
         start = int(batch.table_w_offset[t])
         R = int(batch.table_rows[t])
         view = lambda buf: buf[start:start + R * D].view(R, D)  # noqa: E731
-        ok = ftrl_update_rows_(view(weights), view(accum), view(linear), uniq, summed, hp,
+        base = int(batch.table_row_base[t])
+        accum = arrays.accum[base:base + R] if arrays.rowwise else view(arrays.accum)
+        weights = view(arrays.weights) if not arrays.derived else None
+        ok = ftrl_update_rows_(weights, accum, view(arrays.linear), uniq, summed, hp,
                                skip_nonfinite=True, row_keys=uniq + batch.table_row_base[t],
                                step=batch.step)
         nonfinite_rows += (~ok).sum()

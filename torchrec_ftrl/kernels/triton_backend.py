@@ -38,7 +38,7 @@ from ..fbgemm_enums import BoundsCheckMode
 from ..hyperparams import FTRLHyperparams
 from .launch import DirectLauncher, direct
 from .capabilities import Capabilities
-from .layout import POOL_MEAN, POOL_NONE, TBEBatch
+from .layout import POOL_MEAN, POOL_NONE, TableArrays, TBEBatch
 from .torch_backend import per_sample_weight_grad  # noqa: F401  (the Backend member, shared)
 from .triton_backward import (linearize_kernel, offsets_repair_kernel,
                               segment_combine_kernel, segment_config, segment_mark_kernel,
@@ -456,17 +456,26 @@ def _checked_offsets(batch: TBEBatch, warn: Optional[torch.Tensor]) -> torch.Ten
     return repair_offsets(batch.offsets, batch.indices.numel(), warn)
 
 
-def forward(weights: torch.Tensor, batch: TBEBatch, out_dtype: torch.dtype) -> torch.Tensor:
+def _stored_weights(arrays: TableArrays) -> torch.Tensor:
+    """The weight buffer of the one layout this backend's kernels implement."""
+    if not arrays.stored_elementwise:
+        raise NotImplementedError("the Triton FTRL kernels implement stored weights with an "
+                                  "element-wise accum only")
+    return arrays.weights
+
+
+def forward(arrays: TableArrays, batch: TBEBatch, out_dtype: torch.dtype,
+            hp: FTRLHyperparams) -> torch.Tensor:
     """Pooled lookup. Returns the flat output ``[batch.out_numel]`` in ``out_dtype`` (fp32 accumulation).
     For a raw batch (the fused WARNING check), the offsets are repaired first and out-of-range
     indices are read as row 0; both are counted in ``batch.unchecked_counter``."""
     counter = _warn_counter(batch)
     offsets = _checked_offsets(batch, counter[1])
-    return _lookup(weights, batch, offsets, out_dtype, None, counter, _batch_shape(batch))
+    return _lookup(_stored_weights(arrays), batch, offsets, out_dtype, None, counter, _batch_shape(batch))
 
 
-def forward_train(weights: torch.Tensor, batch: TBEBatch,
-                  out_dtype: torch.dtype) -> tuple[torch.Tensor, TritonContext]:
+def forward_train(arrays: TableArrays, batch: TBEBatch, out_dtype: torch.dtype,
+                  hp: FTRLHyperparams) -> tuple[torch.Tensor, TritonContext]:
     """The forward of a training step (its backward follows): same output as :func:`forward`.
 
     Linearises the batch first (:func:`.triton_backward.linearize_kernel`: each index's row key
@@ -482,13 +491,12 @@ def forward_train(weights: torch.Tensor, batch: TBEBatch,
                 warn, check, True, check, batch.per_sample_weights, int(batch.pooling_mode),
                 int(batch.max_D), total_rows, int(batch.out_numel), even_d)
     offsets = lin[4] if check else batch.offsets
-    out = _lookup(weights, batch, offsets, out_dtype, lin[0], counter, shape)
+    out = _lookup(_stored_weights(arrays), batch, offsets, out_dtype, lin[0], counter, shape)
     return out, TritonContext(offsets, tuple(lin[:4]))
 
 
-def backward_update_(weights: torch.Tensor, accum: torch.Tensor, linear: torch.Tensor,
-                     batch: TBEBatch, ctx: Optional[TritonContext], grad_out: torch.Tensor,
-                     hp: FTRLHyperparams, nonfinite_rows: torch.Tensor) -> None:
+def backward_update_(arrays: TableArrays, batch: TBEBatch, ctx: Optional[TritonContext],
+                     grad_out: torch.Tensor, hp: FTRLHyperparams, nonfinite_rows: torch.Tensor) -> None:
     """Sum gradients per unique (table, row), then one FTRL update per touched row, in place.
 
     ``grad_out`` is the flat ``[batch.out_numel]`` output gradient (fp32/fp16/bf16). Rows whose summed
@@ -501,6 +509,7 @@ def backward_update_(weights: torch.Tensor, accum: torch.Tensor, linear: torch.T
     Raises:
         ValueError: a bf16 state and ``batch.step`` None.
     """
+    weights, accum, linear = _stored_weights(arrays), arrays.accum, arrays.linear
     step = batch.step
     if step is None:
         if accum.dtype == torch.bfloat16 or linear.dtype == torch.bfloat16:

@@ -36,10 +36,19 @@ def _batch():
     return layout, indices, offsets
 
 
-def _forward_args(weights, layout, out_dtype=torch.float32):
-    return (weights, layout["table_w_offset"], layout["table_dim"], layout["feature_table"],
-            layout["bag_feature"], layout["bag_out_offset"], layout["indices"], layout["offsets"], None,
-            POOL_SUM, max(DIMS), 24, out_dtype)
+def _kernel_knobs():
+    return dict(lr=KNOBS["lr"], neg_power=0.5, l1=KNOBS["l1"], l2=2 * KNOBS["l2"], beta=KNOBS["beta"],
+                shrink2=0.0)
+
+
+def _forward_args(weights, layout, out_dtype=torch.float32, accum=None, linear=None, rowwise=False):
+    """Stored ``weights``, or derived ones (``weights`` None) from ``accum`` and ``linear``."""
+    if weights is not None:
+        accum = linear = torch.zeros_like(weights)
+    return (weights, accum, linear, rowwise, layout["table_w_offset"], layout["table_dim"],
+            layout["feature_table"], layout["bag_feature"], layout["bag_out_offset"], layout["indices"],
+            layout["offsets"], None, POOL_SUM, max(DIMS), torch.tensor([0, ROWS[0]]),
+            *_kernel_knobs().values(), 24, out_dtype)
 
 
 def _tables(seed=0):
@@ -47,12 +56,11 @@ def _tables(seed=0):
     return [torch.randn(r, d, generator=g) for r, d in zip(ROWS, DIMS)]
 
 
-def _update_args(weights, accum, linear, layout, grad_out, nonfinite):
-    kernel = dict(lr=KNOBS["lr"], neg_power=0.5, l1=KNOBS["l1"], l2=2 * KNOBS["l2"], beta=KNOBS["beta"],
-                  shrink2=0.0)
-    return (weights, accum, linear, layout["table_w_offset"], layout["table_dim"], torch.tensor(ROWS),
-            layout["feature_table"], layout["bag_feature"], layout["bag_out_offset"], layout["indices"],
-            layout["offsets"], None, POOL_SUM, max(DIMS), grad_out, *kernel.values(), nonfinite, 0)
+def _update_args(weights, accum, linear, layout, grad_out, nonfinite, rowwise=False, step=0):
+    return (weights, accum, linear, rowwise, layout["table_w_offset"], layout["table_dim"],
+            torch.tensor(ROWS), layout["feature_table"], layout["bag_feature"], layout["bag_out_offset"],
+            layout["indices"], layout["offsets"], None, POOL_SUM, max(DIMS), grad_out,
+            *_kernel_knobs().values(), nonfinite, step)
 
 
 def test_forward_and_update_match_the_float64_reference():
@@ -99,6 +107,18 @@ def test_opcheck():
     torch.library.opcheck(ops.tbe_backward_update_.default,
                           _update_args(weights, accum, linear, layout, torch.linspace(-1, 1, 24),
                                        torch.zeros(1, dtype=torch.int64)))
+
+
+def test_opcheck_derived_rowwise():
+    """The lean layouts through the same schemas: no weights, a row-wise bf16 accum ``[total_rows]``."""
+    layout, _, _ = _batch()
+    linear = torch.cat([t.flatten() for t in _tables()])
+    accum = torch.full((sum(ROWS),), 0.5, dtype=torch.bfloat16)
+    torch.library.opcheck(ops.tbe_forward.default,
+                          _forward_args(None, layout, torch.float16, accum, linear, rowwise=True))
+    torch.library.opcheck(ops.tbe_backward_update_.default,
+                          _update_args(None, accum, linear, layout, torch.linspace(-1, 1, 24),
+                                       torch.zeros(1, dtype=torch.int64), rowwise=True, step=3))
 
 
 def test_fake_tensors_give_shape_and_dtype():

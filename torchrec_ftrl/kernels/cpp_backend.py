@@ -9,8 +9,11 @@ so on stderr; later processes reuse the build. That needs a C++17 compiler and n
 :func:`torchrec_ftrl.kernels.backend.resolve_backend` falls back to the PyTorch backend with a warning
 when it raises.
 
-Implements :class:`~torchrec_ftrl.kernels.backend.Backend`. The C++ ``ftrl_element`` is the twin of
-:func:`torchrec_ftrl.rule.ftrl_rule`, computed in fp32, from
+Implements :class:`~torchrec_ftrl.kernels.backend.Backend` for every row layout (stored or derived
+weights, element-wise or row-wise ``accum``; template flags of the kernels). The C++ ``ftrl_element``
+is the twin of :func:`torchrec_ftrl.rule.ftrl_rule` (``ftrl_step`` with a row's n that of
+:func:`~torchrec_ftrl.rule.ftrl_rule_rowwise`, ``ftrl_prox`` that of
+:func:`~torchrec_ftrl.rule.ftrl_prox`, shared by the forward and the update), computed in fp32, from
 :meth:`~torchrec_ftrl.hyperparams.FTRLHyperparams.kernel_scalars`. States are fp32 or bf16: a bf16
 state loads exactly into fp32 and is stored with stochastic rounding by the uint32 twin of
 :func:`torchrec_ftrl.state_dtype.sr_bits` (instantiations per state dtype; the fp32 ones unchanged).
@@ -35,7 +38,8 @@ from .capabilities import Capabilities
 from .layout import TableArrays, TBEBatch
 from .torch_backend import per_sample_weight_grad  # noqa: F401  (the Backend member, shared)
 
-CAPABILITIES = Capabilities()
+CAPABILITIES = Capabilities(layouts=frozenset({("stored", "elementwise"), ("stored", "rowwise"),
+                                               ("derived", "elementwise"), ("derived", "rowwise")}))
 
 _lock = threading.Lock()
 _library: str | None = None
@@ -123,17 +127,16 @@ def count_invalid(table_rows: torch.Tensor, feature_table: torch.Tensor, bag_fea
                                                          indices.contiguous(), offsets.contiguous()))
 
 
-def _stored_weights(arrays: TableArrays) -> torch.Tensor:
-    """The weight buffer of the one layout this backend's kernels implement."""
-    if not arrays.stored_elementwise:
-        raise NotImplementedError("the compiled CPU FTRL kernel implements stored weights with an "
-                                  "element-wise accum only")
-    return arrays.weights
+def _arrays(arrays: TableArrays) -> tuple:
+    """The ``weights?, accum, linear, rowwise`` arguments of the ops (:mod:`.ops`)."""
+    return arrays.weights, arrays.accum, arrays.linear, bool(arrays.rowwise)
 
 
 def forward(arrays: TableArrays, batch: TBEBatch, out_dtype: torch.dtype,
             hp: FTRLHyperparams) -> torch.Tensor:
-    """Pooled (SUM/MEAN) or sequence (NONE) lookup, fp32 accumulation.
+    """Pooled (SUM/MEAN) or sequence (NONE) lookup, fp32 accumulation, of stored weights or of
+    weights derived as ``prox(linear, accum)`` with ``hp`` in fp32 (the bits the update of a stored
+    layout writes).
 
     Returns:
         the flat output ``[batch.out_numel]`` in ``out_dtype``: bag ``k``'s ``D``-vector at
@@ -141,10 +144,10 @@ def forward(arrays: TableArrays, batch: TBEBatch, out_dtype: torch.dtype,
     """
     load_extension()
     return torch.ops.torchrec_ftrl.tbe_forward(
-        _stored_weights(arrays), batch.table_w_offset, batch.table_dim, batch.feature_table,
+        *_arrays(arrays), batch.table_w_offset, batch.table_dim, batch.feature_table,
         batch.bag_feature.contiguous(), batch.bag_out_offset.contiguous(), batch.indices.contiguous(),
         batch.offsets.contiguous(), _psw(batch), int(batch.pooling_mode), int(batch.max_D),
-        int(batch.out_numel), out_dtype)
+        batch.table_row_base.contiguous(), *hp.kernel_scalars(), int(batch.out_numel), out_dtype)
 
 
 def forward_train(arrays: TableArrays, batch: TBEBatch, out_dtype: torch.dtype,
@@ -158,8 +161,10 @@ def backward_update_(arrays: TableArrays, batch: TBEBatch, ctx: Any, grad_out: t
     """In place: sum the gradient of every touched (table, row), then ONE FTRL update per row.
 
     Args:
-        arrays: weights flat ``[total]`` fp32/fp16/bf16; accum, linear flat ``[total]`` fp32 or bf16
-            (n and z; bf16 ones stored by stochastic rounding with step ``batch.step``).
+        arrays: every row layout (:class:`~.layout.TableArrays`): weights flat ``[total]``
+            fp32/fp16/bf16, or None (derived: only n and z are written); linear (z) flat ``[total]``
+            and accum (n) flat ``[total]`` or row-wise ``[batch.total_rows]``, each fp32 or bf16
+            (bf16 ones stored by stochastic rounding with step ``batch.step``).
         grad_out: flat ``[batch.out_numel]`` gradient of the forward output (fp32/fp16/bf16).
         nonfinite_rows: int64 ``[1]``, incremented by the number of rows skipped because their summed
             gradient holds a NaN/Inf (those rows are left bit-for-bit unchanged).
@@ -169,15 +174,14 @@ def backward_update_(arrays: TableArrays, batch: TBEBatch, ctx: Any, grad_out: t
     """
     if batch.indices.numel() == 0:
         return
-    weights, accum, linear = _stored_weights(arrays), arrays.accum, arrays.linear
-    compact = torch.bfloat16 in (accum.dtype, linear.dtype)
+    compact = torch.bfloat16 in (arrays.accum.dtype, arrays.linear.dtype)
     if compact and batch.step is None:
         raise ValueError("a bf16 optimizer state needs batch.step (the TBE's iter) for its "
                          "stochastic rounding, got None")
     step = int(batch.step) if compact else 0   # a CPU tensor: no device sync
     load_extension()
     torch.ops.torchrec_ftrl.tbe_backward_update_(
-        weights, accum, linear, batch.table_w_offset, batch.table_dim, batch.table_rows,
+        *_arrays(arrays), batch.table_w_offset, batch.table_dim, batch.table_rows,
         batch.feature_table, batch.bag_feature.contiguous(), batch.bag_out_offset.contiguous(),
         batch.indices.contiguous(), batch.offsets.contiguous(), _psw(batch), int(batch.pooling_mode),
         int(batch.max_D), grad_out.contiguous(), *hp.kernel_scalars(), nonfinite_rows, step)

@@ -54,25 +54,62 @@ struct FtrlHp {
   float shrink2;   // 2 * l2_shrinkage
 };
 
-// THE FTRL-Proximal update of one element (torchrec_ftrl/rule.py's ftrl_rule, line for line). `w` is the OLD
-// weight, `g` the gradient summed over the row's duplicates; updates `z` (linear) and `n` (accum) in
-// place and returns the new weight. kSqrt: p == -0.5, n^0.5 via sqrt; otherwise pow(n, -p).
+// n^(-p) of an accum value: sqrt for p == -0.5 (kSqrt), pow(n, -p) otherwise.
 template <bool kSqrt>
-inline float ftrl_element(float w, float g, float& z, float& n, const FtrlHp& hp) {
-  const float n_new = n + g * g;  // accum uses the raw gradient
-  const float pn_new = kSqrt ? std::sqrt(n_new) : std::pow(n_new, hp.neg_power);
-  const float pn_old = kSqrt ? std::sqrt(n) : std::pow(n, hp.neg_power);
-  const float sigma = (pn_new - pn_old) / hp.lr;
-  const float g_s = g + hp.shrink2 * w;     // l2 shrinkage (s = 0: plain FTRL)
-  const float z_new = z + g_s - sigma * w;  // OLD w
-  const float q = (hp.beta + pn_new) / hp.lr + hp.l2;
+inline float ftrl_power(float n, const FtrlHp& hp) {
+  return kSqrt ? std::sqrt(n) : std::pow(n, hp.neg_power);
+}
+
+// THE weight of a state (rule.py's ftrl_prox): prox(z, n) = (l1 sign(z) - z) / q if |z| > l1 else 0,
+// q = (beta + n^(-p)) / lr + L2, given pn = ftrl_power(n). The stored layout's update writes this as
+// the new weight; a derived layout computes it on every read, so both see the same bits.
+inline float ftrl_prox(float z, float pn, const FtrlHp& hp) {
+  const float q = (hp.beta + pn) / hp.lr + hp.l2;
   // Exact zero from the branch |z| > l1 (a select, so the loop vectorises), never from a clamp: when
   // |z| <= l1 the result is exactly 0.0 whatever the candidate is (NaN/Inf if q == 0).
-  const float cand = (std::copysign(hp.l1, z_new) - z_new) / q;
-  const float w_new = std::fabs(z_new) > hp.l1 ? cand : 0.0f;
-  z = z_new;
+  const float cand = (std::copysign(hp.l1, z) - z) / q;
+  return std::fabs(z) > hp.l1 ? cand : 0.0f;
+}
+
+// The z and w steps of one element whose accum goes from n to n_new (pn_old = ftrl_power(n),
+// pn_new = ftrl_power(n_new); per element, or the row's with a row-wise accum). `w` is the OLD weight;
+// kDerived: there is none stored and it is prox(z, n) of the old state. Updates `z` in place and
+// returns the new weight.
+template <bool kDerived>
+inline float ftrl_step(float w, float g, float& z, float pn_old, float pn_new, const FtrlHp& hp) {
+  if constexpr (kDerived) w = ftrl_prox(z, pn_old, hp);
+  const float sigma = (pn_new - pn_old) / hp.lr;
+  const float g_s = g + hp.shrink2 * w;     // l2 shrinkage (s = 0: plain FTRL)
+  z = z + g_s - sigma * w;                  // OLD w
+  return ftrl_prox(z, pn_new, hp);
+}
+
+// THE FTRL-Proximal update of one element with an element-wise accum (torchrec_ftrl/rule.py's
+// ftrl_rule, line for line). `g` is the gradient summed over the row's duplicates; updates `z`
+// (linear) and `n` (accum) in place and returns the new weight (`w`: the old one, unused if kDerived).
+template <bool kSqrt, bool kDerived = false>
+inline float ftrl_element(float w, float g, float& z, float& n, const FtrlHp& hp) {
+  const float n_new = n + g * g;  // accum uses the raw gradient
+  const float pn_new = ftrl_power<kSqrt>(n_new, hp);
+  const float pn_old = ftrl_power<kSqrt>(n, hp);
   n = n_new;
-  return w_new;
+  return ftrl_step<kDerived>(w, g, z, pn_old, pn_new, hp);
+}
+
+// sum_d x[d]^2 of a row (the row-wise accum's increment, before / D) in one fixed order whatever the
+// vector ISA: 16 lane sums (lane l takes d = l mod 16, in d order), then a fixed pairwise tree.
+inline float sum_squares(const float* __restrict__ x, int64_t D) {
+  constexpr int kLanes = 16;
+  float lane[kLanes] = {};
+  int64_t d = 0;
+  for (; d + kLanes <= D; d += kLanes) {
+    for (int l = 0; l < kLanes; ++l) lane[l] += x[d + l] * x[d + l];
+  }
+  for (int l = 0; d + l < D; ++l) lane[l] += x[d + l] * x[d + l];
+  for (int half = kLanes / 2; half > 0; half /= 2) {
+    for (int l = 0; l < half; ++l) lane[l] += lane[l + half];
+  }
+  return lane[0];
 }
 
 template <typename T>
@@ -124,28 +161,116 @@ inline float bf16_bits_to_f(uint16_t b) {
 template <bool kBf16>
 using StateT = std::conditional_t<kBf16, uint16_t, float>;
 
+// A stored state value in fp32 (a bf16 one loads exactly).
+template <bool kBf16>
+inline float load_state(StateT<kBf16> v) {
+  if constexpr (kBf16) {
+    return bf16_bits_to_f(v);
+  } else {
+    return v;
+  }
+}
+
+// ------------------------------------------------------------------------------------------ dispatch
+
+// The dtypes the FTRL TBE gives its weights, outputs and output gradients: fp32, fp16, bf16.
+#define FTRL_DISPATCH_FLOATS(TYPE, NAME, ...)                  \
+  AT_DISPATCH_SWITCH(TYPE, NAME,                               \
+                     AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) \
+                     AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__)  \
+                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
+
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
+
+// f(std::true_type{}) or f(std::false_type{}): a runtime flag made a compile-time one.
+template <typename F>
+decltype(auto) with_flag(bool flag, F&& f) {
+  if (flag) return f(std::true_type{});
+  return f(std::false_type{});
+}
+
 // ------------------------------------------------------------------------------------------ forward
 
-template <typename W, typename O>
-void forward_pooled(const W* __restrict__ weights, const int64_t* table_w_offset,
-                    const int64_t* table_dim, const int64_t* feature_table,
+// Where the forward reads the weight rows of one table. row(idx, D, scratch) returns the row's D
+// values (any float type); prefetch(idx, D) starts loading it.
+
+// Stored weights: the row in the weight buffer.
+template <typename W>
+struct StoredTable {
+  const W* base;  // the table's first weight
+  const W* row(int64_t idx, int64_t D, float* /*scratch*/) const { return base + idx * D; }
+  void prefetch(int64_t idx, int64_t D) const { __builtin_prefetch(base + idx * D); }
+};
+
+template <typename W>
+struct StoredRows {
+  const W* weights;
+  const int64_t* table_w_offset;
+  StoredTable<W> table(int64_t t) const { return {weights + table_w_offset[t]}; }
+};
+
+// Derived weights: w = prox(z, n) computed into `scratch` from the table's linear and accum
+// (kRowwise: one accum value per row).
+template <bool kSqrt, bool kRowwise, bool kNB, bool kZB>
+struct DerivedTable {
+  const StateT<kNB>* n;  // the table's first accum value
+  const StateT<kZB>* z;  // the table's first linear value
+  const FtrlHp* hp;
+  const float* row(int64_t idx, int64_t D, float* __restrict__ scratch) const {
+    const StateT<kZB>* __restrict__ zr = z + idx * D;
+    if constexpr (kRowwise) {
+      const float pn = ftrl_power<kSqrt>(load_state<kNB>(n[idx]), *hp);
+      for (int64_t d = 0; d < D; ++d) scratch[d] = ftrl_prox(load_state<kZB>(zr[d]), pn, *hp);
+    } else {
+      const StateT<kNB>* __restrict__ nr = n + idx * D;
+      for (int64_t d = 0; d < D; ++d) {
+        scratch[d] = ftrl_prox(load_state<kZB>(zr[d]), ftrl_power<kSqrt>(load_state<kNB>(nr[d]), *hp),
+                               *hp);
+      }
+    }
+    return scratch;
+  }
+  void prefetch(int64_t idx, int64_t D) const {
+    __builtin_prefetch(z + idx * D);
+    __builtin_prefetch(kRowwise ? n + idx : n + idx * D);
+  }
+};
+
+template <bool kSqrt, bool kRowwise, bool kNB, bool kZB>
+struct DerivedRows {
+  const StateT<kNB>* accum;
+  const StateT<kZB>* linear;
+  const int64_t* table_w_offset;
+  const int64_t* table_row_base;  // row-wise accum: row r of table t at table_row_base[t] + r
+  FtrlHp hp;
+  DerivedTable<kSqrt, kRowwise, kNB, kZB> table(int64_t t) const {
+    return {accum + (kRowwise ? table_row_base[t] : table_w_offset[t]), linear + table_w_offset[t], &hp};
+  }
+};
+
+template <typename Rows, typename O>
+void forward_pooled(const Rows& rows, const int64_t* table_dim, const int64_t* feature_table,
                     const int64_t* bag_feature, const int64_t* bag_out_offset,
                     const int64_t* indices, const int64_t* offsets, const float* psw,
                     int64_t num_bags, int64_t max_D, bool mean, O* __restrict__ out) {
   at::parallel_for(0, num_bags, 64, [&](int64_t b0, int64_t b1) {
-    std::vector<float> acc_buf(static_cast<size_t>(max_D));
-    float* __restrict__ acc = acc_buf.data();
+    std::vector<float> buf(static_cast<size_t>(2 * max_D));
+    float* __restrict__ acc = buf.data();
+    float* __restrict__ scratch = buf.data() + max_D;
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t t = feature_table[bag_feature[b]];
       const int64_t D = table_dim[t];
-      const W* __restrict__ base = weights + table_w_offset[t];
+      const auto table = rows.table(t);
       const int64_t start = offsets[b], end = offsets[b + 1];
       std::fill(acc, acc + D, 0.0f);
       for (int64_t i = start; i < end; ++i) {
         if (i + 2 < end) {
-          __builtin_prefetch(base + indices[i + 2] * D);
+          table.prefetch(indices[i + 2], D);
         }
-        const W* __restrict__ row = base + indices[i] * D;
+        const auto* __restrict__ row = table.row(indices[i], D, scratch);
         if (psw != nullptr) {
           const float s = psw[i];
           for (int64_t d = 0; d < D; ++d) acc[d] += s * to_f(row[d]);
@@ -164,18 +289,18 @@ void forward_pooled(const W* __restrict__ weights, const int64_t* table_w_offset
   });
 }
 
-template <typename W, typename O>
-void forward_sequence(const W* __restrict__ weights, const int64_t* table_w_offset,
-                      const int64_t* table_dim, const int64_t* feature_table,
+template <typename Rows, typename O>
+void forward_sequence(const Rows& rows, const int64_t* table_dim, const int64_t* feature_table,
                       const int64_t* bag_feature, const int64_t* indices, const int64_t* offsets,
                       int64_t num_bags, int64_t max_D, O* __restrict__ out) {
   at::parallel_for(0, num_bags, 64, [&](int64_t b0, int64_t b1) {
+    std::vector<float> buf(static_cast<size_t>(max_D));
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t t = feature_table[bag_feature[b]];
       const int64_t D = table_dim[t];
-      const W* __restrict__ base = weights + table_w_offset[t];
+      const auto table = rows.table(t);
       for (int64_t i = offsets[b]; i < offsets[b + 1]; ++i) {
-        const W* __restrict__ row = base + indices[i] * D;
+        const auto* __restrict__ row = table.row(indices[i], D, buf.data());
         O* __restrict__ dst = out + i * max_D;
         for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<O>(to_f(row[d]));
       }
@@ -196,37 +321,102 @@ c10::optional<at::Tensor> check_psw(const c10::optional<at::Tensor>& psw, int64_
   return psw;
 }
 
-// Fills `out` (flat, preallocated, any of fp32/fp16/bf16).
-void forward_into(const at::Tensor& weights, const at::Tensor& table_w_offset, const at::Tensor& table_dim,
-             const at::Tensor& feature_table, const at::Tensor& bag_feature,
-             const at::Tensor& bag_out_offset, const at::Tensor& indices, const at::Tensor& offsets,
-             const c10::optional<at::Tensor>& per_sample_weights, int64_t pooling_mode,
-             int64_t max_D, at::Tensor& out) {
+// The weight buffer of a stored layout, or null for derived weights.
+const at::Tensor* stored_weights(const c10::optional<at::Tensor>& weights) {
+  return weights.has_value() && weights->defined() ? &*weights : nullptr;
+}
+
+// Checks the state arrays of a layout: accum and linear fp32 or bf16 and contiguous; linear (and
+// stored weights) `elements` long; accum `elements` long, or `rows` with a row-wise accum (rows < 0:
+// not checked).
+void check_layout(const at::Tensor* weights, const at::Tensor& accum, const at::Tensor& linear,
+                  bool rowwise, int64_t rows) {
+  const auto state_ok = [](const at::Tensor& t) {
+    return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16;
+  };
+  TORCH_CHECK(state_ok(accum) && state_ok(linear), "accum and linear must be fp32 or bf16, got ",
+              accum.scalar_type(), " and ", linear.scalar_type());
+  TORCH_CHECK(accum.is_contiguous() && linear.is_contiguous() && (!weights || weights->is_contiguous()),
+              "weights, accum and linear must be contiguous");
+  const int64_t elements = linear.numel();
+  TORCH_CHECK(!weights || weights->numel() == elements, "weights must have as many elements as linear (",
+              elements, "), got ", weights ? weights->numel() : 0);
+  if (!rowwise) {
+    TORCH_CHECK(accum.numel() == elements, "an element-wise accum must have as many elements as linear (",
+                elements, "), got ", accum.numel());
+  } else if (rows >= 0) {
+    TORCH_CHECK(accum.numel() == rows, "a row-wise accum must have one element per row (", rows,
+                "), got ", accum.numel());
+  }
+}
+
+// True when n^(-p) is computed by sqrt (p == -0.5), as rule.py's _power decides.
+bool sqrt_power(double neg_power) { return neg_power == 0.5; }
+
+FtrlHp make_hp(double lr, double neg_power, double l1, double l2, double beta, double shrink2) {
+  FtrlHp hp;
+  hp.lr = static_cast<float>(lr);
+  hp.neg_power = static_cast<float>(neg_power);
+  hp.l1 = static_cast<float>(l1);
+  hp.l2 = static_cast<float>(l2);
+  hp.beta = static_cast<float>(beta);
+  hp.shrink2 = static_cast<float>(shrink2);
+  return hp;
+}
+
+// Fills `out` (flat, preallocated, any of fp32/fp16/bf16) from stored weights, or from weights
+// derived from (linear, accum) with `hp` when `weights` is null.
+void forward_into(const at::Tensor* weights, const at::Tensor& accum, const at::Tensor& linear,
+                  const at::Tensor& table_w_offset, const at::Tensor& table_dim,
+                  const at::Tensor& feature_table, const at::Tensor& bag_feature,
+                  const at::Tensor& bag_out_offset, const at::Tensor& indices, const at::Tensor& offsets,
+                  const c10::optional<at::Tensor>& per_sample_weights, int64_t pooling_mode,
+                  int64_t max_D, const at::Tensor& table_row_base, bool rowwise, const FtrlHp& hp,
+                  bool use_sqrt, at::Tensor& out) {
   for (auto* p : {&table_w_offset, &table_dim, &feature_table, &bag_feature, &bag_out_offset,
-                  &indices, &offsets}) {
+                  &indices, &offsets, &table_row_base}) {
     check_index_tensor(*p, "TBEBatch tensor");
   }
-  TORCH_CHECK(weights.is_contiguous() && out.is_contiguous(), "weights and out must be contiguous");
+  check_layout(weights, accum, linear, rowwise, -1);
   const auto psw = check_psw(per_sample_weights, indices.numel());
   const int64_t num_bags = offsets.numel() - 1;
   if (num_bags <= 0) return;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weights.scalar_type(), "ftrl_fwd_w", [&] {
-    using W = scalar_t;
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "ftrl_fwd_o", [&] {
+  const int64_t* woff_p = table_w_offset.data_ptr<int64_t>();
+  auto run = [&](const auto& rows) {
+    FTRL_DISPATCH_FLOATS(out.scalar_type(), "ftrl_fwd_o", [&] {
       using O = scalar_t;
       if (pooling_mode == kPoolNone) {
-        forward_sequence<W, O>(weights.data_ptr<W>(), table_w_offset.data_ptr<int64_t>(),
-                               table_dim.data_ptr<int64_t>(), feature_table.data_ptr<int64_t>(),
-                               bag_feature.data_ptr<int64_t>(), indices.data_ptr<int64_t>(),
-                               offsets.data_ptr<int64_t>(), num_bags, max_D, out.data_ptr<O>());
+        forward_sequence<std::decay_t<decltype(rows)>, O>(
+            rows, table_dim.data_ptr<int64_t>(), feature_table.data_ptr<int64_t>(),
+            bag_feature.data_ptr<int64_t>(), indices.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(),
+            num_bags, max_D, out.data_ptr<O>());
       } else {
-        forward_pooled<W, O>(weights.data_ptr<W>(), table_w_offset.data_ptr<int64_t>(),
-                             table_dim.data_ptr<int64_t>(), feature_table.data_ptr<int64_t>(),
-                             bag_feature.data_ptr<int64_t>(), bag_out_offset.data_ptr<int64_t>(),
-                             indices.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(),
-                             psw ? psw->data_ptr<float>() : nullptr, num_bags, max_D,
-                             pooling_mode == kPoolMean, out.data_ptr<O>());
+        forward_pooled<std::decay_t<decltype(rows)>, O>(
+            rows, table_dim.data_ptr<int64_t>(), feature_table.data_ptr<int64_t>(),
+            bag_feature.data_ptr<int64_t>(), bag_out_offset.data_ptr<int64_t>(),
+            indices.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(),
+            psw ? psw->data_ptr<float>() : nullptr, num_bags, max_D, pooling_mode == kPoolMean,
+            out.data_ptr<O>());
       }
+    });
+  };
+  if (weights != nullptr) {
+    FTRL_DISPATCH_FLOATS(weights->scalar_type(), "ftrl_fwd_w", [&] {
+      run(StoredRows<scalar_t>{weights->data_ptr<scalar_t>(), woff_p});
+    });
+    return;
+  }
+  with_flag(use_sqrt, [&](auto sqrt_tag) {
+    with_flag(rowwise, [&](auto rowwise_tag) {
+      with_flag(accum.scalar_type() == at::kBFloat16, [&](auto nb_tag) {
+        with_flag(linear.scalar_type() == at::kBFloat16, [&](auto zb_tag) {
+          constexpr bool kNB = decltype(nb_tag)::value, kZB = decltype(zb_tag)::value;
+          run(DerivedRows<decltype(sqrt_tag)::value, decltype(rowwise_tag)::value, kNB, kZB>{
+              static_cast<const StateT<kNB>*>(accum.data_ptr()),
+              static_cast<const StateT<kZB>*>(linear.data_ptr()), woff_p,
+              table_row_base.data_ptr<int64_t>(), hp});
+        });
+      });
     });
   });
 }
@@ -321,7 +511,8 @@ void radix_sort_pairs(K*& keys, int64_t*& vals, float*& fvals, K*& keys_tmp, int
 
 // ------------------------------------------------------------------------------------------ backward
 
-inline void prefetch_row(const void* p, int64_t bytes) {
+// Starts loading the cache lines of [p, p + bytes) for writing.
+__attribute__((always_inline)) inline void prefetch_row(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(c + b, 1, 1);
 }
@@ -337,8 +528,74 @@ inline bool all_finite(const float* __restrict__ x, int64_t D) {
   return bad == 0;
 }
 
+// Starts loading the stored arrays of unique row s: its weights (unless kDerived), accum (kRowwise:
+// one value, at its key) and linear. Always inlined: GCC deletes calls of an out-of-line function
+// that only prefetches (it finds it const).
+template <bool kDerived, bool kRowwise, typename W, typename N, typename Z>
+__attribute__((always_inline)) inline void prefetch_seg(const W* weights, const N* accum, const Z* linear,
+                                                        const int64_t* seg_off, const int32_t* seg_dim,
+                                                        const uint64_t* seg_key, int64_t s) {
+  const int64_t o = seg_off[s];
+  const int64_t D = seg_dim[s];
+  if constexpr (!kDerived) prefetch_row(weights + o, D * int64_t(sizeof(W)));
+  if constexpr (kRowwise) {
+    __builtin_prefetch(accum + seg_key[s], 1, 1);
+  } else {
+    prefetch_row(accum + o, D * int64_t(sizeof(N)));
+  }
+  prefetch_row(linear + o, D * int64_t(sizeof(Z)));
+}
+
+// Stores the fp32 values src[0:D] into a state row: as they are, or (kBf16) stochastically rounded
+// with the bits of column d of the row hash h (sr_row).
+template <bool kBf16>
+inline void store_state_row(StateT<kBf16>* __restrict__ dst, const float* __restrict__ src, int64_t D,
+                            uint32_t h) {
+  if constexpr (kBf16) {
+    for (int64_t d = 0; d < D; ++d) dst[d] = round_bf16_sr(src[d], sr_bits(h, uint32_t(d)));
+  } else {
+    for (int64_t d = 0; d < D; ++d) dst[d] = src[d];
+  }
+}
+
+// The update of the D elements of a row with an element-wise accum: z, n (fp32) in place, the new
+// weights into w unless kDerived (then w is unused). wf: fp32 scratch [D].
+template <bool kSqrt, bool kDerived, typename W>
+inline void element_steps(W* __restrict__ w, float* __restrict__ z, float* __restrict__ n,
+                          const float* __restrict__ g, float* __restrict__ wf, int64_t D,
+                          const FtrlHp& hp) {
+  if constexpr (kDerived) {
+    for (int64_t d = 0; d < D; ++d) ftrl_element<kSqrt, true>(0.0f, g[d], z[d], n[d], hp);
+  } else if constexpr (std::is_same_v<W, float>) {
+    for (int64_t d = 0; d < D; ++d) w[d] = ftrl_element<kSqrt>(w[d], g[d], z[d], n[d], hp);
+  } else {
+    for (int64_t d = 0; d < D; ++d) wf[d] = to_f(w[d]);
+    for (int64_t d = 0; d < D; ++d) wf[d] = ftrl_element<kSqrt>(wf[d], g[d], z[d], n[d], hp);
+    for (int64_t d = 0; d < D; ++d) w[d] = static_cast<W>(wf[d]);
+  }
+}
+
+// The z and w steps of the D elements of a row with a row-wise accum (its pn_old, pn_new): z (fp32)
+// in place, the new weights into w unless kDerived (then w is unused). wf: fp32 scratch [D].
+template <bool kDerived, typename W>
+inline void row_steps(W* __restrict__ w, float* __restrict__ z, const float* __restrict__ g,
+                      float* __restrict__ wf, int64_t D, float pn_old, float pn_new, const FtrlHp& hp) {
+  if constexpr (kDerived) {
+    for (int64_t d = 0; d < D; ++d) ftrl_step<true>(0.0f, g[d], z[d], pn_old, pn_new, hp);
+  } else if constexpr (std::is_same_v<W, float>) {
+    for (int64_t d = 0; d < D; ++d) w[d] = ftrl_step<false>(w[d], g[d], z[d], pn_old, pn_new, hp);
+  } else {
+    for (int64_t d = 0; d < D; ++d) wf[d] = to_f(w[d]);
+    for (int64_t d = 0; d < D; ++d) wf[d] = ftrl_step<false>(wf[d], g[d], z[d], pn_old, pn_new, hp);
+    for (int64_t d = 0; d < D; ++d) w[d] = static_cast<W>(wf[d]);
+  }
+}
+
 // kNB / kZB: accum / linear stored in bf16 (then seg_key and step feed the stochastic rounding).
-template <typename W, typename G, bool kSqrt, bool kNB = false, bool kZB = false>
+// kDerived: no weight buffer (weights unused); the old weight is prox(z, n) and only z, n are written.
+// kRowwise: one accum value per row, at the row's key (seg_key, required): n += sum_d g_d^2 / D.
+template <typename W, typename G, bool kSqrt, bool kNB = false, bool kZB = false, bool kDerived = false,
+          bool kRowwise = false>
 int64_t update_rows(W* __restrict__ weights, StateT<kNB>* __restrict__ accum,
                     StateT<kZB>* __restrict__ linear,
                     const G* __restrict__ grad, const int64_t* __restrict__ src,
@@ -360,17 +617,11 @@ int64_t update_rows(W* __restrict__ weights, StateT<kNB>* __restrict__ accum,
     const uint32_t seed_z = kCompact ? sr_seed(step, 1) : 0u;
     int64_t local_bad = 0;
     for (int64_t s = s0; s < std::min(s1, s0 + kAhead); ++s) {
-      prefetch_row(weights + seg_off[s], seg_dim[s] * int64_t(sizeof(W)));
-      prefetch_row(accum + seg_off[s], seg_dim[s] * int64_t(sizeof(StateT<kNB>)));
-      prefetch_row(linear + seg_off[s], seg_dim[s] * int64_t(sizeof(StateT<kZB>)));
+      prefetch_seg<kDerived, kRowwise>(weights, accum, linear, seg_off, seg_dim, seg_key, s);
     }
     for (int64_t s = s0; s < s1; ++s) {
       if (s + kAhead < s1) {
-        const int64_t o = seg_off[s + kAhead];
-        const int64_t bytes = seg_dim[s + kAhead];
-        prefetch_row(weights + o, bytes * int64_t(sizeof(W)));
-        prefetch_row(accum + o, bytes * int64_t(sizeof(StateT<kNB>)));
-        prefetch_row(linear + o, bytes * int64_t(sizeof(StateT<kZB>)));
+        prefetch_seg<kDerived, kRowwise>(weights, accum, linear, seg_off, seg_dim, seg_key, s + kAhead);
       }
       const int64_t D = seg_dim[s];
       std::fill(gsum, gsum + D, 0.0f);
@@ -388,41 +639,38 @@ int64_t update_rows(W* __restrict__ weights, StateT<kNB>* __restrict__ accum,
         continue;
       }
       const int64_t off = seg_off[s];
-      W* __restrict__ w = weights + off;
-      if constexpr (kCompact) {
-        // Load (exact upcast), the same fp32 update, store: bf16 states stochastically rounded.
-        StateT<kNB>* __restrict__ n = accum + off;
-        StateT<kZB>* __restrict__ z = linear + off;
-        for (int64_t d = 0; d < D; ++d) {
-          wf[d] = to_f(w[d]);
-          if constexpr (kNB) nf[d] = bf16_bits_to_f(n[d]); else nf[d] = n[d];
-          if constexpr (kZB) zf[d] = bf16_bits_to_f(z[d]); else zf[d] = z[d];
-        }
-        for (int64_t d = 0; d < D; ++d) wf[d] = ftrl_element<kSqrt>(wf[d], gsum[d], zf[d], nf[d], hp);
-        for (int64_t d = 0; d < D; ++d) w[d] = static_cast<W>(wf[d]);
+      StateT<kZB>* __restrict__ z = linear + off;
+      W* w = kDerived ? nullptr : weights + off;
+      if constexpr (kRowwise) {
+        // One n per row: its old and new n^(-p), then every element's z and w steps with them.
         const uint64_t key = seg_key[s];
-        if constexpr (kNB) {
-          const uint32_t h = sr_row(seed_n, key);
-          for (int64_t d = 0; d < D; ++d) n[d] = round_bf16_sr(nf[d], sr_bits(h, uint32_t(d)));
-        } else {
-          for (int64_t d = 0; d < D; ++d) n[d] = nf[d];
-        }
+        const float n_old = load_state<kNB>(accum[key]);
+        const float n_new = n_old + sum_squares(gsum, D) / static_cast<float>(D);
+        const float pn_old = ftrl_power<kSqrt>(n_old, hp);
+        const float pn_new = ftrl_power<kSqrt>(n_new, hp);
         if constexpr (kZB) {
-          const uint32_t h = sr_row(seed_z, key);
-          for (int64_t d = 0; d < D; ++d) z[d] = round_bf16_sr(zf[d], sr_bits(h, uint32_t(d)));
+          for (int64_t d = 0; d < D; ++d) zf[d] = bf16_bits_to_f(z[d]);
+          row_steps<kDerived>(w, zf, gsum, wf, D, pn_old, pn_new, hp);
+          store_state_row<true>(z, zf, D, sr_row(seed_z, key));
         } else {
-          for (int64_t d = 0; d < D; ++d) z[d] = zf[d];
+          row_steps<kDerived>(w, z, gsum, wf, D, pn_old, pn_new, hp);
         }
+        store_state_row<kNB>(accum + key, &n_new, 1, kNB ? sr_row(seed_n, key) : 0u);
         continue;
       }
-      float* __restrict__ n = reinterpret_cast<float*>(accum) + off;
-      float* __restrict__ z = reinterpret_cast<float*>(linear) + off;
-      if constexpr (std::is_same_v<W, float>) {
-        for (int64_t d = 0; d < D; ++d) w[d] = ftrl_element<kSqrt>(w[d], gsum[d], z[d], n[d], hp);
+      StateT<kNB>* __restrict__ n = accum + off;
+      if constexpr (kCompact) {
+        // Load (exact upcast), the same fp32 update, store: bf16 states stochastically rounded.
+        for (int64_t d = 0; d < D; ++d) {
+          nf[d] = load_state<kNB>(n[d]);
+          zf[d] = load_state<kZB>(z[d]);
+        }
+        element_steps<kSqrt, kDerived>(w, zf, nf, gsum, wf, D, hp);
+        const uint64_t key = seg_key[s];
+        store_state_row<kNB>(n, nf, D, kNB ? sr_row(seed_n, key) : 0u);
+        store_state_row<kZB>(z, zf, D, kZB ? sr_row(seed_z, key) : 0u);
       } else {
-        for (int64_t d = 0; d < D; ++d) wf[d] = to_f(w[d]);
-        for (int64_t d = 0; d < D; ++d) wf[d] = ftrl_element<kSqrt>(wf[d], gsum[d], z[d], n[d], hp);
-        for (int64_t d = 0; d < D; ++d) w[d] = static_cast<W>(wf[d]);
+        element_steps<kSqrt, kDerived>(w, z, n, gsum, wf, D, hp);
       }
     }
     if (local_bad) nonfinite.fetch_add(local_bad, std::memory_order_relaxed);
@@ -501,8 +749,10 @@ SortedIndices sort_by_row(BackwardWorkspace& ws, Scratch<K>& kbuf, Scratch<K>& k
   return si;
 }
 
-void backward_update(at::Tensor& weights, at::Tensor& accum, at::Tensor& linear,
-                     const at::Tensor& table_w_offset, const at::Tensor& table_dim,
+// torchrec_ftrl::tbe_backward_update_ (ops.py): weights None for derived weights, `rowwise` for a
+// row-wise accum (one value per row, at the row's key).
+void backward_update(const c10::optional<at::Tensor>& weights_opt, at::Tensor& accum, at::Tensor& linear,
+                     bool rowwise, const at::Tensor& table_w_offset, const at::Tensor& table_dim,
                      const at::Tensor& table_rows, const at::Tensor& feature_table,
                      const at::Tensor& bag_feature, const at::Tensor& bag_out_offset,
                      const at::Tensor& indices, const at::Tensor& offsets,
@@ -514,14 +764,14 @@ void backward_update(at::Tensor& weights, at::Tensor& accum, at::Tensor& linear,
                   &bag_out_offset, &indices, &offsets}) {
     check_index_tensor(*p, "TBEBatch tensor");
   }
-  TORCH_CHECK(weights.is_contiguous() && accum.is_contiguous() && linear.is_contiguous() &&
-                  grad_out.is_contiguous(),
-              "weights, accum, linear and grad_out must be contiguous");
-  const auto state_ok = [](const at::Tensor& t) {
-    return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16;
-  };
-  TORCH_CHECK(state_ok(accum) && state_ok(linear), "accum and linear must be fp32 or bf16, got ",
-              accum.scalar_type(), " and ", linear.scalar_type());
+  const at::Tensor* weights = stored_weights(weights_opt);
+  TORCH_CHECK(grad_out.is_contiguous(), "grad_out must be contiguous");
+  const int64_t T = table_rows.numel();
+  const int64_t* rows_p = table_rows.data_ptr<int64_t>();
+  std::vector<uint64_t> row_base(static_cast<size_t>(T) + 1);
+  for (int64_t t = 0; t < T; ++t) row_base[t + 1] = row_base[t] + static_cast<uint64_t>(rows_p[t]);
+  const uint64_t total_rows = row_base[T];
+  check_layout(weights, accum, linear, rowwise, static_cast<int64_t>(total_rows));
   const bool nb = accum.scalar_type() == at::kBFloat16;
   const bool zb = linear.scalar_type() == at::kBFloat16;
   TORCH_CHECK(nonfinite_rows.scalar_type() == at::kLong && nonfinite_rows.numel() == 1,
@@ -531,77 +781,61 @@ void backward_update(at::Tensor& weights, at::Tensor& accum, at::Tensor& linear,
   const int64_t num_bags = offsets.numel() - 1;
   if (N == 0 || num_bags <= 0) return;
 
-  const int64_t T = table_rows.numel();
-  const int64_t* rows_p = table_rows.data_ptr<int64_t>();
   const int64_t* dim_p = table_dim.data_ptr<int64_t>();
   const int64_t* woff_p = table_w_offset.data_ptr<int64_t>();
-  std::vector<uint64_t> row_base(static_cast<size_t>(T) + 1);
-  for (int64_t t = 0; t < T; ++t) row_base[t + 1] = row_base[t] + static_cast<uint64_t>(rows_p[t]);
-  const uint64_t total_rows = row_base[T];
   int key_bits = 0;
   while (key_bits < 64 && ((total_rows - 1) >> key_bits) != 0) ++key_bits;
 
   thread_local BackwardWorkspace ws;
   const bool mean = pooling_mode == kPoolMean;
   const float* psw_p = psw ? psw->data_ptr<float>() : nullptr;
+  const bool want_keys = nb || zb || rowwise;  // the stochastic rounding's and the row-wise accum's
   SortedIndices si;
   if (key_bits <= 32) {
     si = sort_by_row<uint32_t>(ws, ws.keys32, ws.keys32_tmp, row_base, key_bits, N, num_bags,
                                feature_table.data_ptr<int64_t>(), bag_feature.data_ptr<int64_t>(),
                                bag_out_offset.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(),
                                indices.data_ptr<int64_t>(), psw_p, mean,
-                               pooling_mode == kPoolNone, max_D, woff_p, dim_p, nb || zb);
+                               pooling_mode == kPoolNone, max_D, woff_p, dim_p, want_keys);
   } else {
     si = sort_by_row<uint64_t>(ws, ws.keys, ws.keys_tmp, row_base, key_bits, N, num_bags,
                                feature_table.data_ptr<int64_t>(), bag_feature.data_ptr<int64_t>(),
                                bag_out_offset.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(),
                                indices.data_ptr<int64_t>(), psw_p, mean,
-                               pooling_mode == kPoolNone, max_D, woff_p, dim_p, nb || zb);
+                               pooling_mode == kPoolNone, max_D, woff_p, dim_p, want_keys);
   }
-  // 4. Sum + FTRL per unique row, parallel over rows.
-  FtrlHp hp;
-  hp.lr = static_cast<float>(lr);
-  hp.neg_power = static_cast<float>(neg_power);
-  hp.l1 = static_cast<float>(l1);
-  hp.l2 = static_cast<float>(l2);
-  hp.beta = static_cast<float>(beta);
-  hp.shrink2 = static_cast<float>(shrink2);
-  const bool use_sqrt = neg_power == 0.5;
+  // 4. Sum + FTRL per unique row, parallel over rows; the layout and state dtypes are template flags.
+  const FtrlHp hp = make_hp(lr, neg_power, l1, l2, beta, shrink2);
   int64_t bad = 0;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weights.scalar_type(), "ftrl_bwd_w", [&] {
-    using W = scalar_t;
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad_out.scalar_type(), "ftrl_bwd_g", [&] {
+  auto update = [&](auto derived_tag, auto w_tag) {
+    constexpr bool kDerived = decltype(derived_tag)::value;
+    using W = typename decltype(w_tag)::type;
+    FTRL_DISPATCH_FLOATS(grad_out.scalar_type(), "ftrl_bwd_g", [&] {
       using G = scalar_t;
-      auto run = [&](auto sqrt_tag) {
-        constexpr bool kSqrt = decltype(sqrt_tag)::value;
-        return update_rows<W, G, kSqrt>(weights.data_ptr<W>(), accum.data_ptr<float>(),
-                                        linear.data_ptr<float>(), grad_out.data_ptr<G>(), si.src,
-                                        si.scale, si.seg_start, si.seg_off, si.seg_dim, si.U,
-                                        max_D, hp);
-      };
-      // bf16 state(s): the same update, states stored with stochastic rounding.
-      auto run_compact = [&](auto sqrt_tag, auto nb_tag, auto zb_tag) {
-        constexpr bool kSqrt = decltype(sqrt_tag)::value;
-        constexpr bool kNB = decltype(nb_tag)::value;
-        constexpr bool kZB = decltype(zb_tag)::value;
-        return update_rows<W, G, kSqrt, kNB, kZB>(
-            weights.data_ptr<W>(), static_cast<StateT<kNB>*>(accum.data_ptr()),
-            static_cast<StateT<kZB>*>(linear.data_ptr()), grad_out.data_ptr<G>(), si.src, si.scale,
-            si.seg_start, si.seg_off, si.seg_dim, si.U, max_D, hp, si.seg_key,
-            static_cast<uint64_t>(step));
-      };
-      auto compact = [&](auto sqrt_tag) {
-        if (nb && zb) return run_compact(sqrt_tag, std::true_type{}, std::true_type{});
-        if (nb) return run_compact(sqrt_tag, std::true_type{}, std::false_type{});
-        return run_compact(sqrt_tag, std::false_type{}, std::true_type{});
-      };
-      if (!nb && !zb) {
-        bad = use_sqrt ? run(std::true_type{}) : run(std::false_type{});
-      } else {
-        bad = use_sqrt ? compact(std::true_type{}) : compact(std::false_type{});
-      }
+      bad = with_flag(sqrt_power(neg_power), [&](auto sqrt_tag) {
+        return with_flag(rowwise, [&](auto rowwise_tag) {
+          return with_flag(nb, [&](auto nb_tag) {
+            return with_flag(zb, [&](auto zb_tag) {
+              constexpr bool kNB = decltype(nb_tag)::value, kZB = decltype(zb_tag)::value;
+              return update_rows<W, G, decltype(sqrt_tag)::value, kNB, kZB, kDerived,
+                                 decltype(rowwise_tag)::value>(
+                  kDerived ? nullptr : weights->data_ptr<W>(), static_cast<StateT<kNB>*>(accum.data_ptr()),
+                  static_cast<StateT<kZB>*>(linear.data_ptr()), grad_out.data_ptr<G>(), si.src, si.scale,
+                  si.seg_start, si.seg_off, si.seg_dim, si.U, max_D, hp, si.seg_key,
+                  static_cast<uint64_t>(step));
+            });
+          });
+        });
+      });
     });
-  });
+  };
+  if (weights == nullptr) {
+    update(std::true_type{}, TypeTag<float>{});
+  } else {
+    FTRL_DISPATCH_FLOATS(weights->scalar_type(), "ftrl_bwd_w", [&] {
+      update(std::false_type{}, TypeTag<scalar_t>{});
+    });
+  }
   if (bad) nonfinite_rows.add_(bad);
 }
 
@@ -640,17 +874,22 @@ int64_t count_invalid_scalar(const at::Tensor& table_rows, const at::Tensor& fea
 }
 
 // torchrec_ftrl::tbe_forward: the flat output [out_numel] in out_dtype (zeros for empty bags).
-at::Tensor tbe_forward(const at::Tensor& weights, const at::Tensor& table_w_offset,
+at::Tensor tbe_forward(const c10::optional<at::Tensor>& weights_opt, const at::Tensor& accum,
+                       const at::Tensor& linear, bool rowwise, const at::Tensor& table_w_offset,
                        const at::Tensor& table_dim, const at::Tensor& feature_table,
                        const at::Tensor& bag_feature, const at::Tensor& bag_out_offset,
                        const at::Tensor& indices, const at::Tensor& offsets,
                        const c10::optional<at::Tensor>& per_sample_weights, int64_t pooling_mode,
-                       int64_t max_D, int64_t out_numel, at::ScalarType out_dtype) {
+                       int64_t max_D, const at::Tensor& table_row_base, double lr, double neg_power,
+                       double l1, double l2, double beta, double shrink2, int64_t out_numel,
+                       at::ScalarType out_dtype) {
   const bool empty = offsets.numel() <= 1 || indices.numel() == 0;
-  const auto options = weights.options().dtype(out_dtype);
+  const auto options = linear.options().dtype(out_dtype);
   at::Tensor out = empty ? at::zeros({out_numel}, options) : at::empty({out_numel}, options);
-  forward_into(weights, table_w_offset, table_dim, feature_table, bag_feature, bag_out_offset, indices,
-               offsets, per_sample_weights, pooling_mode, max_D, out);
+  forward_into(stored_weights(weights_opt), accum, linear, table_w_offset, table_dim, feature_table,
+               bag_feature, bag_out_offset, indices, offsets, per_sample_weights, pooling_mode, max_D,
+               table_row_base, rowwise, make_hp(lr, neg_power, l1, l2, beta, shrink2),
+               sqrt_power(neg_power), out);
   return out;
 }
 

@@ -38,7 +38,7 @@ from ..fbgemm_enums import BoundsCheckMode, CacheAlgorithm, PoolingMode, SparseT
 from ..hyperparams import parse_options
 from ..optim import parse_dense_state_dtype
 from ..placement import check_cache_options
-from ..row_layout import LAYOUT_KEYS, RowLayout, require_kernel_layout
+from ..row_layout import LAYOUT_KEYS, RowLayout, require_torchrec_layout
 from ..state_dtype import STATE_NAMES, hashable_state_dtypes, parse_state_dtypes, state_sparse_types
 from ..tbe import FTRLTableBatchedEmbeddingBags
 
@@ -180,7 +180,7 @@ def tbe_kwargs_from_fused_params(fused_params: Optional[dict[str, Any]],
     Raises:
         ValueError: an unknown ``ftrl_*`` key (a misspelling would otherwise be ignored silently),
             an invalid state dtype or row layout (naming the key and value), a row layout the TBE
-            kernels do not implement,
+            kernels or TorchRec's sharded modules cannot hold (derived weights),
             ``lr`` and ``learning_rate`` that differ, or an invalid knob (naming it and its value);
             ``cache_precision`` that is not a ``SparseType`` / ``DataType``, or that differs from
             ``weights_precision`` for a ``MANAGED_CACHING`` TBE (its cache holds the weights in
@@ -192,7 +192,7 @@ def tbe_kwargs_from_fused_params(fused_params: Optional[dict[str, Any]],
     kwargs: dict[str, Any] = parse_options(fp, where="fused_params").to_options()
     kwargs.update({k: fp[k] for k in _PASSED_THROUGH + LAYOUT_KEYS if k in fp and fp[k] is not None})
     layout = fused_row_layout(fp)
-    require_kernel_layout(layout, "fused_params")
+    require_torchrec_layout(layout, "fused_params")
     dtypes = layout.state_dtypes
     if any(d != torch.float32 for d in dtypes.values()):
         kwargs[OPTIMIZER_STATE_DTYPES] = state_sparse_types(dtypes)

@@ -32,7 +32,7 @@ WEIGHTS = ("stored", "derived")
 ACCUMULATORS = ("elementwise", "rowwise")
 # (weights, accumulator) pairs the TBE kernels of every backend implement (HBM and host placements;
 # each backend declares its own, and those under MANAGED_CACHING, in its Capabilities).
-KERNEL_LAYOUTS = frozenset({("stored", "elementwise")})
+KERNEL_LAYOUTS = frozenset({(w, a) for w in WEIGHTS for a in ACCUMULATORS})
 # Those TorchRec's sharded modules can hold (they need a weight buffer: require_torchrec_layout).
 TORCHREC_LAYOUTS = frozenset({("stored", "elementwise"), ("stored", "rowwise")})
 

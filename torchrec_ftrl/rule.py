@@ -116,7 +116,7 @@ def ftrl_encode(weights: torch.Tensor, accum: torch.Tensor,
     w, n = weights.to(math), accum.to(math)
     q = ((hp.beta + _power(n, hp)) / hp.learning_rate + hp.l2_effective).expand_as(w)
     lost = (q == 0) & (w != 0)
-    z = torch.where(q == 0, torch.zeros_like(w), -(q * w + hp.l1_reg * w.sign()))
+    z = torch.where((q == 0) | (w == 0), torch.zeros_like(w), -(q * w + hp.l1_reg * w.sign()))
     return z, int(lost.sum())
 
 

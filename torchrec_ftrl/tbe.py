@@ -428,7 +428,7 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         self.register_buffer("iter", torch.zeros(1, **i64))
         # Makes the output require grad so backward (the fused update) runs, as in FBGEMM.
         self.placeholder_autograd_tensor = nn.Parameter(torch.zeros(0, device=device))
-        self.init_embedding_weights_uniform(-0.01, 0.01)
+        self._init_uniform(-0.01, 0.01, warn=False)   # FBGEMM's default initialisation
 
     # ------------------------------------------------------------------ attributes TorchRec reads
     @property
@@ -848,10 +848,13 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
             self.cache.reset()
             self._prefetched.clear()
 
-    @torch.no_grad()
     def init_embedding_weights_uniform(self, min_val: float, max_val: float) -> None:
         """Weights uniform in ``[min_val, max_val]``; with derived weights, encoded into ``linear``
-        (:meth:`load_weights`)."""
+        (:meth:`load_weights`, which warns once where they cannot be held)."""
+        self._init_uniform(min_val, max_val, warn=True)
+
+    @torch.no_grad()
+    def _init_uniform(self, min_val: float, max_val: float, warn: bool) -> None:
         if self.row_layout.weights == "stored":
             for w in self.split_embedding_weights():
                 w.uniform_(min_val, max_val)
@@ -859,18 +862,19 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
             return
         for t, (rows, dim, *_) in enumerate(self.embedding_specs):
             w = torch.empty(rows, dim, device=self.linear_dev.device).uniform_(min_val, max_val)
-            self.load_weights(t, w)
+            self.load_weights(t, w, warn=warn)
 
     @torch.no_grad()
-    def load_weights(self, t: int, weights: torch.Tensor) -> None:
+    def load_weights(self, t: int, weights: torch.Tensor, warn: bool = True) -> None:
         """Set table ``t``'s weights to ``weights`` (``[rows, D]``, any float dtype).
 
         A stored-weights table copies them. A derived-weights table keeps ``accum`` and sets
         ``linear`` to the z with ``prox(z, accum) = w`` (:func:`torchrec_ftrl.rule.ftrl_encode`):
         exact up to rounding where ``q(accum) > 0`` (``accum > 0``, ``ftrl_beta > 0`` or an L2 term);
         where ``q == 0`` no z gives a non-zero w, so those rows start at w = 0 (what FTRL does at a
-        row's first touch anyway) and a one-time ``UserWarning`` says how many non-zero weights were
-        dropped.
+        row's first touch anyway) and, with ``warn``, a one-time ``UserWarning`` says how many non-zero
+        weights were dropped. (The constructor's FBGEMM-style uniform initialisation loads without
+        the warning: a derived table with ``accum = 0`` and ``ftrl_beta = 0`` starts at w = 0.)
 
         Raises:
             ValueError: ``t`` not a table of this TBE, or ``weights`` of another shape.
@@ -892,7 +896,7 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         n = n.unsqueeze(-1) if self.row_layout.accumulator == "rowwise" else n
         z, dropped = ftrl_encode(weights.to(self.linear_dev.device), n, self._hp)
         self._table_view(self.linear_dev, t).copy_(z)
-        if dropped:
+        if dropped and warn:
             warn_dropped_weights(dropped, self.table_names[t])
 
     # ------------------------------------------------------------------ hooks TorchRec calls

@@ -72,7 +72,6 @@ def test_preset_values_and_overrides():
 
 
 @pytest.mark.parametrize("flags, needle", [
-    (["--ftrl-weights", "derived"], "--ftrl-weights derived --ftrl-accumulator elementwise is not supported"),
     (["--rows-scale", "0"], "--rows-scale must be in (0, 1], got 0.0"),
     (["--multi-hot-sizes", "2"], "--multi-hot-sizes needs --synthetic uniform or zipf"),
     (["--world-size", "2"], "--world-size 2 needs --plan-only"),
@@ -86,11 +85,10 @@ def test_bad_flags_are_refused_naming_flag_and_value(capsys, flags, needle):
 def test_layout_flags_follow_the_kernel_layouts():
     import argparse
     a = argparse.Namespace(sparse_optimizer="ftrl", ftrl_weights="derived", ftrl_accumulator="rowwise")
-    assert layout.layout_error(a) == ("--ftrl-weights derived --ftrl-accumulator rowwise is not supported by "
-                                      "the FTRL TBE kernels in TorchRec's sharded modules; supported: "
-                                      "--ftrl-weights stored --ftrl-accumulator elementwise; "
-                                      "--ftrl-weights stored --ftrl-accumulator rowwise")
-    assert layout.layout_error(a, kernel_layouts={("derived", "rowwise")}) == ""
+    assert layout.layout_error(a) == ""
+    assert layout.layout_error(a, kernel_layouts={("stored", "elementwise")}) == (
+        "--ftrl-weights derived --ftrl-accumulator rowwise is not supported by the FTRL TBE kernels; "
+        "supported: --ftrl-weights stored --ftrl-accumulator elementwise")
     assert layout.fused_layout_params(a) == {"ftrl_weights": "derived", "ftrl_accumulator": "rowwise"}
     a.sparse_optimizer = "rowwise_adagrad"
     assert "needs --sparse-optimizer ftrl" in layout.layout_error(a)

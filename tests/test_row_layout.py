@@ -68,10 +68,7 @@ def test_fused_params_layout_is_checked_by_the_sharders_before_any_kernel():
     from torchrec_ftrl.optim_type import EmbOptimType
     fused = {"optimizer": EmbOptimType.FTRL, "learning_rate": 0.1}
     torchrec_ftrl.sharders({**fused, "ftrl_weights": "stored", "ftrl_accumulator": "elementwise"})
-    torchrec_ftrl.sharders({**fused, "ftrl_weights": "stored", "ftrl_accumulator": "rowwise"})
-    with pytest.raises(ValueError, match=r"^fused_params: ftrl_weights='derived' runs on the FTRL TBE "
-                                         r"\(FTRLTableBatchedEmbeddingBags\) but not in TorchRec's sharded modules"):
-        torchrec_ftrl.sharders({**fused, "ftrl_weights": "derived"})
+    torchrec_ftrl.sharders({**fused, "ftrl_weights": "derived", "ftrl_accumulator": "rowwise"})
     with pytest.raises(ValueError, match=r"ftrl_accumulator must be one of \('elementwise', 'rowwise'\), got 1"):
         torchrec_ftrl.sharders({**fused, "ftrl_accumulator": 1})
 

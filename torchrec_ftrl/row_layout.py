@@ -33,8 +33,6 @@ ACCUMULATORS = ("elementwise", "rowwise")
 # (weights, accumulator) pairs the TBE kernels of every backend implement (HBM and host placements;
 # each backend declares its own, and those under MANAGED_CACHING, in its Capabilities).
 KERNEL_LAYOUTS = frozenset({(w, a) for w in WEIGHTS for a in ACCUMULATORS})
-# Those TorchRec's sharded modules can hold (they need a weight buffer: require_torchrec_layout).
-TORCHREC_LAYOUTS = frozenset({("stored", "elementwise"), ("stored", "rowwise")})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,24 +131,6 @@ def require_kernel_layout(layout: RowLayout, where: str, capabilities=None, back
     pairs = ", ".join(f"ftrl_weights={w!r} with ftrl_accumulator={a!r}" for w, a in sorted(have)) or "nothing"
     raise ValueError(f"{where}: {what} implements {pairs}; got ftrl_weights={layout.weights!r}, "
                      f"ftrl_accumulator={layout.accumulator!r}")
-
-
-def require_torchrec_layout(layout: RowLayout, where: str) -> None:
-    """Return when TorchRec's sharded modules can hold ``layout`` (:data:`TORCHREC_LAYOUTS`).
-
-    TorchRec reads and writes a table's weights through the TBE's weight buffer (its
-    ``named_parameters``, ``state_dict``, ``init_fn`` and load paths take slices of
-    ``weights_dev``), which derived weights do not have.
-
-    Raises:
-        ValueError: a layout outside :data:`TORCHREC_LAYOUTS`, naming ``where`` and the layout.
-    """
-    require_kernel_layout(layout, where)
-    if (layout.weights, layout.accumulator) not in TORCHREC_LAYOUTS:
-        raise ValueError(f"{where}: ftrl_weights={layout.weights!r} runs on the FTRL TBE "
-                         f"(FTRLTableBatchedEmbeddingBags) but not in TorchRec's sharded modules, which "
-                         f"read and write a table's weights through its weight buffer (named_parameters, "
-                         f"state_dict, init_fn); use ftrl_weights='stored'")
 
 
 _warned_dropped = False

@@ -30,6 +30,7 @@ from .kernels.layout import TableArrays, TBEBatch
 from .optim_type import emb_optim_type
 from .placement import PLACEMENTS, check_cache_dims, check_cache_options
 from .row_layout import RowLayout, require_kernel_layout, warn_dropped_weights
+from .derived_weight import DerivedWeight
 from .rule import ftrl_encode, ftrl_prox
 from .state_dtype import describe, state_sparse_types
 
@@ -768,19 +769,19 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
 
     def split_embedding_weights(self) -> list[torch.Tensor]:
         """Per-table ``[rows, D]`` weights, in table order (the HBM cache is flushed first): views (not
-        copies) of the weight buffer when the row layout stores weights; with derived weights, new
-        fp32 tensors ``prox(linear, accum)`` (:meth:`derived_weights`), whose writes do not reach the
-        table (:meth:`load_weights` encodes weights into it)."""
+        copies) of the weight buffer when the row layout stores weights; with derived weights,
+        :class:`~torchrec_ftrl.derived_weight.DerivedWeight` tensors, which compute
+        ``prox(linear, accum)`` when read and encode what is written into them (:meth:`load_weights`)."""
         self.flush()
         T = len(self.embedding_specs)
         if self.row_layout.weights == "stored":
             return [self._table_view(self.weights_dev, t) for t in range(T)]
-        return [self.derived_weights(t) for t in range(T)]
+        return [DerivedWeight(self, t) for t in range(T)]
 
     @torch.no_grad()
-    def derived_weights(self, t: int, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """fp32 ``[len(rows), D]`` (default every row: ``[rows, D]``) weights ``prox(linear, accum)`` of
-        table ``t`` with the knobs of now (:func:`torchrec_ftrl.rule.ftrl_prox`): the weights the
+    def derived_weights(self, t: int, rows: Optional[torch.Tensor | slice] = None) -> torch.Tensor:
+        """fp32 ``[len(rows), D]`` (``rows``: int64 row ids or a slice; default every row) weights
+        ``prox(linear, accum)`` of table ``t`` with the knobs of now (:func:`torchrec_ftrl.rule.ftrl_prox`): the weights the
         kernels use with derived weights. For a table that stores weights they equal the stored
         ones wherever training wrote them (bitwise for fp32 weights and states)."""
         z, n = self._table_view(self.linear_dev, t), self._accum_view(t)
@@ -865,37 +866,49 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
             self.load_weights(t, w, warn=warn)
 
     @torch.no_grad()
-    def load_weights(self, t: int, weights: torch.Tensor, warn: bool = True) -> None:
-        """Set table ``t``'s weights to ``weights`` (``[rows, D]``, any float dtype).
+    def load_weights(self, t: int, weights: torch.Tensor, warn: bool = True, row_start: int = 0,
+                     only_changed: bool = False) -> None:
+        """Set the weights of table ``t``'s rows ``[row_start, row_start + len(weights))`` to ``weights``
+        (``[k, D]``, any float dtype; default the whole table).
 
         A stored-weights table copies them. A derived-weights table keeps ``accum`` and sets
         ``linear`` to the z with ``prox(z, accum) = w`` (:func:`torchrec_ftrl.rule.ftrl_encode`):
         exact up to rounding where ``q(accum) > 0`` (``accum > 0``, ``ftrl_beta > 0`` or an L2 term);
         where ``q == 0`` no z gives a non-zero w, so those rows start at w = 0 (what FTRL does at a
         row's first touch anyway) and, with ``warn``, a one-time ``UserWarning`` says how many non-zero
-        weights were dropped. (The constructor's FBGEMM-style uniform initialisation loads without
+        weights were dropped. With ``only_changed``, rows whose weights equal ``prox(linear, accum)``
+        already keep their ``linear`` bit for bit (a checkpoint load that writes the weights after
+        the states restores the states). (The constructor's FBGEMM-style uniform initialisation loads without
         the warning: a derived table with ``accum = 0`` and ``ftrl_beta = 0`` starts at w = 0.)
 
         Raises:
-            ValueError: ``t`` not a table of this TBE, or ``weights`` of another shape.
+            ValueError: ``t`` not a table of this TBE, or ``weights`` not ``[k, D]`` within the table.
         """
         T = len(self.embedding_specs)
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < T:
             raise ValueError(f"load_weights: t must be a table id in [0, {T}), got {t!r}")
         rows, dim = self.embedding_specs[t][:2]
-        if not isinstance(weights, torch.Tensor) or tuple(weights.shape) != (rows, dim):
+        k = weights.shape[0] if isinstance(weights, torch.Tensor) and weights.dim() == 2 else -1
+        if k < 0 or weights.shape[1] != dim or not 0 <= row_start <= rows - k:
             shape = list(weights.shape) if isinstance(weights, torch.Tensor) else type(weights).__name__
             raise ValueError(f"load_weights: weights of table {self.table_names[t]!r} must be "
-                             f"[{rows}, {dim}], got {shape}")
+                             f"[{rows}, {dim}] (or [k, {dim}] with row_start + k <= {rows}), got {shape} "
+                             f"at row_start={row_start}")
+        rows_written = slice(row_start, row_start + k)
         if self.row_layout.weights == "stored":
             self.flush()
-            self._table_view(self.weights_dev, t).copy_(weights)
+            self._table_view(self.weights_dev, t)[rows_written].copy_(weights)
             self.reset_cache_states()
             return
-        n = self._accum_view(t)
+        n = self._accum_view(t)[rows_written]
         n = n.unsqueeze(-1) if self.row_layout.accumulator == "rowwise" else n
-        z, dropped = ftrl_encode(weights.to(self.linear_dev.device), n, self._hp)
-        self._table_view(self.linear_dev, t).copy_(z)
+        weights = weights.to(self.linear_dev.device)
+        z, dropped = ftrl_encode(weights, n, self._hp)
+        linear = self._table_view(self.linear_dev, t)[rows_written]
+        if only_changed:
+            same = (ftrl_prox(linear, n, self._hp) == weights).all(dim=1, keepdim=True)
+            z = torch.where(same, linear.to(z.dtype), z)
+        linear.copy_(z)
         if dropped and warn:
             warn_dropped_weights(dropped, self.table_names[t])
 

@@ -2,15 +2,14 @@
 the TBE kernels run, and the bytes per embedding row of each layout.
 
 What a layout stores per row is :class:`torchrec_ftrl.row_layout.RowLayout` (``--ftrl-state-dtype``
-gives both states' dtype); the job runs the layouts both the kernels
-(:data:`torchrec_ftrl.row_layout.KERNEL_LAYOUTS`) and TorchRec's sharded modules
-(:data:`~torchrec_ftrl.row_layout.TORCHREC_LAYOUTS`) hold, so a layout they gain is usable through these
+gives both states' dtype); which layouts the kernels implement is
+:data:`torchrec_ftrl.row_layout.KERNEL_LAYOUTS`, so a layout the kernels gain is usable through these
 flags without a change here.
 """
 
 from __future__ import annotations
 
-from torchrec_ftrl.row_layout import ACCUMULATORS, KERNEL_LAYOUTS, TORCHREC_LAYOUTS, WEIGHTS, RowLayout
+from torchrec_ftrl.row_layout import ACCUMULATORS, KERNEL_LAYOUTS, WEIGHTS, RowLayout
 
 # flag -> (fused_params / TBE keyword, values, the default layout)
 LAYOUT_FLAGS = {
@@ -21,7 +20,7 @@ LAYOUT_FLAGS = {
 ROWWISE_ADAGRAD_STATE_BYTES_PER_ROW = 4
 
 
-def layout_error(args, kernel_layouts=KERNEL_LAYOUTS & TORCHREC_LAYOUTS) -> str:
+def layout_error(args, kernel_layouts=KERNEL_LAYOUTS) -> str:
     """A one-line error for a layout the TBE kernels do not run (``kernel_layouts``: the
     ``(weights, accumulator)`` pairs they do), or for a layout flag other than its default with
     ``--sparse-optimizer rowwise_adagrad``; "" when all are fine."""
@@ -34,7 +33,7 @@ def layout_error(args, kernel_layouts=KERNEL_LAYOUTS & TORCHREC_LAYOUTS) -> str:
     if args.sparse_optimizer == "ftrl" and pair not in kernel_layouts:
         have = "; ".join(f"--ftrl-weights {w} --ftrl-accumulator {a}" for w, a in sorted(kernel_layouts))
         return (f"--ftrl-weights {pair[0]} --ftrl-accumulator {pair[1]} is not supported by the FTRL TBE "
-                f"kernels in TorchRec's sharded modules; supported: {have}")
+                f"kernels; supported: {have}")
     return ""
 
 

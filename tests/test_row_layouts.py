@@ -209,3 +209,32 @@ def test_layout_refusals_name_the_layout():
                                          r"ftrl_accumulator='elementwise'; got ftrl_weights='stored', "
                                          r"ftrl_accumulator='rowwise'$"):
         require_kernel_layout(RowLayout("stored", "rowwise"), "tbe", only_stored, "cpp")
+
+
+def test_derived_weight_tensor_reads_and_writes_the_table(monkeypatch, tmp_path):
+    """DerivedWeight: reads are prox(z, n) (float64 reference), writes encode, row views stay views,
+    chunked copies and writes give the same values as whole ones, pickling gives a plain tensor."""
+    from torchrec_ftrl import derived_weight
+    monkeypatch.setattr(derived_weight, "CHUNK_ROWS", 5)      # several chunks per table
+    m = _tbe("torch", "derived", "elementwise", ftrl_l1_reg=0.0)
+    w = m.split_embedding_weights()[0]
+    assert isinstance(w, derived_weight.DerivedWeight) and tuple(w.shape) == SPECS[0] and w.dtype == torch.float32
+    src = torch.linspace(-0.5, 0.5, 48).view(12, 4)
+    w.copy_(src)
+    accum, linear = (x.double().numpy() for x in m.split_optimizer_states()[0])
+    want = ftrl_reference_weight(linear, accum, **{**REF_KNOBS, "l1": 0.0})
+    np.testing.assert_allclose(want, src.double().numpy(), rtol=1e-6, atol=1e-8)   # encoded
+    np.testing.assert_allclose(w.to(torch.float64).numpy(), want, rtol=1e-6)      # read (chunked copy)
+    np.testing.assert_allclose(w.numpy(), want, rtol=1e-6)
+    view = w[3:7]
+    assert isinstance(view, derived_weight.DerivedWeight) and tuple(view.shape) == (4, 4)
+    view.fill_(0.25)
+    got = w.clone()
+    np.testing.assert_allclose(got[3:7].numpy(), np.full((4, 4), 0.25), rtol=1e-6)
+    np.testing.assert_allclose(got[:3].numpy(), src[:3].numpy(), rtol=1e-6)        # other rows kept
+    before = bits(m.linear_dev)
+    w.copy_(w.clone())                                                             # unchanged weights
+    assert torch.equal(bits(m.linear_dev), before), "a write of the same weights changed linear"
+    torch.save(w, tmp_path / "w.pt")
+    loaded = torch.load(tmp_path / "w.pt")
+    assert type(loaded) is torch.Tensor and torch.equal(loaded, w.clone())

@@ -104,6 +104,21 @@ class DerivedWeight(torch.Tensor):
     def tolist(self):
         return self._copy_to(device="cpu").tolist()
 
+    def _write(self, func, args: tuple, kwargs: dict) -> None:
+        """Apply the in-place op ``func`` to the weights, :data:`CHUNK_ROWS` rows at a time: each
+        chunk's weights are computed, changed by ``func`` (tensor arguments with one row per row of
+        this tensor are sliced to the chunk) and encoded back (:meth:`assign`)."""
+        rows = self.shape[0]
+        args, kwargs = tree_map(_plain, (args, kwargs))
+        for start in range(0, rows, CHUNK_ROWS):
+            stop = min(rows, start + CHUNK_ROWS)
+            part = tree_map(lambda x: x[start:stop] if isinstance(x, torch.Tensor) and x.dim() == 2
+                            and x.shape[0] == rows else x, (args, kwargs))
+            chunk = self._view(start, stop - start)
+            values = chunk.materialize()
+            func(values, *part[0], **part[1])
+            chunk.assign(values)
+
     def __reduce_ex__(self, protocol):
         """Pickled (``torch.save``, a checkpoint writer) as the plain fp32 tensor of its weights."""
         return self._copy_to().__reduce_ex__(protocol)
@@ -132,10 +147,7 @@ class DerivedWeight(torch.Tensor):
                                    "non_blocking"}:
                     return me._copy_to(**keep)
             if func._schema.arguments and func._schema.arguments[0].is_write:
-                values = me.materialize()
-                rest = tree_map(_plain, (args[1:], kwargs))
-                func(values, *rest[0], **rest[1])
-                me.assign(values)
+                me._write(func, args[1:], kwargs)
                 return me
         return func(*tree_map(_plain, args), **tree_map(_plain, kwargs))
 

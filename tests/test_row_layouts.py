@@ -235,6 +235,11 @@ def test_derived_weight_tensor_reads_and_writes_the_table(monkeypatch, tmp_path)
     before = bits(m.linear_dev)
     w.copy_(w.clone())                                                             # unchanged weights
     assert torch.equal(bits(m.linear_dev), before), "a write of the same weights changed linear"
+    rows = torch.tensor([1, 9, 4])
+    np.testing.assert_allclose(w[rows].numpy(), got[rows].numpy())                 # w[rows]: those rows
+    w[rows] = torch.full((3, 4), -0.125)                                           # w[rows] = v
+    np.testing.assert_allclose(w.clone()[rows].numpy(), np.full((3, 4), -0.125), rtol=1e-6)
+    np.testing.assert_allclose(w.clone()[0].numpy(), src[0].numpy(), rtol=1e-6)
     torch.save(w, tmp_path / "w.pt")
     loaded = torch.load(tmp_path / "w.pt")
     assert type(loaded) is torch.Tensor and torch.equal(loaded, w.clone())

@@ -34,6 +34,12 @@ CHUNK_ROWS = 65536
 
 _VIEWS = {aten.detach.default, aten.alias.default}
 _COPIES = {aten._to_copy.default, aten.clone.default}
+# In-place ops whose value at a row depends only on that row (and on the same row of a tensor
+# argument of as many rows): applied chunk by chunk. Other in-place ops see the whole range.
+_ROW_ALIGNED = {aten.copy_.default, aten.uniform_.default, aten.normal_.default, aten.fill_.Scalar,
+                aten.fill_.Tensor, aten.zero_.default, aten.add_.Tensor, aten.add_.Scalar,
+                aten.sub_.Tensor, aten.mul_.Tensor, aten.mul_.Scalar, aten.div_.Tensor,
+                aten.clamp_.default}
 
 
 class DerivedWeight(torch.Tensor):
@@ -110,6 +116,11 @@ class DerivedWeight(torch.Tensor):
         this tensor are sliced to the chunk) and encoded back (:meth:`assign`)."""
         rows = self.shape[0]
         args, kwargs = tree_map(_plain, (args, kwargs))
+        if func not in _ROW_ALIGNED:
+            values = self.materialize()
+            func(values, *args, **kwargs)
+            self.assign(values)
+            return
         for start in range(0, rows, CHUNK_ROWS):
             stop = min(rows, start + CHUNK_ROWS)
             part = tree_map(lambda x: x[start:stop] if isinstance(x, torch.Tensor) and x.dim() == 2
@@ -146,10 +157,35 @@ class DerivedWeight(torch.Tensor):
                 if set(kwargs) <= {"dtype", "device", "layout", "memory_format", "pin_memory",
                                    "non_blocking"}:
                     return me._copy_to(**keep)
+            rows = _row_index(me, func, args)
+            if rows is not None and func is aten.index.Tensor:        # w[rows]
+                return me._tbe.derived_weights(me._table, rows + me._row_start)
+            if rows is not None and func is aten.index_put_.default and not (args[3:] and args[3]):
+                values = _plain(args[2]).to(device=me.device, dtype=torch.float32)
+                me._tbe.load_weights(me._table, values.expand(rows.numel(), me.shape[1]),
+                                     row_ids=rows + me._row_start)             # w[rows] = values
+                return me
             if func._schema.arguments and func._schema.arguments[0].is_write:
                 me._write(func, args[1:], kwargs)
                 return me
         return func(*tree_map(_plain, args), **tree_map(_plain, kwargs))
+
+
+def _row_index(me: DerivedWeight, func, args) -> torch.Tensor | None:
+    """For ``w[rows]`` / ``w[rows] = v`` (``aten.index`` / ``index_put_`` with one int64 or bool
+    index on dim 0), the int64 rows (within ``me``); else None."""
+    if func not in (aten.index.Tensor, aten.index_put_.default) or len(args) < 2:
+        return None
+    index = args[1]
+    if len(index) != 1 or index[0] is None or isinstance(index[0], DerivedWeight) or index[0].dim() != 1:
+        return None
+    rows = index[0]
+    if rows.dtype == torch.bool:
+        return rows.nonzero().flatten() if rows.numel() == me.shape[0] else None
+    if rows.dtype not in (torch.int64, torch.int32):
+        return None
+    rows = rows.to(device=me.device, dtype=torch.int64)
+    return torch.where(rows < 0, rows + me.shape[0], rows)
 
 
 def _plain(x: Any) -> Any:

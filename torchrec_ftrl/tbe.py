@@ -867,9 +867,10 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, t: int, weights: torch.Tensor, warn: bool = True, row_start: int = 0,
-                     only_changed: bool = False) -> None:
-        """Set the weights of table ``t``'s rows ``[row_start, row_start + len(weights))`` to ``weights``
-        (``[k, D]``, any float dtype; default the whole table).
+                     only_changed: bool = False, row_ids: Optional[torch.Tensor] = None) -> None:
+        """Set the weights of table ``t``'s rows ``[row_start, row_start + len(weights))`` (or the int64
+        row ids ``row_ids``, ``[k]``) to ``weights`` (``[k, D]``, any float dtype; default the whole
+        table).
 
         A stored-weights table copies them. A derived-weights table keeps ``accum`` and sets
         ``linear`` to the z with ``prox(z, accum) = w`` (:func:`torchrec_ftrl.rule.ftrl_encode`):
@@ -895,6 +896,11 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
                              f"[{rows}, {dim}] (or [k, {dim}] with row_start + k <= {rows}), got {shape} "
                              f"at row_start={row_start}")
         rows_written = slice(row_start, row_start + k)
+        if row_ids is not None:
+            rows_written = row_ids.to(device=self.linear_dev.device, dtype=torch.int64)
+            if rows_written.shape != (k,) or bool(((rows_written < 0) | (rows_written >= rows)).any()):
+                raise ValueError(f"load_weights: row_ids must be {k} row ids of table "
+                                 f"{self.table_names[t]!r} in [0, {rows}), got {_short(row_ids.tolist())}")
         if self.row_layout.weights == "stored":
             self.flush()
             self._table_view(self.weights_dev, t)[rows_written].copy_(weights)
@@ -904,11 +910,12 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         n = n.unsqueeze(-1) if self.row_layout.accumulator == "rowwise" else n
         weights = weights.to(self.linear_dev.device)
         z, dropped = ftrl_encode(weights, n, self._hp)
-        linear = self._table_view(self.linear_dev, t)[rows_written]
+        table_linear = self._table_view(self.linear_dev, t)
         if only_changed:
+            linear = table_linear[rows_written]
             same = (ftrl_prox(linear, n, self._hp) == weights).all(dim=1, keepdim=True)
             z = torch.where(same, linear.to(z.dtype), z)
-        linear.copy_(z)
+        table_linear[rows_written] = z.to(table_linear.dtype)
         if dropped and warn:
             warn_dropped_weights(dropped, self.table_names[t])
 

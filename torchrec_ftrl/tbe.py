@@ -29,7 +29,9 @@ from .kernels.backend import resolve_backend
 from .kernels.layout import TableArrays, TBEBatch
 from .optim_type import emb_optim_type
 from .placement import PLACEMENTS, check_cache_dims, check_cache_options
-from .row_layout import RowLayout, require_kernel_layout
+from .row_layout import RowLayout, require_kernel_layout, warn_dropped_weights
+from .derived_weight import DerivedWeight
+from .rule import ftrl_encode, ftrl_prox
 from .state_dtype import describe, state_sparse_types
 
 __all__ = ["FTRLTableBatchedEmbeddingBags"]
@@ -217,8 +219,12 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
             Exposed as ``optimizer_state_dtypes`` (``{"accum": SparseType, "linear": SparseType}``).
         ftrl_weights, ftrl_accumulator: the row layout (:class:`torchrec_ftrl.row_layout.RowLayout`,
             exposed as ``row_layout``): ``"stored"`` / ``"derived"`` weights and an
-            ``"elementwise"`` / ``"rowwise"`` ``accum``. The kernels implement the stored weights
-            with the element-wise ``accum`` (the defaults); another layout raises ``ValueError``.
+            ``"elementwise"`` / ``"rowwise"`` ``accum`` (defaults ``"stored"``, ``"elementwise"``).
+            Derived weights: no weight buffer (``weights_dev`` is empty); every lookup computes
+            ``w = prox(linear, accum)`` (McMahan et al. 2013, Algorithm 1), so a learning-rate or
+            knob change applies to every row's weight at once. A row-wise ``accum`` holds one n per
+            row (``accum_dev`` ``[total rows]``). ``MANAGED_CACHING`` takes the default layout only;
+            a layout the backend does not implement raises ``ValueError``.
 
     Forward (``indices``, ``offsets`` int32/int64 1-D, FBGEMM layout, feature-major bags):
         returns ``[B, sum(D_f)]`` for SUM/MEAN, ``[N, D]`` for NONE, or FBGEMM's flat VBE output
@@ -290,7 +296,6 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         self.row_layout = RowLayout.from_options(dict(
             ftrl_weights=ftrl_weights, ftrl_accumulator=ftrl_accumulator,
             optimizer_state_dtypes=optimizer_state_dtypes), where)
-        require_kernel_layout(self.row_layout, where)
         self._state_dtypes = self.row_layout.state_dtypes
         self.optimizer_state_dtypes = state_sparse_types(self._state_dtypes)
         if not embedding_specs:
@@ -366,6 +371,8 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         if placement == EmbeddingLocation.MANAGED_CACHING and not self._backend.CAPABILITIES.cached_placement:
             raise ValueError(f"embedding_specs location MANAGED_CACHING runs on the triton backend, "
                              f"got backend={backend!r}")
+        require_kernel_layout(self.row_layout, where, self._backend.CAPABILITIES, self.backend,
+                              cached=placement == EmbeddingLocation.MANAGED_CACHING)
 
         sizes = [r * d for r, d in rows_dims]
         offs = [0]
@@ -396,8 +403,10 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         # Under the UVM placements these buffers are in unified memory (FBGEMM's weights_uvm).
         alloc = functools.partial(_allocate, device=device, unified=placement is not None,
                                   host_mapped=bool(uvm_host_mapped))
-        self.register_buffer("weights_dev", alloc(total, wdtype))
-        self.register_buffer("accum_dev", alloc(total, self._state_dtypes["accum"]).fill_(
+        layout = self.row_layout
+        self.register_buffer("weights_dev", alloc(total if layout.weights == "stored" else 0, wdtype))
+        accum_numel = self._total_rows if layout.accumulator == "rowwise" else total
+        self.register_buffer("accum_dev", alloc(accum_numel, self._state_dtypes["accum"]).fill_(
             self._hp.initial_accumulator_value))
         self.register_buffer("linear_dev", alloc(total, self._state_dtypes["linear"]).zero_())
         self.prefetch_pipeline = bool(prefetch_pipeline)
@@ -420,7 +429,7 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         self.register_buffer("iter", torch.zeros(1, **i64))
         # Makes the output require grad so backward (the fused update) runs, as in FBGEMM.
         self.placeholder_autograd_tensor = nn.Parameter(torch.zeros(0, device=device))
-        self.init_embedding_weights_uniform(-0.01, 0.01)
+        self._init_uniform(-0.01, 0.01, warn=False)   # FBGEMM's default initialisation
 
     # ------------------------------------------------------------------ attributes TorchRec reads
     @property
@@ -462,7 +471,7 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
                 **unused: Any) -> torch.Tensor:
         """Pooled (or sequence) lookup; see the class docstring for shapes. ``feature_requires_grad``
         is accepted for FBGEMM compatibility and ignored (every feature's table is trained)."""
-        capturing = self.weights_dev.is_cuda and torch.cuda.is_current_stream_capturing()
+        capturing = self.linear_dev.is_cuda and torch.cuda.is_current_stream_capturing()
         if capturing:
             self._check_capturable(batch_size_per_feature_per_rank)
         batch = self._make_batch(indices, offsets, per_sample_weights, batch_size_per_feature_per_rank)
@@ -524,7 +533,7 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
                     warn_counter: Optional[torch.Tensor] = None) -> TBEBatch:
         """The checked batch (``warn_counter``: where WARNING repairs are counted, default
         ``bounds_check_warning``)."""
-        dev = self.weights_dev.device
+        dev = self.linear_dev.device
         F = len(self.feature_table_map)
         for name, t in (("indices", indices), ("offsets", offsets)):
             _check_int_vector(name, t, dev)
@@ -691,7 +700,7 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
     def _plain_layout(self, B: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(bag_feature, bag_out_offset)`` of ``F * B`` bags in the ``[B, total_D]`` output; the
         last batch size's pair is kept (device tensors, never modified)."""
-        dev = self.weights_dev.device
+        dev = self.linear_dev.device
         if self._plain_layout_cache is None or self._plain_layout_cache[0] != (B, dev):
             ar = torch.arange(B * len(self.feature_table_map), device=dev)
             bag_feature = ar // max(B, 1)
@@ -727,7 +736,7 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
                 base = rank_feature_start[(r, f)]
                 bag_f.extend([f] * sizes[f][r])
                 bag_off.extend(range(base, base + sizes[f][r] * dims[f], dims[f]))
-        dev = self.weights_dev.device
+        dev = self.linear_dev.device
         return (torch.tensor(bag_f, dtype=torch.int64).to(dev, non_blocking=True),
                 torch.tensor(bag_off, dtype=torch.int64).to(dev, non_blocking=True), pos)
 
@@ -751,22 +760,49 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         off = self.weights_physical_offsets[t]
         return buf[off:off + rows * dim].view(rows, dim)
 
+    def _accum_view(self, t: int) -> torch.Tensor:
+        """Table ``t``'s ``accum``: ``[rows, D]``, or ``[rows]`` for a row-wise accumulator."""
+        if self.row_layout.accumulator == "elementwise":
+            return self._table_view(self.accum_dev, t)
+        base = int(self._table_row_base[t])
+        return self.accum_dev[base:base + self.embedding_specs[t][0]]
+
     def split_embedding_weights(self) -> list[torch.Tensor]:
-        """Per-table ``[rows, D]`` views (not copies) of the weights, in table order (the HBM cache is
-        flushed first)."""
+        """Per-table ``[rows, D]`` weights, in table order (the HBM cache is flushed first): views (not
+        copies) of the weight buffer when the row layout stores weights; with derived weights,
+        :class:`~torchrec_ftrl.derived_weight.DerivedWeight` tensors, which compute
+        ``prox(linear, accum)`` when read and encode what is written into them (:meth:`load_weights`)."""
         self.flush()
-        return [self._table_view(self.weights_dev, t) for t in range(len(self.embedding_specs))]
+        T = len(self.embedding_specs)
+        if self.row_layout.weights == "stored":
+            return [self._table_view(self.weights_dev, t) for t in range(T)]
+        return [DerivedWeight(self, t) for t in range(T)]
+
+    @torch.no_grad()
+    def derived_weights(self, t: int, rows: Optional[torch.Tensor | slice] = None) -> torch.Tensor:
+        """fp32 ``[len(rows), D]`` (``rows``: int64 row ids or a slice; default every row) weights
+        ``prox(linear, accum)`` of table ``t`` with the knobs of now (:func:`torchrec_ftrl.rule.ftrl_prox`): the weights the
+        kernels use with derived weights. For a table that stores weights they equal the stored
+        ones wherever training wrote them (bitwise for fp32 weights and states)."""
+        z, n = self._table_view(self.linear_dev, t), self._accum_view(t)
+        if rows is not None:
+            z, n = z[rows], n[rows]
+        if self.row_layout.accumulator == "rowwise":
+            n = n.unsqueeze(-1)
+        return ftrl_prox(z, n, self._hp).float()
 
     def split_optimizer_states(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per-table ``(accum, linear)``, each a ``[rows, D]`` view (not a copy) in its stored dtype
-        (fp32, or bf16 per ``optimizer_state_dtypes``); the HBM cache is flushed first."""
+        """Per-table ``(accum, linear)`` views (not copies) in their stored dtypes (fp32, or bf16 per
+        ``optimizer_state_dtypes``): ``linear`` ``[rows, D]``; ``accum`` ``[rows, D]``, or ``[rows]``
+        with a row-wise accumulator (1-D, as TorchRec classifies row-wise state). The HBM cache is
+        flushed first."""
         self.flush()
-        return [(self._table_view(self.accum_dev, t), self._table_view(self.linear_dev, t))
+        return [(self._accum_view(t), self._table_view(self.linear_dev, t))
                 for t in range(len(self.embedding_specs))]
 
     def get_optimizer_state(self, *args: Any, **kwargs: Any) -> list[dict[str, torch.Tensor]]:
-        """Per-table ``{"accum": [rows, D], "linear": [rows, D]}`` views in the stored dtypes
-        (``optimizer_state_dtypes``; TensorFlow slot names)."""
+        """Per-table ``{"accum": [rows, D] or [rows], "linear": [rows, D]}`` views in the stored dtypes
+        (``optimizer_state_dtypes``; TensorFlow slot names; see :meth:`split_optimizer_states`)."""
         return [_FTRLOptimizerState(accum=a, linear=z) for a, z in self.split_optimizer_states()]
 
     def get_learning_rate(self) -> float:
@@ -813,11 +849,75 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
             self.cache.reset()
             self._prefetched.clear()
 
-    @torch.no_grad()
     def init_embedding_weights_uniform(self, min_val: float, max_val: float) -> None:
-        for w in self.split_embedding_weights():
-            w.uniform_(min_val, max_val)
-        self.reset_cache_states()
+        """Weights uniform in ``[min_val, max_val]``; with derived weights, encoded into ``linear``
+        (:meth:`load_weights`, which warns once where they cannot be held)."""
+        self._init_uniform(min_val, max_val, warn=True)
+
+    @torch.no_grad()
+    def _init_uniform(self, min_val: float, max_val: float, warn: bool) -> None:
+        if self.row_layout.weights == "stored":
+            for w in self.split_embedding_weights():
+                w.uniform_(min_val, max_val)
+            self.reset_cache_states()
+            return
+        for t, (rows, dim, *_) in enumerate(self.embedding_specs):
+            w = torch.empty(rows, dim, device=self.linear_dev.device).uniform_(min_val, max_val)
+            self.load_weights(t, w, warn=warn)
+
+    @torch.no_grad()
+    def load_weights(self, t: int, weights: torch.Tensor, warn: bool = True, row_start: int = 0,
+                     only_changed: bool = False, row_ids: Optional[torch.Tensor] = None) -> None:
+        """Set the weights of table ``t``'s rows ``[row_start, row_start + len(weights))`` (or the int64
+        row ids ``row_ids``, ``[k]``) to ``weights`` (``[k, D]``, any float dtype; default the whole
+        table).
+
+        A stored-weights table copies them. A derived-weights table keeps ``accum`` and sets
+        ``linear`` to the z with ``prox(z, accum) = w`` (:func:`torchrec_ftrl.rule.ftrl_encode`):
+        exact up to rounding where ``q(accum) > 0`` (``accum > 0``, ``ftrl_beta > 0`` or an L2 term);
+        where ``q == 0`` no z gives a non-zero w, so those rows start at w = 0 (what FTRL does at a
+        row's first touch anyway) and, with ``warn``, a one-time ``UserWarning`` says how many non-zero
+        weights were dropped. With ``only_changed``, rows whose weights equal ``prox(linear, accum)``
+        already keep their ``linear`` bit for bit (a checkpoint load that writes the weights after
+        the states restores the states). (The constructor's FBGEMM-style uniform initialisation loads without
+        the warning: a derived table with ``accum = 0`` and ``ftrl_beta = 0`` starts at w = 0.)
+
+        Raises:
+            ValueError: ``t`` not a table of this TBE, or ``weights`` not ``[k, D]`` within the table.
+        """
+        T = len(self.embedding_specs)
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < T:
+            raise ValueError(f"load_weights: t must be a table id in [0, {T}), got {t!r}")
+        rows, dim = self.embedding_specs[t][:2]
+        k = weights.shape[0] if isinstance(weights, torch.Tensor) and weights.dim() == 2 else -1
+        if k < 0 or weights.shape[1] != dim or not 0 <= row_start <= rows - k:
+            shape = list(weights.shape) if isinstance(weights, torch.Tensor) else type(weights).__name__
+            raise ValueError(f"load_weights: weights of table {self.table_names[t]!r} must be "
+                             f"[{rows}, {dim}] (or [k, {dim}] with row_start + k <= {rows}), got {shape} "
+                             f"at row_start={row_start}")
+        rows_written = slice(row_start, row_start + k)
+        if row_ids is not None:
+            rows_written = row_ids.to(device=self.linear_dev.device, dtype=torch.int64)
+            if rows_written.shape != (k,) or bool(((rows_written < 0) | (rows_written >= rows)).any()):
+                raise ValueError(f"load_weights: row_ids must be {k} row ids of table "
+                                 f"{self.table_names[t]!r} in [0, {rows}), got {_short(row_ids.tolist())}")
+        if self.row_layout.weights == "stored":
+            self.flush()
+            self._table_view(self.weights_dev, t)[rows_written].copy_(weights)
+            self.reset_cache_states()
+            return
+        n = self._accum_view(t)[rows_written]
+        n = n.unsqueeze(-1) if self.row_layout.accumulator == "rowwise" else n
+        weights = weights.to(self.linear_dev.device)
+        z, dropped = ftrl_encode(weights, n, self._hp)
+        table_linear = self._table_view(self.linear_dev, t)
+        if only_changed:
+            linear = table_linear[rows_written]
+            same = (ftrl_prox(linear, n, self._hp) == weights).all(dim=1, keepdim=True)
+            z = torch.where(same, linear.to(z.dtype), z)
+        table_linear[rows_written] = z.to(table_linear.dtype)
+        if dropped and warn:
+            warn_dropped_weights(dropped, self.table_names[t])
 
     # ------------------------------------------------------------------ hooks TorchRec calls
     # (the list, and what each does: docs/managed-collision.md, "TBE hooks TorchRec calls")
@@ -870,15 +970,17 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
             self.cache.invalidate(torch.cat([self._table_row_base[t] + rows for t, rows in segments]))
         n0 = self._hp.initial_accumulator_value
         for t, rows in segments:
-            for buf, value in ((self.weights_dev, 0.0), (self.accum_dev, n0), (self.linear_dev, 0.0)):
-                self._table_view(buf, t).index_fill_(0, rows, value)
+            if self.row_layout.weights == "stored":
+                self._table_view(self.weights_dev, t).index_fill_(0, rows, 0.0)
+            self._accum_view(t).index_fill_(0, rows, n0)
+            self._table_view(self.linear_dev, t).index_fill_(0, rows, 0.0)
 
     def _reset_segments(self, pruned_indices, pruned_indices_offsets, logical_table_ids,
                         buffer_ids) -> list[tuple[int, torch.Tensor]]:
         """``(table, int64 rows on the tables' device)`` of each non-empty reset segment, after
         checking every argument (see :meth:`reset_embedding_weight_momentum`)."""
         where = "reset_embedding_weight_momentum"
-        dev = self.weights_dev.device
+        dev = self.linear_dev.device
         args = dict(pruned_indices=pruned_indices, pruned_indices_offsets=pruned_indices_offsets,
                     logical_table_ids=logical_table_ids, buffer_ids=buffer_ids)
         for name, t in args.items():

@@ -159,11 +159,18 @@ for w in tbe.split_embedding_weights():
 idx = torch.arange(40) * 7 % 30
 off = torch.arange(0, 41, 5)
 grad = ((torch.arange(4 * 56) % 11 - 5).double() / 8).float().view(4, 56)
+# The lean layout too: derived weights, a row-wise accum (its row sums of squares in fixed lanes).
+lean = FTRLTableBatchedEmbeddingBags([(50, 16), (30, 40)], learning_rate=0.3, ftrl_l1_reg=0.01,
+                                     ftrl_beta=0.5, ftrl_initial_accumulator_value=0.25, backend="cpp",
+                                     ftrl_weights="derived", ftrl_accumulator="rowwise")
+lean.linear_dev.copy_(((torch.arange(lean.linear_dev.numel()) % 13 - 6).double() / 4))
 for _ in range(3):
     tbe(idx, off).backward(grad)
+    lean(idx, off).backward(grad)
 print(cpp_backend.load_extension())
-print(torch.cat([tbe.weights.flatten(), *(s.flatten() for s in tbe.split_optimizer_states()[0])]).view(torch.int32)
-      .long().sum().item(), tbe.weights.view(torch.int32).long().sum().item())
+states = [tbe.weights, tbe.accum_dev, tbe.linear_dev, lean.accum_dev, lean.linear_dev, lean(idx, off).detach()]
+print(torch.cat([s.flatten() for s in states]).view(torch.int32).long().sum().item(),
+      tbe.weights.view(torch.int32).long().sum().item())
 """
 
 

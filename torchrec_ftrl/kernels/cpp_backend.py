@@ -76,7 +76,7 @@ def _build_at_first_use(isa: str) -> str:
 
     digest = cpu_build.source_digest() + hashlib.sha1(cpu_build.SOURCE.encode()).hexdigest()[:6]
     print(f"torchrec_ftrl: no prebuilt CPU kernel for this install (torch {torch.__version__}, {isa}); "
-          "building it once (about a minute; later runs reuse it)", file=sys.stderr, flush=True)
+          "building it once (one to two minutes; later runs reuse it)", file=sys.stderr, flush=True)
     name = f"torchrec_ftrl_tbe_cpu_{digest}_{isa}"
     with _interpreter_bin_first_on_path():
         path = load(name=name, sources=[cpu_build.SOURCE],

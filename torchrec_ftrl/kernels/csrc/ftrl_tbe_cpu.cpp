@@ -1,13 +1,23 @@
 // Compiled CPU kernel of the fused FTRL-Proximal TBE (torchrec_ftrl.FTRLTableBatchedEmbeddingBags).
 //
-// Layout contract: torchrec_ftrl/kernels/layout.py (TBEBatch). Weights, accum (n) and linear (z) are
-// flat 1-D buffers, table after table, row-major; element table_w_offset[t] + r * table_dim[t] + d.
-// Bags are feature-major; bag k holds indices[offsets[k]:offsets[k+1]] and writes its pooled D-vector
-// at bag_out_offset[k] of the flat output (PoolingMode.NONE: index i writes at i * max_D).
+// Layout contract: torchrec_ftrl/kernels/layout.py (TBEBatch, TableArrays). Weights, accum (n) and
+// linear (z) are flat 1-D buffers, table after table, row-major; element
+// table_w_offset[t] + r * table_dim[t] + d. Bags are feature-major; bag k holds
+// indices[offsets[k]:offsets[k+1]] and writes its pooled D-vector at bag_out_offset[k] of the flat
+// output (PoolingMode.NONE: index i writes at i * max_D).
 //
-// Update rule: the twin of torchrec_ftrl/rule.py (ftrl_rule; docs/ftrl.md for users; McMahan et al.
-// 2013, Alg. 1, with TensorFlow ApplyFtrlV2's l2 shrinkage and Keras' beta). It lives in exactly one
-// place below: ftrl_element(). Its scalars come from FTRLHyperparams.kernel_scalars().
+// Row layouts (torchrec_ftrl/row_layout.py), chosen by template flags, never per element:
+// * derived weights (kDerived): no weight buffer; the forward reads w = ftrl_prox(z, n) and the
+//   update takes it as the old weight, writing only z and n. ftrl_prox is the one function that
+//   also gives a stored layout's new weight, so from the same (z, n) both layouts read the same bits.
+// * row-wise accum (kRowwise): one n per row at the row's key (table_row_base[t] + r):
+//   n += sum_d g_d^2 / D (sum_squares: a fixed order on every ISA), every element of the row then
+//   takes ftrl_step with the row's n^(-p) before and after.
+//
+// Update rule: the twin of torchrec_ftrl/rule.py (ftrl_rule, ftrl_rule_rowwise, ftrl_prox;
+// docs/ftrl.md for users; McMahan et al. 2013, Alg. 1, with TensorFlow ApplyFtrlV2's l2 shrinkage
+// and Keras' beta). It lives in exactly one place below: ftrl_prox, ftrl_step, ftrl_element. Its
+// scalars come from FTRLHyperparams.kernel_scalars().
 //
 // Backward + update is one call: linear row id per index -> stable LSD radix sort by row (carrying
 // each index's gradient offset and scale) -> parallel over unique rows: sum the row's gradient
@@ -17,9 +27,11 @@
 //
 // Compact state (torchrec_ftrl/state_dtype.py): accum and/or linear may be stored in bf16 (uint16_t
 // bit patterns here). They load exactly into fp32, the update is the same fp32 code, and a bf16 state
-// is stored with stochastic rounding: sr_bits(row key, column, step, state) below, the uint32 twin
-// of state_dtype.sr_bits, added to the fp32 bit pattern before truncation (round_bf16_sr, the twin
-// of state_dtype.round_bf16_stochastic). The fp32-state instantiations are the code as before.
+// is stored with stochastic rounding: sr_bits(row key, column, step, state) below (column 0 for a
+// row-wise accum), the uint32 twin of state_dtype.sr_bits, added to the fp32 bit pattern before
+// truncation (round_bf16_sr, the twin of state_dtype.round_bf16_stochastic).
+//
+// Weights, outputs and output gradients are fp32, fp16 or bf16 (FTRL_DISPATCH_FLOATS).
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -656,21 +668,21 @@ int64_t update_rows(W* __restrict__ weights, StateT<kNB>* __restrict__ accum,
           row_steps<kDerived>(w, z, gsum, wf, D, pn_old, pn_new, hp);
         }
         store_state_row<kNB>(accum + key, &n_new, 1, kNB ? sr_row(seed_n, key) : 0u);
-        continue;
-      }
-      StateT<kNB>* __restrict__ n = accum + off;
-      if constexpr (kCompact) {
-        // Load (exact upcast), the same fp32 update, store: bf16 states stochastically rounded.
-        for (int64_t d = 0; d < D; ++d) {
-          nf[d] = load_state<kNB>(n[d]);
-          zf[d] = load_state<kZB>(z[d]);
-        }
-        element_steps<kSqrt, kDerived>(w, zf, nf, gsum, wf, D, hp);
-        const uint64_t key = seg_key[s];
-        store_state_row<kNB>(n, nf, D, kNB ? sr_row(seed_n, key) : 0u);
-        store_state_row<kZB>(z, zf, D, kZB ? sr_row(seed_z, key) : 0u);
       } else {
-        element_steps<kSqrt, kDerived>(w, z, n, gsum, wf, D, hp);
+        StateT<kNB>* __restrict__ n = accum + off;
+        if constexpr (kCompact) {
+          // Load (exact upcast), the same fp32 update, store: bf16 states stochastically rounded.
+          for (int64_t d = 0; d < D; ++d) {
+            nf[d] = load_state<kNB>(n[d]);
+            zf[d] = load_state<kZB>(z[d]);
+          }
+          element_steps<kSqrt, kDerived>(w, zf, nf, gsum, wf, D, hp);
+          const uint64_t key = seg_key[s];
+          store_state_row<kNB>(n, nf, D, kNB ? sr_row(seed_n, key) : 0u);
+          store_state_row<kZB>(z, zf, D, kZB ? sr_row(seed_z, key) : 0u);
+        } else {
+          element_steps<kSqrt, kDerived>(w, z, n, gsum, wf, D, hp);
+        }
       }
     }
     if (local_bad) nonfinite.fetch_add(local_bad, std::memory_order_relaxed);

@@ -294,7 +294,9 @@ def test_bf16_states_are_the_torch_backend_bits_where_fp32_agrees(layout):
     col = torch.cat([torch.arange(d).repeat(r) for r, d in SPECS])
     for name, state in (("accum", 0), ("linear", 1)):
         row_wise = name == "accum" and start.rowwise
-        key, column = (torch.arange(rows), torch.zeros(rows, dtype=torch.int64)) if row_wise else (row_key, col)
+        key, column = (row_key, col)
+        if row_wise:
+            key, column = torch.arange(rows), torch.zeros(rows, dtype=torch.int64)
         a32, b32 = getattr(fp32[cpp_backend], name), getattr(fp32[torch_backend], name)
         same = a32.view(torch.int32) == b32.view(torch.int32)
         assert same.float().mean() > 0.5, name
@@ -361,7 +363,8 @@ def test_tbe_trains_every_layout_on_the_cpp_backend(layout):
     weights, accumulator = layout
     m = FTRLTableBatchedEmbeddingBags(list(SPECS), feature_table_map=list(FMAP), backend="cpp",
                                       ftrl_weights=weights, ftrl_accumulator=accumulator,
-                                      optimizer_state_dtypes={"accum": SparseType.BF16, "linear": SparseType.BF16},
+                                      optimizer_state_dtypes={"accum": SparseType.BF16,
+                                                              "linear": SparseType.BF16},
                                       **KNOBS)
     arrays = m.table_arrays
     assert (arrays.weights is None) == (weights == "derived")
@@ -382,3 +385,24 @@ def test_tbe_trains_every_layout_on_the_cpp_backend(layout):
     for name in ("weights", "accum", "linear"):
         if getattr(twin, name) is not None:
             assert torch.equal(bits(getattr(m.table_arrays, name)), bits(getattr(twin, name))), name
+
+
+def test_arrays_that_do_not_match_the_layout_are_refused_unchanged():
+    """A row-wise flag with an element-wise accum (and a weight buffer of the wrong size) is refused
+    by the kernel, naming the array and both sizes, before anything is written."""
+    m = _maker("mean")
+    inputs = _inputs(m, "mean", 0)
+    arrays = _arrays(("derived", "elementwise"), STATES["fp32"], SPECS)
+    total, rows = sum(r * d for r, d in SPECS), sum(r for r, _ in SPECS)
+    before = [bits(arrays.accum), bits(arrays.linear)]
+    grad = torch.ones(inputs.batch.out_numel)
+    wrong = dataclasses.replace(arrays, rowwise=True)
+    with pytest.raises(RuntimeError, match=rf"a row-wise accum must have one element per row \({rows}\), "
+                                           rf"got {total}"):
+        cpp_backend.backward_update_(wrong, inputs.batch, None, grad, m.hyperparams,
+                                     torch.zeros(1, dtype=torch.int64))
+    short = dataclasses.replace(arrays, weights=torch.zeros(total - 1))
+    with pytest.raises(RuntimeError,
+                       match=rf"weights must have as many elements as linear \({total}\), got {total - 1}"):
+        cpp_backend.forward(short, inputs.batch, F32, m.hyperparams)
+    assert torch.equal(before[0], bits(arrays.accum)) and torch.equal(before[1], bits(arrays.linear))

@@ -168,7 +168,8 @@ for _ in range(3):
     tbe(idx, off).backward(grad)
     lean(idx, off).backward(grad)
 print(cpp_backend.load_extension())
-states = [tbe.weights, tbe.accum_dev, tbe.linear_dev, lean.accum_dev, lean.linear_dev, lean(idx, off).detach()]
+states = [tbe.weights, tbe.accum_dev, tbe.linear_dev, lean.accum_dev, lean.linear_dev,
+          lean(idx, off).detach()]
 print(torch.cat([s.flatten() for s in states]).view(torch.int32).long().sum().item(),
       tbe.weights.view(torch.int32).long().sum().item())
 """

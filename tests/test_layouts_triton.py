@@ -279,37 +279,53 @@ def check_case(case: Case, device) -> None:
         check_against_oracle(case, geo, before, ours, ref, what)
         out2, counted2 = run_step(torch_backend, twin, batch, grad, hp, case.out_dtype)
         assert counted2 == counted
-        torch.testing.assert_close(out.double(), out2.double(), **out_tol(case))
-        for name in ("weights", "accum", "linear"):
-            a, b = getattr(ours, name), getattr(twin, name)
-            if a is None:
-                continue
-            if a.dtype == torch.bfloat16:
-                sp = torch.as_tensor(bf16_spacing(b.double().cpu().numpy() * 1.01), device=a.device)
-                assert bool(((a.double() - b.double()).abs() <= sp + 1e-6).all()), f"{what} {name} vs torch"
-                same = (bits(a).view(torch.int16) == bits(b).view(torch.int16)).double().mean().item()
-                assert same > 0.9, f"{what} {name}: only {same:.0%} of the bf16 values equal torch's"
-            else:
-                tol = dict(rtol=1e-3, atol=1e-4) if case.hot else dict(rtol=5e-5, atol=1e-5)
-                if name == "weights" and a.dtype != torch.float32:
-                    tol = dict(rtol=2e-3, atol=1e-3)
-                torch.testing.assert_close(a.double(), b.double(), **tol, msg=f"{what} {name} vs torch")
+        check_against_twin(case, ours, twin, out, out2, what)
 
 
-def every_row_weights(case: Case, arrays: TableArrays, hp, device) -> list:
-    """Each table's weights as the forward reads them, fp32 ``[rows, D]`` per table: a SUM lookup
-    with one feature per table, bag ``r`` of table ``t``'s feature holding row ``r`` alone (a sum
-    of one fp32 weight is that weight), the others empty."""
+def check_against_twin(case: Case, ours: TableArrays, twin: TableArrays, out, out2, what: str) -> None:
+    """Triton against the PyTorch backend after the same steps. Their fp32 arithmetic differs by
+    ulps (the Triton rule is rearranged, ``kernels/triton_backward.py``): fp32 states agree closely
+    (hot rows: summation order too); a bf16 state is the same stochastic rounding of nearly the same
+    fp32 value, so most values keep the same bits and the others sit one or two bf16 spacings away.
+    Such a rare one-spacing ``z`` moves its weight (and outputs) by up to 2^-8 relative, hence the
+    bf16-level tolerances of weights and outputs with bf16 state."""
+    bf16_state = case.state_dtype == torch.bfloat16
+    loose = dict(rtol=1.6e-2, atol=2e-3)
+    torch.testing.assert_close(out.double(), out2.double(), **(loose if bf16_state else out_tol(case)),
+                               msg=f"{what} forward vs torch")
+    for name in ("weights", "accum", "linear"):
+        a, b = getattr(ours, name), getattr(twin, name)
+        if a is None:
+            continue
+        if a.dtype == torch.bfloat16:
+            sp = torch.as_tensor(bf16_spacing(b.double().cpu().numpy() * 1.01), device=a.device)
+            assert bool(((a.double() - b.double()).abs() <= 2 * sp + 1e-6).all()), f"{what} {name} vs torch"
+            same = (bits(a).view(torch.int16) == bits(b).view(torch.int16)).double().mean().item()
+            assert same > 0.9, f"{what} {name}: only {same:.0%} of the bf16 values equal torch's"
+        else:
+            tol = dict(rtol=1e-3, atol=1e-4) if case.hot else dict(rtol=5e-5, atol=1e-5)
+            if name == "weights" and (a.dtype != torch.float32 or bf16_state):
+                tol = loose
+            torch.testing.assert_close(a.double(), b.double(), **tol, msg=f"{what} {name} vs torch")
+
+
+def every_row_reader(case: Case, device):
+    """``read(arrays, hp)``: each table's weights as the forward reads them, fp32 ``[rows, D]`` per
+    table, by a SUM lookup with one feature per table, bag ``r`` of table ``t``'s feature holding
+    row ``r`` alone (a sum of one fp32 weight is that weight), the others empty."""
     T, B = len(case.specs), max(r for r, _ in case.specs)
     m = FTRLTableBatchedEmbeddingBags(case.specs, feature_table_map=list(range(T)), device=device,
                                       backend="torch", bounds_check_mode=BoundsCheckMode.NONE, **KNOBS)
     indices = torch.cat([torch.arange(r) for r, _ in case.specs]).to(device)
     lengths = torch.tensor([int(b < r) for r, _ in case.specs for b in range(B)])
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(device)
-    out = triton_backend.forward(arrays, m._make_batch(indices, offsets, None, None), torch.float32, hp)
-    out = out.view(B, -1).cpu()
+    batch = m._make_batch(indices, offsets, None, None)
     cols = np.concatenate([[0], np.cumsum([d for _, d in case.specs])])
-    return [out[:r, cols[t]:cols[t + 1]] for t, (r, _) in enumerate(case.specs)]
+
+    def read(arrays: TableArrays, hp) -> list:
+        out = triton_backend.forward(arrays, batch, torch.float32, hp).view(B, -1).cpu()
+        return [out[:r, cols[t]:cols[t + 1]] for t, (r, _) in enumerate(case.specs)]
+    return read
 
 
 def check_derived_bitwise(case: Case, device) -> None:
@@ -322,6 +338,7 @@ def check_derived_bitwise(case: Case, device) -> None:
     derived = start_arrays(dataclasses.replace(case, weights="derived"), geo, device, w_zero=True)
     stored = start_arrays(dataclasses.replace(case, weights="stored"), geo, device, w_zero=True)
     assert torch.equal(bits(stored.accum), bits(derived.accum))
+    read = every_row_reader(case, device)
     rng = np.random.default_rng(case.seed)
     for step in range(case.steps):
         indices, offsets, psw = random_batch(case, rng, device)
@@ -333,7 +350,7 @@ def check_derived_bitwise(case: Case, device) -> None:
         assert torch.equal(bits(out_s), bits(out_d)), f"{what}: forward outputs differ"
         assert torch.equal(bits(stored.accum), bits(derived.accum)), f"{what}: accum differs"
         assert torch.equal(bits(stored.linear), bits(derived.linear)), f"{what}: linear differs"
-        for t, w in enumerate(every_row_weights(case, derived, hp, device)):
+        for t, w in enumerate(read(derived, hp)):
             assert torch.equal(bits(w), bits(geo.view(stored.weights, t))), f"{what}: table {t} weights differ"
     assert bool((stored.weights != 0).any()), "the batches trained no weight"
 
@@ -384,8 +401,7 @@ def test_interp_stored_fp16_weights(interp, accumulator):
 @pytest.mark.parametrize("accumulator", ["elementwise", "rowwise"])
 def test_interp_derived_equals_stored_from_zero(interp, accumulator, pooling, psw):
     """Derived == stored (w0 = 0), bit for bit, fp32 state, hot rows (the combine kernel too)."""
-    check_derived_bitwise(Case("derived", accumulator, pooling=pooling, psw=psw, hot=True, max_len=8,
-                               steps=4), interp)
+    check_derived_bitwise(Case("derived", accumulator, pooling=pooling, psw=psw, hot=True, max_len=8), interp)
 
 
 @pytest.mark.parametrize("weights,accumulator", [("derived", "elementwise"), ("stored", "rowwise"),

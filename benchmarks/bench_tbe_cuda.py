@@ -599,6 +599,16 @@ def select_shapes(shapes, args):
     return shapes
 
 
+def write_report(out_dir, name, text, lines_log, meta, rows):
+    """Write ``out_dir/name.md`` (``text``, then the log) and ``name.json`` (``meta`` with the
+    ``rows`` as ``results``); returns ``text``."""
+    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
+        f.write(text + "\n\n```\n" + "\n".join(lines_log) + "\n```\n")
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+        json.dump(dict(meta, results=rows), f, indent=1, default=str)
+    return text
+
+
 def run_production(args) -> None:
     """``--suite production`` (see the module docstring)."""
     import fbgemm_gpu
@@ -643,12 +653,8 @@ def run_production(args) -> None:
 
     def write():   # after every table: a run cut short keeps what it measured
         meta["total_s"] = time.perf_counter() - t_start
-        text = production_markdown(meta, rows)
-        with open(os.path.join(args.out, "bench_tbe_cuda_production.md"), "w") as f:
-            f.write(text + "\n\n```\n" + "\n".join(lines_log) + "\n```\n")
-        with open(os.path.join(args.out, "bench_tbe_cuda_production.json"), "w") as f:
-            json.dump(dict(meta, results=rows), f, indent=1, default=str)
-        return text
+        return write_report(args.out, "bench_tbe_cuda_production", production_markdown(meta, rows),
+                            lines_log, meta, rows)
 
     for tbl in shapes:
         T, E, D, B, wb = tbl["T"], tbl["E"], tbl["D"], tbl["B"], tbl["wbytes"]
@@ -885,12 +891,8 @@ def run_layouts(args) -> None:
 
     def write():   # after every table: a run cut short keeps what it measured
         meta["total_s"] = time.perf_counter() - t_start
-        text = layouts_markdown(meta, rows)
-        with open(os.path.join(args.out, "bench_tbe_cuda_layouts.md"), "w") as f:
-            f.write(text + "\n\n```\n" + "\n".join(lines_log) + "\n```\n")
-        with open(os.path.join(args.out, "bench_tbe_cuda_layouts.json"), "w") as f:
-            json.dump(dict(meta, results=rows), f, indent=1, default=str)
-        return text
+        return write_report(args.out, "bench_tbe_cuda_layouts", layouts_markdown(meta, rows), lines_log,
+                            meta, rows)
 
     shapes = select_shapes(production_shapes() if args.suite == "production" else default_shapes(args), args)
     for tbl in shapes:

@@ -12,8 +12,9 @@ exact arithmetic (``docs/ftrl.md``; McMahan et al. 2013, Algorithm 1)::
 
     w = (l1 sign(z) - z) lr / (beta + n^(-p) + L2 lr)   if |z| > l1,   else 0
 
-one hardware division (<= 2 ulp) per element, and ``n^(-p)`` by the hardware square root for
-``p = -0.5``, ``pow`` otherwise.
+one hardware division (<= 2 ulp) per element, ``n^(-p)`` by the hardware square root for
+``p = -0.5``, ``pow`` otherwise, and ``beta + n^(-p) + L2 lr`` with one fused multiply-add
+(``tl.fma``), so that every kernel rounds it alike whatever the compiler contracts.
 """
 
 from __future__ import annotations
@@ -51,7 +52,11 @@ def ftrl_prox(z, pn, lr, l1, l2_eff, beta):
     (``l2_eff`` the L2 term of the convention). ``|z| <= l1`` gives exactly 0.0 (a branch, never
     ``0/0``); ``beta + pn + L2 lr == 0`` with ``|z| > l1`` gives +-inf, like the division by
     ``q == 0`` of the rule."""
-    qd = (beta + pn) + l2_eff * lr
+    # The L2 term by one explicit fused multiply-add: a separate product would be contracted into
+    # the add where the compiler sees both in one basic block and rounded twice where it hoisted the
+    # (loop-invariant) product, so two kernels would round q differently.
+    bp = beta + pn
+    qd = tl.fma(tl.broadcast_to(l2_eff, bp.shape), tl.broadcast_to(lr, bp.shape), bp)
     keep = tl.abs(z) > l1
     sgn = tl.where(z > 0, 1.0, -1.0)
     num = (l1 * sgn - z) * lr

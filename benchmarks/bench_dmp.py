@@ -54,12 +54,19 @@ import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
 OPTIMIZERS = ("ftrl", "ftrl_bf16", "rowwise_adagrad", "adam", "sgd")
-OURS = ("ftrl", "ftrl_bf16")   # through torchrec_ftrl.sharders
+# Ours in the lean row layouts (docs/row-layouts.md): fused_params beside the FTRL knobs; --optimizers
+# takes their names.
+LEAN = {"ftrl_derived_bf16": {"ftrl_weights": "derived", "state_dtype": "bf16"},            # 512 B at D=128
+        "ftrl_derived_rowwise": {"ftrl_weights": "derived", "ftrl_accumulator": "rowwise"},  # 516 B
+        "ftrl_derived_rowwise_bf16z": {"ftrl_weights": "derived", "ftrl_accumulator": "rowwise",
+                                       "optimizer_state_dtypes": {"linear": "bf16"}}}         # 260 B
+OURS = ("ftrl", "ftrl_bf16", *LEAN)   # through torchrec_ftrl.sharders
 SHARDINGS = ("table_wise", "row_wise", "table_row_wise", "column_wise")
 MODES = ("throughput", "latency")
 COMPUTE_KERNELS = ("fused", "fused_uvm_caching")
 LABELS = {"ftrl": "torchrec_ftrl FTRL (ours)", "ftrl_bf16": "torchrec_ftrl FTRL, bf16 state (ours)",
-          "rowwise_adagrad": "FBGEMM EXACT_ROWWISE_ADAGRAD", "adam": "FBGEMM ADAM", "sgd": "FBGEMM EXACT_SGD"}
+          "rowwise_adagrad": "FBGEMM EXACT_ROWWISE_ADAGRAD", "adam": "FBGEMM ADAM", "sgd": "FBGEMM EXACT_SGD",
+          **{k: f"torchrec_ftrl FTRL, {k[5:]} (ours)" for k in LEAN}}
 
 # Profiler attribution (see breakdown()). Host ranges of our TBE: the autograd Function's forward
 # (recorded under the class name by torch's Function.apply) and its backward node.
@@ -91,7 +98,7 @@ def parse(argv=None):
                    help="samples per process per step")
     p.add_argument("--pooling", type=int, default=20, help="uniform ids per bag")
     p.add_argument("--optimizers", default=",".join(OPTIMIZERS),
-                   help=f"comma list of {', '.join(OPTIMIZERS)}")
+                   help=f"comma list of {', '.join(OPTIMIZERS + tuple(LEAN))}")
     p.add_argument("--sharding", default="table_wise,row_wise",
                    help=f"comma list of sharding types ({', '.join(SHARDINGS)})")
     p.add_argument("--modes", default=",".join(MODES), help="comma list of throughput, latency")
@@ -111,7 +118,7 @@ def parse(argv=None):
     a.optimizer_list = [x for x in a.optimizers.split(",") if x]
     a.sharding_list = [x for x in a.sharding.split(",") if x]
     a.mode_list = [x for x in a.modes.split(",") if x]
-    for name, vals, allowed in (("--optimizers", a.optimizer_list, OPTIMIZERS),
+    for name, vals, allowed in (("--optimizers", a.optimizer_list, OPTIMIZERS + tuple(LEAN)),
                                 ("--sharding", a.sharding_list, SHARDINGS), ("--modes", a.mode_list, MODES)):
         bad = [v for v in vals if v not in allowed]
         if bad or not vals:
@@ -159,6 +166,7 @@ def fused_params(optimizer, lr):
         fp = {"optimizer": EmbOptimType.FTRL, "learning_rate": lr, "ftrl_l1_reg": 1e-4, "ftrl_beta": 1.0}
         if optimizer == "ftrl_bf16":
             fp["optimizer_state_dtypes"] = {"accum": SparseType.BF16, "linear": SparseType.BF16}
+        fp.update(LEAN.get(optimizer, {}))
         return fp
     opt = {"adam": EmbOptimType.ADAM, "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
            "sgd": EmbOptimType.EXACT_SGD}[optimizer]

@@ -21,7 +21,11 @@ then recorded as skipped; ``--skip 1,2,3,4`` runs the rest in a second call):
 7. FTRL bf16 state at the full preset, 65,536, if its plan fits (tables HBM cannot hold go to
    ``fused_uvm_caching``);
 8. TorchRec's ``dlrm_main.py`` (``bench_torchrec_dlrm.py``, DCN, the scaled tables, 8,192) when
-   ``.anchor/torchrec_dlrm/dlrm_main.py`` is present.
+   ``.anchor/torchrec_dlrm/dlrm_main.py`` is present;
+9. the lean row layouts at the full preset (docs/row-layouts.md): ``--plan-only`` of each, then, side
+   by side, row-wise Adagrad and each FTRL layout whose plan fits, at 8,192 and 65,536 (``--lean``
+   picks the layouts: default derived weights with bf16 z and n, 512 B a row, and derived weights
+   with a row-wise fp32 n, 516 B).
 
 Every job run: ``--steps`` (300) steps, synthetic multi-hot input drawn on the GPU, no validation
 until the end (one batch), ``--no-progress``. Recorded per run: ``examples_per_s`` (every step),
@@ -145,7 +149,9 @@ def main(argv=None):
     ap.add_argument("--budget-s", type=float, default=320.0,
                     help="seconds: no run starts later, and a run is cut at this point")
     ap.add_argument("--batches", default="8192,65536")
-    ap.add_argument("--skip", default="", help="comma list of step numbers (1-8) to leave out")
+    ap.add_argument("--skip", default="", help="comma list of step numbers (1-9) to leave out")
+    ap.add_argument("--lean", default="ftrl_derived_bf16,ftrl_derived_rowwise",
+                    help=f"step 9's layouts, from {sorted(LEAN)}")
     a = ap.parse_args(argv)
     b = Bench(a)
     skip = {int(x) for x in a.skip.split(",") if x}
@@ -159,7 +165,7 @@ def main(argv=None):
             return {}
     plans = {}
     layouts = {"ftrl_fp32": [], "ftrl_bf16": ["--ftrl-state-dtype", "bf16"],
-               "rowwise_adagrad": ["--sparse-optimizer", "rowwise_adagrad"]}
+               "rowwise_adagrad": ["--sparse-optimizer", "rowwise_adagrad"], **LEAN}
 
     def plan(name):
         row = b.run(f"plan-only {name}", [sys.executable, "-m", "torchrec_ftrl.job", "--preset",
@@ -216,8 +222,28 @@ def main(argv=None):
                                                                         "bench_torchrec_dlrm.json"))})
         else:
             b.rows.append({"name": "dlrm_main.py", "status": f"not run: {ANCHOR} absent (bench_torchrec_dlrm.py --extract)"})
+    if 9 not in skip:
+        lean = [x for x in a.lean.split(",") if x]
+        for name in lean:
+            plan(name)
+        for batch in (small, big):
+            b.job(f"full_rowwise_adagrad_{batch}", rwa, batch)
+            for name in lean:
+                if (plans.get(name) or {}).get("fits"):
+                    b.job(f"full_{name}_{batch}", LEAN[name], batch)
+                else:
+                    b.rows.append({"name": f"full_{name}_{batch}", "status": "not run: its plan does not fit"})
     b.result["total_s"] = round(time.monotonic() - b.t0, 1)
     b.write()
+
+
+# The lean row layouts step 9 can run (job flags), with their bytes per row at D = 128.
+LEAN = {
+    "ftrl_derived_bf16": ["--ftrl-weights", "derived", "--ftrl-state-dtype", "bf16"],          # 512 B
+    "ftrl_derived_rowwise": ["--ftrl-weights", "derived", "--ftrl-accumulator", "rowwise"],    # 516 B
+    "ftrl_derived_rowwise_bf16": ["--ftrl-weights", "derived", "--ftrl-accumulator", "rowwise",
+                                  "--ftrl-state-dtype", "bf16"],                               # 258 B
+}
 
 
 def _read_json(path):

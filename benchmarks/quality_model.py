@@ -193,9 +193,18 @@ def init_weights(tbe: nn.Module, sizes: list[int], seed: int, device: torch.devi
     """Table ``f`` := ``U(-1/sqrt(V_f), 1/sqrt(V_f))`` (TorchRec's default initializer) from a generator
     seeded with ``seed``: every variant of a seed starts from the same weights."""
     g = torch.Generator(device=device).manual_seed(int(seed))
-    for w, v in zip(tbe.split_embedding_weights(), sizes):
+    for f, (w, v) in enumerate(zip(tbe.split_embedding_weights(), sizes)):
         bound = 1.0 / math.sqrt(v)
-        w.copy_(torch.rand(w.shape, generator=g, device=device) * (2 * bound) - bound)
+        values = torch.rand(w.shape, generator=g, device=device) * (2 * bound) - bound
+        if _stores_weights(tbe):
+            w.copy_(values)
+        else:   # derived weights: encoded into z where q(n) > 0, else the row starts at 0
+            tbe.load_weights(f, values)
+
+
+def _stores_weights(tbe: nn.Module) -> bool:
+    """False for an FTRL TBE whose row layout derives the weights (no weight array)."""
+    return getattr(getattr(tbe, "row_layout", None), "weights", "stored") == "stored"
 
 
 def touched_masks(ids: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
@@ -217,7 +226,7 @@ def sparse_model_stats(tbe: nn.Module, touched: list[torch.Tensor]) -> dict:
     zw = zr = tw = tr = 0
     weight_bytes = 0
     for w, m in zip(tbe.split_embedding_weights(), touched):
-        weight_bytes += w.numel() * w.element_size()
+        weight_bytes += w.numel() * w.element_size() if _stores_weights(tbe) else 0
         wt = w[m]
         z = wt == 0
         zw += int(z.sum())
@@ -329,6 +338,8 @@ def prune_to(tbe: nn.Module, touched: list[torch.Tensor], keep: int) -> int:
     """Magnitude pruning: zero every weight of the touched rows except the ``keep`` largest in
     absolute value (over all tables; ties at the threshold are kept). Returns the non-zero weights
     left in the touched rows."""
+    if not _stores_weights(tbe):
+        raise ValueError("prune_to: magnitude pruning writes weights; this TBE derives them from (z, n)")
     tables = [(w, m) for w, m in zip(tbe.split_embedding_weights(), touched)]
     mags = torch.cat([w[m].abs().reshape(-1) for w, m in tables])
     if keep >= int((mags > 0).sum()):

@@ -75,12 +75,17 @@ def upstream(step: int, ws: int, n_features: int, dim: int = DIM) -> np.ndarray:
 
 
 class Reference:
-    """Float64 FTRL over full tables, fed with row gradients from the global batch."""
+    """Float64 FTRL over full tables, fed with row gradients from the global batch. With ``derived``
+    the tables derive their weights: the initial weights w0 are held as z0 = -(q(0) w0 + l1 sign(w0))
+    (docs/row-layouts.md), so w0 = prox(z0, 0)."""
 
-    def __init__(self, tables: dict[str, tuple[int, int]]):
+    def __init__(self, tables: dict[str, tuple[int, int]], derived: bool = False):
         self.w = {t: global_init(t, r, d) for t, (r, d) in tables.items()}
         self.z = {t: np.zeros((r, d)) for t, (r, d) in tables.items()}
         self.n = {t: np.zeros((r, d)) for t, (r, d) in tables.items()}
+        if derived:
+            q0 = (KNOBS["beta"] + 0.0) / KNOBS["lr"] + 2.0 * KNOBS["l2"]
+            self.z = {t: -(q0 * w + KNOBS["l1"] * np.sign(w)) for t, w in self.w.items()}
 
     def step(self, table: str, row_ids, row_grads) -> None:
         if len(row_ids) == 0:
@@ -160,8 +165,9 @@ class TwoCollections(torch.nn.Module):
         return self.ebc(bags), self.ec(seqs)
 
 
-def every_sharding_type(rank: int, ws: int) -> None:
-    """EBC (SUM) and EC, one FTRL table per sharding type, vs the float64 reference, 3 steps."""
+def every_sharding_type(rank: int, ws: int, layout: dict | None = None) -> None:
+    """EBC (SUM) and EC, one FTRL table per sharding type, vs the float64 reference, 3 steps
+    (``layout``: row-layout fused_params, e.g. ``{"ftrl_weights": "derived"}``)."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec import (EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection,
                           EmbeddingConfig)
@@ -177,14 +183,16 @@ def every_sharding_type(rank: int, ws: int) -> None:
     ec = EmbeddingCollection(tables=[EmbeddingConfig(
         name=n, embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f])
         for n, f in zip(seq_names, seq_feats)], device=torch.device("meta"))
-    sharders = torchrec_ftrl.sharders({"optimizer": EmbOptimType.FTRL, **FUSED_KNOBS})
+    layout = layout or {}
+    sharders = torchrec_ftrl.sharders({"optimizer": EmbOptimType.FTRL, **FUSED_KNOBS, **layout})
     plan = ShardingPlan({"ebc": _ebc_plan(ebc, sharders[0], ws), "ec": _ebc_plan(ec, sharders[1], ws)})
     dmp = DistributedModelParallel(TwoCollections(ebc, ec), device=device(),
                                    sharders=sharders, plan=plan)
 
     assert_kernels_are_ftrl(dmp)
 
-    ref = Reference({n: (ROWS, DIM) for n in names + seq_names})
+    ref = Reference({n: (ROWS, DIM) for n in names + seq_names},
+                    derived=layout.get("ftrl_weights") == "derived")
     msd = dmp.state_dict()
     for n in names:
         copy_global_into(msd[f"ebc.embedding_bags.{n}.weight"], ref.w[n])
@@ -333,7 +341,7 @@ CK_TABLES = ["c_a", "c_b"]
 CK_FEATS = ["cf_a", "cf_b"]
 
 
-def _ck_model(ws: int, sharding: str):
+def _ck_model(ws: int, sharding: str, layout: dict | None = None):
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
     from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -342,7 +350,7 @@ def _ck_model(ws: int, sharding: str):
     ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(
         name=n, embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f])
         for n, f in zip(CK_TABLES, CK_FEATS)], device=torch.device("meta"))
-    sharders = torchrec_ftrl.sharders({"optimizer": EmbOptimType.FTRL, **FUSED_KNOBS})
+    sharders = torchrec_ftrl.sharders({"optimizer": EmbOptimType.FTRL, **FUSED_KNOBS, **(layout or {})})
     gens = {n: (table_wise(rank=i % ws) if sharding == "tw" else row_wise())
             for i, n in enumerate(CK_TABLES)}
     plan = construct_module_sharding_plan(ebc, per_param_sharding=gens, sharder=sharders[0],
@@ -415,6 +423,56 @@ def checkpoint_load(rank: int, ws: int, ckpt_dir: str, sharding: str, source: st
     _ck_train(dmp, None, rank, ws, range(2, 4))
     ref = _ck_reference([(2, range(2)), (ws, range(2, 4))])
     check_tables(dmp, ref, "embedding_bags", CK_TABLES)
+
+
+def derived_checkpoint_round_trip(rank: int, ws: int, ckpt_dir: str) -> None:
+    """Derived weights with a row-wise accum: DCP save after 2 steps, one more step, DCP load into
+    the model: ``accum`` and ``linear`` come back bit for bit (whatever order the load writes the
+    weights and the states in), and so do the weights; the ``.npz`` export holds prox(z, n)."""
+    import torch.distributed.checkpoint as dcp
+    from torchrec_ftrl.checkpoint import _local_pieces, export_ftrl_tables
+    from conftest import bits
+    layout = {"ftrl_weights": "derived", "ftrl_accumulator": "rowwise"}
+    for sharding in ("tw", "rw"):
+        dmp = _ck_model(ws, sharding, layout)
+        _ck_train(dmp, None, rank, ws, range(2))
+        dcp.save(_ck_state(dmp), checkpoint_id=f"{ckpt_dir}/{sharding}")
+
+        def snapshot():
+            msd, osd = dmp.state_dict(), dmp.fused_optimizer.state_dict()["state"]
+            out = {}
+            for n in CK_TABLES:
+                key = f"embedding_bags.{n}.weight"
+                tensors = {"w": msd[key]}
+                if key in osd:
+                    tensors.update(n=osd[key][f"{n}.accum"], z=osd[key][f"{n}.linear"])
+                for slot, t in tensors.items():
+                    for offsets, local in _local_pieces(t):
+                        out[(n, slot, offsets)] = bits(local.clone())
+            return out
+        saved = snapshot()
+        assert any(slot == "n" and v.numel() == 4 * (ROWS if sharding == "tw" else ROWS // ws)
+                   for (_, slot, _), v in saved.items()), "row-wise accum is one fp32 per row"
+        _ck_train(dmp, None, rank, ws, range(2, 3))
+        moved = snapshot()
+        assert any(not torch.equal(moved[k], v) for k, v in saved.items()), "the extra step changed nothing"
+        state = _ck_state(dmp)
+        dcp.load(state, checkpoint_id=f"{ckpt_dir}/{sharding}")
+        dmp.load_state_dict(state["model"])
+        dmp.fused_optimizer.load_state_dict(state["optim"])
+        after = snapshot()
+        for key, value in saved.items():
+            assert torch.equal(after[key], value), f"{sharding} {key} not restored bitwise"
+        export_ftrl_tables(dmp, f"{ckpt_dir}/{sharding}.npz")
+        if rank == 0:
+            arrays = np.load(f"{ckpt_dir}/{sharding}.npz")
+            for n in CK_TABLES:
+                assert arrays[n].shape == (ROWS, DIM) and arrays[f"{n}/accum"].shape == (ROWS,)
+                L2 = 2.0 * KNOBS["l2"]
+                q = (KNOBS["beta"] + np.sqrt(arrays[f"{n}/accum"].astype(np.float64)))[:, None] / KNOBS["lr"] + L2
+                z = arrays[f"{n}/linear"].astype(np.float64)
+                want = np.where(np.abs(z) > KNOBS["l1"], (KNOBS["l1"] * np.sign(z) - z) / q, 0.0)
+                np.testing.assert_allclose(arrays[n], want, rtol=1e-6, atol=1e-9)
 
 
 # ----------------------------------------------------------------------------- mixed / weighted / VBE

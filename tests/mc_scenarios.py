@@ -33,9 +33,10 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def build(kind: str, kernel: str):
+def build(kind: str, kernel: str, layout: dict | None = None):
     """DMP over an MC-EBC (``kind="ebc"``, SUM pooling) or MC-EC (``"ec"``) of one FTRL table
-    ``t`` of ``ZCH`` slots, feature ``f``, row-wise on ``kernel``; weights zeroed, states reset."""
+    ``t`` of ``ZCH`` slots, feature ``f``, row-wise on ``kernel`` (``layout``: row-layout
+    fused_params); weights zeroed, states reset."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec import (EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection,
                           EmbeddingConfig)
@@ -50,7 +51,7 @@ def build(kind: str, kernel: str):
                                              MCHManagedCollisionModule)
 
     dev, meta = _device(), torch.device("meta")
-    fused = {"optimizer": EmbOptimType.FTRL, **FUSED}
+    fused = {"optimizer": EmbOptimType.FTRL, **FUSED, **(layout or {})}
     if kernel == "fused_uvm_caching":
         fused["cache_load_factor"] = 0.5
     sharders = torchrec_ftrl.sharders(fused)
@@ -143,10 +144,11 @@ def full_state(dmp, tbe) -> dict:
     return out
 
 
-def train_with_evictions_matches_reference(rank: int, ws: int, kind: str, kernel: str, steps: int) -> None:
+def train_with_evictions_matches_reference(rank: int, ws: int, kind: str, kernel: str, steps: int,
+                                           layout: dict | None = None) -> None:
     """Training with evictions every step: after each step the table equals a float64 FTRL in which
     every evicted slot restarted from (0, n0, 0); some evicted slot is taken again by a new id."""
-    dmp, tbe = build(kind, kernel)
+    dmp, tbe = build(kind, kernel, layout)
     resets = spy_resets(tbe)
     W, Z, Nacc = np.zeros((ZCH, DIM)), np.zeros((ZCH, DIM)), np.full((ZCH, DIM), N0)
     reused = 0
@@ -168,22 +170,23 @@ def train_with_evictions_matches_reference(rank: int, ws: int, kind: str, kernel
           f"evicted, {reused} lookups of re-used slots")
 
 
-def resume_is_bitwise(rank: int, ws: int, kind: str, kernel: str, ckpt_dir: str) -> None:
+def resume_is_bitwise(rank: int, ws: int, kind: str, kernel: str, ckpt_dir: str,
+                      layout: dict | None = None) -> None:
     """6 steps uninterrupted against 3 steps, a DCP checkpoint (model state with MC's remapping
     buffers, and the fused optimizer's), a fresh model loaded from it, and 3 more steps: bitwise equal."""
     import torch.distributed.checkpoint as dcp
-    dmp, tbe = build(kind, kernel)
+    dmp, tbe = build(kind, kernel, layout)
     for step in range(6):
         train_step(dmp, kind, step)
     want = full_state(dmp, tbe)
 
-    dmp, tbe = build(kind, kernel)
+    dmp, tbe = build(kind, kernel, layout)
     for step in range(3):
         train_step(dmp, kind, step)
     dcp.save({"model": dmp.state_dict(), "optim": dmp.fused_optimizer.state_dict()},
              checkpoint_id=f"{ckpt_dir}/dcp_{kind}")
 
-    dmp, tbe = build(kind, kernel)
+    dmp, tbe = build(kind, kernel, layout)
     state = {"model": dmp.state_dict(), "optim": dmp.fused_optimizer.state_dict()}
     dcp.load(state, checkpoint_id=f"{ckpt_dir}/dcp_{kind}")
     dmp.load_state_dict(state["model"])

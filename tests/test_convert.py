@@ -514,7 +514,8 @@ def test_refused(tf, keras_ckpt, v1_ckpt, tmp_path):
     np.savez(export, **{"wide": w, "wide/accum": n, "wide/linear": z,
                         "tall": np.zeros((ROWS + 1, DIM), np.float32),
                         "tall/accum": np.zeros((ROWS + 1, DIM), np.float32),
-                        "tall/linear": np.zeros((ROWS + 1, DIM), np.float32)})
+                        "tall/linear": np.zeros((ROWS + 1, DIM), np.float32),
+                        "rw": w, "rw/accum": n[:, 0].copy(), "rw/linear": z})
     cases += [
         (lambda: convert.to_tensorflow(export, {"tall": "model/emb"}, tmp_path / "out", template=kpath),
          r"table 'tall': export-file shape \[13, 4\] != shape \[12, 4\] of 'model/emb'"),
@@ -526,6 +527,9 @@ def test_refused(tf, keras_ckpt, v1_ckpt, tmp_path):
         (lambda: convert.to_tensorflow(export, {"tall": "wide/emb_a"}, tmp_path / "out", template=vpath,
                                        hyperparams=V1),
          r"table 'tall': export-file shape \[13, 4\] != shape \[12, 4\] of 'wide/emb_a'"),
+        (lambda: convert.to_tensorflow(export, {"rw": "model/emb"}, tmp_path / "out", template=kpath),
+         r"table 'rw': 'rw/accum' has shape \[12\], one accum per row \(ftrl_accumulator='rowwise'\); "
+         r"TensorFlow's Ftrl keeps one per element"),
     ]
     for fn, pattern in cases:
         with pytest.raises(ValueError, match=pattern):

@@ -24,3 +24,13 @@ def test_training_with_evictions_matches_float64(run_distributed, kind, kernel):
 @pytest.mark.parametrize("kind", ["ebc", "ec"])
 def test_dcp_resume_is_bitwise(tmp_path, run_distributed, kind, kernel):
     run_distributed(sc.resume_is_bitwise, 1, kind, kernel, str(tmp_path))
+
+
+@pytest.mark.parametrize("kind", ["ebc", "ec"])
+def test_derived_weights_with_evictions(tmp_path, run_distributed, kind):
+    """ftrl_weights="derived": an eviction resets z and n (and so w = prox(0, n0) = 0) and TorchRec's
+    init_fn writes the evicted rows through the DerivedWeight parameter; float64 reference, and a
+    DCP resume bitwise equal to the uninterrupted run."""
+    derived = {"ftrl_weights": "derived"}
+    run_distributed(sc.train_with_evictions_matches_reference, 1, kind, "fused", 8, derived)
+    run_distributed(sc.resume_is_bitwise, 1, kind, "fused", str(tmp_path), derived)

@@ -42,6 +42,29 @@ def test_plan_only_preset_per_ftrl_state_layout(capsys, state, fits):
         assert "fused_uvm_caching" in out["compute_kernels"]
 
 
+@pytest.mark.parametrize("flags, bytes_per_row", [
+    (["--ftrl-weights", "derived", "--ftrl-state-dtype", "bf16"], 2 * D * 2),           # 512 B
+    (["--ftrl-weights", "derived", "--ftrl-accumulator", "rowwise"], D * 4 + 4),         # 516 B
+    (["--ftrl-weights", "derived", "--ftrl-accumulator", "rowwise", "--ftrl-state-dtype", "bf16"],
+     D * 2 + 2),                                                                         # 258 B
+    (["--ftrl-accumulator", "rowwise"], D * 4 + D * 4 + 4),                              # 1,028 B
+])
+def test_plan_only_preset_lean_layouts(capsys, flags, bytes_per_row):
+    _, out = _plan_only(capsys, *flags)
+    assert out["sparse_bytes"] == sum(ROWS) * bytes_per_row
+    if "derived" in flags:   # no weight array: all of it is optimizer state, and it fits one H200
+        assert out["weight_bytes"] == 0 and out["fits_in_hbm"] is True
+        assert out["compute_kernels"] == ["fused"]
+
+
+def test_plan_never_caches_a_layout_the_cache_cannot_hold(capsys):
+    """Derived weights do not fit 40 GiB of HBM: the planner may use unified memory (fused_uvm) but
+    never fused_uvm_caching, whose cache rows hold the stored layout only."""
+    _, out = _plan_only(capsys, "--ftrl-weights", "derived", "--ftrl-state-dtype", "bf16", "--hbm-gib", "40")
+    assert out["fits_in_hbm"] is False and out["fits"] is True
+    assert "fused_uvm_caching" not in out["compute_kernels"] and "fused_uvm" in out["compute_kernels"]
+
+
 def test_plan_only_rowwise_adagrad_fits_one_h200(capsys):
     _, out = _plan_only(capsys, "--sparse-optimizer", "rowwise_adagrad")
     assert out["sparse_bytes"] == sum(ROWS) * (D * 4 + 4)
@@ -72,8 +95,6 @@ def test_preset_values_and_overrides():
 
 
 @pytest.mark.parametrize("flags, needle", [
-    (["--ftrl-weights", "derived"], "--ftrl-weights derived --ftrl-accumulator elementwise is not supported"),
-    (["--ftrl-accumulator", "rowwise"], "--ftrl-weights stored --ftrl-accumulator rowwise is not supported"),
     (["--rows-scale", "0"], "--rows-scale must be in (0, 1], got 0.0"),
     (["--multi-hot-sizes", "2"], "--multi-hot-sizes needs --synthetic uniform or zipf"),
     (["--world-size", "2"], "--world-size 2 needs --plan-only"),
@@ -87,10 +108,10 @@ def test_bad_flags_are_refused_naming_flag_and_value(capsys, flags, needle):
 def test_layout_flags_follow_the_kernel_layouts():
     import argparse
     a = argparse.Namespace(sparse_optimizer="ftrl", ftrl_weights="derived", ftrl_accumulator="rowwise")
-    assert layout.layout_error(a) == ("--ftrl-weights derived --ftrl-accumulator rowwise is not supported by "
-                                      "the FTRL TBE kernels; supported: --ftrl-weights stored "
-                                      "--ftrl-accumulator elementwise")
-    assert layout.layout_error(a, kernel_layouts={("derived", "rowwise")}) == ""
+    assert layout.layout_error(a) == ""
+    assert layout.layout_error(a, kernel_layouts={("stored", "elementwise")}) == (
+        "--ftrl-weights derived --ftrl-accumulator rowwise is not supported by the FTRL TBE kernels; "
+        "supported: --ftrl-weights stored --ftrl-accumulator elementwise")
     assert layout.fused_layout_params(a) == {"ftrl_weights": "derived", "ftrl_accumulator": "rowwise"}
     a.sparse_optimizer = "rowwise_adagrad"
     assert "needs --sparse-optimizer ftrl" in layout.layout_error(a)

@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import os
 import tempfile
+import warnings
 from typing import Iterator
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from .derived_weight import DerivedWeight
 
 SLOTS = ("accum", "linear")
 
@@ -142,6 +145,26 @@ def import_ftrl_tables(model: torch.nn.Module, path: str | os.PathLike) -> None:
     # cache): drop the cached copies, which hold the values from before the import.
     for tbe in _ftrl_tbes(opt_root=getattr(model, "fused_optimizer", None)):
         tbe.reset_cache_states()
+    _warn_unrepresented(tables, arrays, path)
+
+
+def _warn_unrepresented(tables, arrays, path: str) -> None:
+    """A ``UserWarning`` per table with derived weights whose loaded weights differ from the file's:
+    rows whose file weight is not ``prox(linear, accum)`` of the file's states (e.g. rows of a
+    stored-weights table initialised but never trained) hold that instead."""
+    for table, entry in sorted(tables.items()):
+        for offsets, local in _local_pieces(entry["weight"]):
+            if not isinstance(local, DerivedWeight):
+                continue
+            sl = tuple(slice(o, o + s) for o, s in zip(offsets, local.shape))
+            want = torch.from_numpy(np.ascontiguousarray(arrays[table][sl])).float()
+            bad = (local.to("cpu", copy=True) != want).any(dim=1).nonzero().flatten() + offsets[0]
+            if bad.numel():
+                warnings.warn(
+                    f"{path!r}: table {table!r} derives its weights from (linear, accum); "
+                    f"{bad.numel()} row(s) of the file hold a weight that is not prox(linear, accum) of "
+                    f"their states and now hold prox(linear, accum) instead (rows "
+                    f"{bad[:8].tolist()}{' ...' if bad.numel() > 8 else ''})", UserWarning, stacklevel=3)
 
 
 def _ftrl_tbes(opt_root) -> list:

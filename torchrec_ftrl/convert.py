@@ -652,6 +652,10 @@ def _read_export(path: str, names: Sequence[str]) -> dict[str, np.ndarray]:
         shape = out[name].shape
         if len(shape) != 2:
             raise ValueError(f"table {name!r}: {path!r} holds shape {list(shape)}; FTRL tables are 2-D")
+        if out[name + "/accum"].shape == shape[:1]:
+            raise ValueError(f"table {name!r}: {name + '/accum'!r} has shape {[shape[0]]}, one accum per row "
+                             f"(ftrl_accumulator='rowwise'); TensorFlow's Ftrl keeps one per element: "
+                             f"convert tables trained with ftrl_accumulator='elementwise'")
         for suffix in ("/accum", "/linear"):
             if out[name + suffix].shape != shape:
                 raise ValueError(f"table {name!r}: {name + suffix!r} has shape {list(out[name + suffix].shape)} "

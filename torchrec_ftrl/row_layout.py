@@ -17,6 +17,7 @@ kernels implement the layout (:func:`require_kernel_layout`).
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Mapping
 
 import torch
@@ -29,8 +30,12 @@ from .state_dtype import STATE_NAMES, parse_state_dtypes
 LAYOUT_KEYS = NOT_KNOBS
 WEIGHTS = ("stored", "derived")
 ACCUMULATORS = ("elementwise", "rowwise")
-# (weights, accumulator) pairs the TBE kernels (every backend and placement) implement.
-KERNEL_LAYOUTS = frozenset({("stored", "elementwise")})
+# (weights, accumulator) pairs the TBE kernels of every backend implement (HBM and host placements;
+# each backend declares its own, and those under MANAGED_CACHING, in its Capabilities).
+KERNEL_LAYOUTS = frozenset({(w, a) for w in WEIGHTS for a in ACCUMULATORS})
+# Those the MANAGED_CACHING (fused_uvm_caching) HBM cache holds (torchrec_ftrl.cache.RowCache: a weight
+# row and element-wise states per slot).
+CACHED_LAYOUTS = frozenset({("stored", "elementwise")})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,13 +115,39 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty(0, dtype=dtype).element_size()
 
 
-def require_kernel_layout(layout: RowLayout, where: str) -> None:
-    """Return when the TBE kernels implement ``layout``.
+def require_kernel_layout(layout: RowLayout, where: str, capabilities=None, backend: str = "",
+                          cached: bool = False) -> None:
+    """Return when the TBE kernels implement ``layout``: those of every backend
+    (:data:`KERNEL_LAYOUTS`), or, given ``capabilities``
+    (:class:`torchrec_ftrl.kernels.capabilities.Capabilities`), those of ``backend``, under the
+    ``MANAGED_CACHING`` placement when ``cached``.
 
     Raises:
         ValueError: otherwise, naming ``where``, the layout and what is implemented.
     """
-    if (layout.weights, layout.accumulator) not in KERNEL_LAYOUTS:
-        have = ", ".join(f"ftrl_weights={w!r} with ftrl_accumulator={a!r}" for w, a in sorted(KERNEL_LAYOUTS))
-        raise ValueError(f"{where}: the FTRL TBE implements {have}; got ftrl_weights={layout.weights!r}, "
-                         f"ftrl_accumulator={layout.accumulator!r}")
+    have = KERNEL_LAYOUTS if capabilities is None else (
+        capabilities.cached_layouts if cached else capabilities.layouts)
+    if (layout.weights, layout.accumulator) in have:
+        return
+    what = "the FTRL TBE" if capabilities is None else (
+        f"the {backend} backend" + (" under MANAGED_CACHING" if cached else ""))
+    pairs = ", ".join(f"ftrl_weights={w!r} with ftrl_accumulator={a!r}" for w, a in sorted(have)) or "nothing"
+    raise ValueError(f"{where}: {what} implements {pairs}; got ftrl_weights={layout.weights!r}, "
+                     f"ftrl_accumulator={layout.accumulator!r}")
+
+
+_warned_dropped = False
+
+
+def warn_dropped_weights(count: int, table: str) -> None:
+    """Once per process: a ``UserWarning`` that ``count`` non-zero weights of ``table`` were set to 0
+    by a derived-weights table (no z gives them where ``q(n) == 0``)."""
+    global _warned_dropped
+    if _warned_dropped:
+        return
+    _warned_dropped = True
+    warnings.warn(f"torchrec_ftrl: table {table!r} derives its weights from (linear, accum) and cannot hold "
+                  f"{count} non-zero initial weight(s) where q(accum) = (ftrl_beta + accum^(-p)) / lr + L2 is "
+                  f"0 (accum = 0, ftrl_beta = 0, no L2): those rows start at w = 0, as FTRL rows do at "
+                  f"their first update; set ftrl_initial_accumulator_value > 0 or ftrl_beta > 0 to keep "
+                  f"an initialisation (shown once per process)", UserWarning, stacklevel=3)

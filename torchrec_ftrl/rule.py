@@ -96,6 +96,30 @@ def ftrl_prox(linear: torch.Tensor, accum: torch.Tensor, hp: FTRLHyperparams) ->
     return torch.where(keep, (hp.l1_reg * z.sign() - z) / q, torch.zeros_like(z))
 
 
+def ftrl_encode(weights: torch.Tensor, accum: torch.Tensor,
+                hp: FTRLHyperparams) -> tuple[torch.Tensor, int]:
+    """The ``linear`` (z) with ``ftrl_prox(z, accum) == weights``: the inverse of :func:`ftrl_prox`.
+
+    ``z = -(q w + l1 sign(w))`` with ``q = (beta + n^(-p)) / lr + L2``: a weight ``w != 0`` needs
+    ``|z| > l1``, which this gives, and ``(l1 sign(z) - z) / q`` returns ``w`` up to the rounding of
+    the two operations (a few ulps in fp32); ``w == 0`` gives ``z = 0``. Where ``q == 0`` (``n = 0``,
+    ``beta = 0``, no L2 term) no z gives a non-zero weight: those elements get ``z = 0`` (``w = 0``).
+
+    Args:
+        weights: ``[..., D]`` any float dtype. accum: n, ``[..., D]`` or ``[..., 1]`` (row-wise).
+
+    Returns:
+        ``(z, dropped)``: z fp32 (fp64 for an fp64 ``accum``) of ``weights``' shape, and the number of
+        non-zero weights set to 0 because ``q == 0`` there.
+    """
+    math = torch.promote_types(accum.dtype, torch.float32)
+    w, n = weights.to(math), accum.to(math)
+    q = ((hp.beta + _power(n, hp)) / hp.learning_rate + hp.l2_effective).expand_as(w)
+    lost = (q == 0) & (w != 0)
+    z = torch.where((q == 0) | (w == 0), torch.zeros_like(w), -(q * w + hp.l1_reg * w.sign()))
+    return z, int(lost.sum())
+
+
 def ftrl_rule_rowwise(w: torch.Tensor, accum: torch.Tensor, linear: torch.Tensor, g: torch.Tensor,
                       hp: FTRLHyperparams) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Return new ``(w, accum, linear)`` of touched rows with a row-wise accumulator, in the math dtype.

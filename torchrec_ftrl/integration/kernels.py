@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import ComputeDevice
 from torchrec.distributed.batched_embedding_kernel import (
@@ -32,12 +33,14 @@ from torchrec.distributed.embedding_types import (
 from torchrec.distributed.planner.constants import UVM_CACHING_RATIO
 from torchrec.distributed.types import ShardingEnv, ShardingType
 from torchrec.modules.embedding_configs import DataType, data_type_to_sparse_type
+from torchrec.optim.fused import EmptyFusedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ..fbgemm_enums import BoundsCheckMode, CacheAlgorithm, PoolingMode, SparseType
 from ..hyperparams import parse_options
 from ..optim import parse_dense_state_dtype
 from ..placement import check_cache_options
+from ..derived_weight import DerivedWeight
 from ..row_layout import LAYOUT_KEYS, RowLayout, require_kernel_layout
 from ..state_dtype import STATE_NAMES, hashable_state_dtypes, parse_state_dtypes, state_sparse_types
 from ..tbe import FTRLTableBatchedEmbeddingBags
@@ -314,7 +317,39 @@ def _build_tbe(kernel, config: GroupedEmbeddingConfig, device, pooling) -> FTRLT
     )
 
 
-class FTRLBatchedFusedEmbeddingBag(BatchedFusedEmbeddingBag):
+class _DerivedWeightParams:
+    """The per-table weight parameters of a kernel whose TBE derives its weights: TorchRec slices the
+    TBE's weight buffer into ``TableBatchedEmbeddingSlice`` parameters (the sharded module's
+    ``weight`` parameters and ``state_dict``); a derived-weights TBE has none, so each table's
+    parameter is a :class:`~torchrec_ftrl.derived_weight.DerivedWeight` (computed when read,
+    encoded when written). A TBE that stores weights keeps TorchRec's slices."""
+
+    @property
+    def _param_per_table(self) -> dict[str, nn.Parameter]:
+        tbe = self._modules.get("_emb_module")
+        if tbe is None or tbe.row_layout.weights == "stored":
+            try:   # TorchRec's property (the fused kernels of torchrec 1.6-1.9)
+                return super()._param_per_table
+            except AttributeError:   # or what its __init__ assigned
+                return self.__dict__.get("_stock_param_per_table", {})
+        params: dict[str, nn.Parameter] = {}
+        for t, table in enumerate(self._config.embedding_tables):
+            if table.name in params:
+                raise ValueError(f"table {table.name!r} has several shards in one FTRL kernel of this "
+                                 f"rank; derived weights (ftrl_weights='derived') need one shard of a table "
+                                 f"per kernel: plan its column-wise shards on different ranks, or use "
+                                 f"ftrl_weights='stored'")
+            weight = nn.Parameter(DerivedWeight(tbe, t), requires_grad=False)
+            weight._in_backward_optimizers = [EmptyFusedOptimizer()]
+            params[table.name] = weight
+        return params
+
+    @_param_per_table.setter
+    def _param_per_table(self, value) -> None:
+        self.__dict__["_stock_param_per_table"] = value
+
+
+class FTRLBatchedFusedEmbeddingBag(_DerivedWeightParams, BatchedFusedEmbeddingBag):
     """Pooled (EmbeddingBagCollection) kernel: one FTRL TBE for a group of FTRL tables on this rank."""
 
     def __init__(self, config: GroupedEmbeddingConfig, pg: Optional[dist.ProcessGroup] = None,
@@ -340,7 +375,7 @@ class FTRLBatchedFusedEmbeddingBag(BatchedFusedEmbeddingBag):
         return out
 
 
-class FTRLBatchedFusedEmbedding(BatchedFusedEmbedding):
+class FTRLBatchedFusedEmbedding(_DerivedWeightParams, BatchedFusedEmbedding):
     """Sequence (EmbeddingCollection) kernel: the FTRL TBE with ``PoolingMode.NONE``."""
 
     def __init__(self, config: GroupedEmbeddingConfig, pg: Optional[dist.ProcessGroup] = None,

@@ -42,7 +42,7 @@ from torchrec.distributed.types import ShardingType, compute_storage_usage
 from ..optim_type import is_ftrl
 from ..placement import (CACHE_DIM_MULTIPLE, DEFAULT_LAYOUT, cache_bytes, cache_slots,
                          check_cache_options, table_bytes)
-from ..row_layout import RowLayout
+from ..row_layout import CACHED_LAYOUTS, LAYOUT_KEYS, RowLayout
 from .kernels import FTRL_COMPUTE_KERNELS, fused_row_layout
 
 _FUSED = EmbeddingComputeKernel.FUSED.value
@@ -135,6 +135,7 @@ def option_row_layout(option, fused_params: dict) -> RowLayout:
             merged.pop("optimizer_state_dtypes", None)
             merged.update({k: v for k, v in in_backward.items()
                            if k in ("state_dtype", "optimizer_state_dtypes")})
+        merged.update({k: in_backward[k] for k in LAYOUT_KEYS if in_backward.get(k) is not None})
     return fused_row_layout(merged, where=f"table {option.name!r} fused_params")
 
 
@@ -247,15 +248,19 @@ class FTRLStorageEstimator(EmbeddingStorageEstimator):
 _ENUMERATOR_SIGNATURE = inspect.signature(EmbeddingEnumerator.__init__)
 
 
-def _not_for_ftrl(option) -> bool:
+def _not_for_ftrl(option, sharder_map) -> bool:
     """Whether ``option`` cannot train its table by FTRL: data-parallel, a compute kernel other than
     the FTRL kernels (key-value, SSD / DRAM virtual tables, ...), or ``fused_uvm_caching`` with a shard
-    whose dim is not a multiple of 4 (the FTRL TBE refuses to cache it)."""
+    whose dim is not a multiple of 4 or a row layout the HBM cache does not hold
+    (:data:`torchrec_ftrl.row_layout.CACHED_LAYOUTS`): the FTRL TBE refuses those."""
     if option.sharding_type == ShardingType.DATA_PARALLEL.value:
         return True
     if option.compute_kernel not in FTRL_COMPUTE_KERNELS:
         return True
-    return option.compute_kernel == _UVM_CACHING and any(
+    if option.compute_kernel != _UVM_CACHING:
+        return False
+    layout = option_row_layout(option, _fused_params(option, sharder_map))
+    return (layout.weights, layout.accumulator) not in CACHED_LAYOUTS or any(
         shard.size[1] % CACHE_DIM_MULTIPLE for shard in option.shards)
 
 
@@ -263,7 +268,8 @@ class FTRLEnumerator(EmbeddingEnumerator):
     """``EmbeddingEnumerator`` for models with FTRL tables: TorchRec's estimators with the storage
     estimator replaced by :class:`FTRLStorageEstimator`, and for an FTRL table (in backward or by
     ``fused_params``) only options with an FTRL compute kernel (``fused``, ``fused_uvm``,
-    ``fused_uvm_caching``; the last with shard dims that are multiples of 4) and no
+    ``fused_uvm_caching``; the last with shard dims that are multiples of 4 and a row layout the
+    cache holds) and no
     ``data_parallel`` option. A table left with no option makes the planner raise, naming it.
     Constructor arguments: TorchRec's."""
 
@@ -277,7 +283,8 @@ class FTRLEnumerator(EmbeddingEnumerator):
     def enumerate(self, module, sharders) -> list:
         options = super().enumerate(module, sharders)
         sharder_map = getattr(self, "_sharder_data_map", None) or getattr(self, "_sharder_map", None)
-        kept = [so for so in options if not (_not_for_ftrl(so) and is_ftrl_option(so, sharder_map))]
+        kept = [so for so in options
+                if not (is_ftrl_option(so, sharder_map) and _not_for_ftrl(so, sharder_map))]
         if len(kept) != len(options):
             options[:] = kept
             if getattr(self, "_last_stored_search_space", None) is not None:

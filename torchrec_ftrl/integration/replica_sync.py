@@ -31,12 +31,10 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..rule import ftrl_prox
 from ..tbe import FTRLTableBatchedEmbeddingBags
 from .kernels import ftrl_tbes
 
 # The TBE's names (``get_optimizer_state``) of the two states the weight derives from.
-ACCUM, LINEAR = "accum", "linear"
 
 
 @torch.no_grad()
@@ -44,7 +42,7 @@ def average_ftrl_replicas(tbes: list[FTRLTableBatchedEmbeddingBags], replica_pg)
     """Make every replica of each TBE in ``tbes`` equal (one all-reduce per table over ``replica_pg``):
     each state of ``get_optimizer_state()`` := the fp32 mean over the replicas (sum, then divide by
     the group size; stored by ``copy_``, so a bf16 state rounds to nearest even), then each weight of
-    ``split_embedding_weights()`` := ``ftrl_prox(linear, accum)`` of the stored states, in the
+    ``split_embedding_weights()`` := ``derived_weights`` (``ftrl_prox(linear, accum)``) of the stored states, in the
     weight dtype, where the TBE stores weights (:func:`stores_weights`). A cached TBE's HBM cache is
     flushed before and emptied after."""
     replicas = dist.get_world_size(replica_pg)
@@ -59,8 +57,8 @@ def average_ftrl_replicas(tbes: list[FTRLTableBatchedEmbeddingBags], replica_pg)
                 t.copy_(flat[start:start + t.numel()].view(t.shape))
                 start += t.numel()
         if stores_weights(tbe):
-            for w, per_table in zip(tbe.split_embedding_weights(), tbe.get_optimizer_state()):
-                w.copy_(ftrl_prox(per_table[LINEAR], per_table[ACCUM], tbe.hyperparams))
+            for t, w in enumerate(tbe.split_embedding_weights()):
+                w.copy_(tbe.derived_weights(t))
         tbe.reset_cache_states()
 
 

@@ -87,8 +87,9 @@ class PlanDoesNotFitError(ValueError):
 def compute_kernels(device_type: str) -> list[str]:
     """Compute kernels the planner may choose: ``fused`` (tables in HBM, or in host memory on the
     CPU), and on CUDA also ``fused_uvm_caching`` (a table in host memory with an HBM cache of its
-    rows, where TorchRec's planner puts a table that HBM cannot hold)."""
-    return ["fused", "fused_uvm_caching"] if device_type == "cuda" else ["fused"]
+    rows, where TorchRec's planner puts a table that HBM cannot hold) and ``fused_uvm`` (a table in
+    unified memory, for row layouts the cache does not hold)."""
+    return ["fused", "fused_uvm_caching", "fused_uvm"] if device_type == "cuda" else ["fused"]
 
 
 def make_planner(table_names: Sequence[str], sharding_types: Sequence[str], device_type: str,

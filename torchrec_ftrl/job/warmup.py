@@ -31,7 +31,7 @@ def enabled(mode: str, sparse_optimizer: str, device: torch.device) -> bool:
 def _warm_batch(tbe, batch_size: int, bag_size: int, gen: torch.Generator):
     """``(indices, offsets)``: ``batch_size`` bags of ``bag_size`` ids per feature of ``tbe``, ids
     below ``min(rows, WARMUP_ROWS)`` of each feature's table."""
-    device = tbe.weights_dev.device if tbe.weights_dev.numel() else torch.device("cpu")
+    device = tbe.linear_dev.device
     ids = []
     for t in tbe.feature_table_map:
         high = min(tbe.embedding_specs[t][0], WARMUP_ROWS)
@@ -79,6 +79,6 @@ def warm_up(model: torch.nn.Module, batch_size: int, multi_hot: Optional[Sequenc
                 out.backward(torch.randn(out.shape, generator=gen).to(out.device, out.dtype) * 1e-3)
         finally:
             _restore(tbe, snap)
-    if tbes and tbes[0].weights_dev.is_cuda:
+    if tbes and tbes[0].linear_dev.is_cuda:
         torch.cuda.synchronize()
     return len(tbes)

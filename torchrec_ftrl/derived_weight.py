@@ -1,0 +1,209 @@
+"""A derived-weights table's weights as a tensor: ``prox(linear, accum)`` on read, encoded on write.
+
+A table whose row layout derives its weights (``ftrl_weights="derived"``,
+:class:`torchrec_ftrl.row_layout.RowLayout`) has no weight array. :class:`DerivedWeight` stands in
+for one wherever TorchRec and its users expect a ``[rows, D]`` weight tensor (the TBE's
+``split_embedding_weights``, the sharded module's ``weight`` parameters and ``state_dict``): a
+storage-less tensor of that shape (fp32, the tables' device) whose
+
+* reads (any op that is not a write into it) compute the weights ``prox(z, n)`` of its rows in chunks
+  of at most :data:`CHUNK_ROWS` rows where the op is a copy (``.cpu()``, ``.to()``, ``clone``), so a
+  checkpoint save holds one chunk of fp32 weights on the device at a time; other ops see the
+  whole range computed once;
+* writes (``copy_``, ``uniform_``, ``fill_``, ``zero_``, any in-place op TorchRec's ``init_fn`` or a
+  load applies) encode the new weights into ``linear``, :data:`CHUNK_ROWS` rows at a time, leaving
+  rows whose weights do not change as they are (``FTRLTableBatchedEmbeddingBags.load_weights``:
+  exact up to rounding where ``q(accum) > 0``, else the row starts at 0 with a one-time warning);
+* row slices (``w[a:b]``, ``narrow(0, ...)``), ``detach`` and ``alias`` are views of the same rows.
+
+Metadata queries (shape, dtype, device, ``is_pinned``) compute nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+aten = torch.ops.aten
+
+# Rows computed at a time when a read copies the weights (to the host, another dtype or a clone):
+# 65,536 rows of D = 128 are 32 MiB of fp32.
+CHUNK_ROWS = 65536
+
+_VIEWS = {aten.detach.default, aten.alias.default}
+_COPIES = {aten._to_copy.default, aten.clone.default}
+# In-place ops whose value at a row depends only on that row (and on the same row of a tensor
+# argument of as many rows): applied chunk by chunk. Other in-place ops see the whole range.
+_ROW_ALIGNED = {aten.copy_.default, aten.uniform_.default, aten.normal_.default, aten.fill_.Scalar,
+                aten.fill_.Tensor, aten.zero_.default, aten.add_.Tensor, aten.add_.Scalar,
+                aten.sub_.Tensor, aten.mul_.Tensor, aten.mul_.Scalar, aten.div_.Tensor,
+                aten.clamp_.default}
+
+
+class DerivedWeight(torch.Tensor):
+    """Rows ``[row_start, row_start + rows)`` of table ``table`` of a derived-weights FTRL TBE, as an
+    fp32 ``[rows, D]`` tensor without storage (see the module docstring).
+
+    Args:
+        tbe: the ``FTRLTableBatchedEmbeddingBags`` holding the table.
+        table: the table's index in ``tbe``.
+        row_start, rows: the row range (default: the whole table).
+    """
+
+    _tbe: Any
+    _table: int
+    _row_start: int
+
+    @staticmethod
+    def __new__(cls, tbe, table: int, row_start: int = 0, rows: int | None = None):
+        total, dim = tbe.embedding_specs[table][:2]
+        rows = total - row_start if rows is None else rows
+        return torch.Tensor._make_wrapper_subclass(cls, (rows, dim), dtype=torch.float32,
+                                                   device=tbe.linear_dev.device, requires_grad=False)
+
+    def __init__(self, tbe, table: int, row_start: int = 0, rows: int | None = None) -> None:
+        self._tbe, self._table, self._row_start = tbe, int(table), int(row_start)
+
+    def __repr__(self) -> str:
+        return (f"DerivedWeight(table={self._tbe.table_names[self._table]!r}, rows=[{self._row_start}, "
+                f"{self._row_start + self.shape[0]}), dim={self.shape[1]})")
+
+    def _view(self, start: int, rows: int) -> "DerivedWeight":
+        return DerivedWeight(self._tbe, self._table, self._row_start + start, rows)
+
+    def _rows(self, start: int = 0, rows: int | None = None) -> slice:
+        rows = self.shape[0] - start if rows is None else rows
+        return slice(self._row_start + start, self._row_start + start + rows)
+
+    def materialize(self) -> torch.Tensor:
+        """The weights of these rows as a plain fp32 ``[rows, D]`` tensor on the tables' device."""
+        return self._tbe.derived_weights(self._table, self._rows())
+
+    def _copy_to(self, **to: Any) -> torch.Tensor:
+        """The weights copied with ``Tensor.to(**to)``, computed :data:`CHUNK_ROWS` rows at a time."""
+        out = None
+        for start in range(0, self.shape[0], CHUNK_ROWS):
+            chunk = self._tbe.derived_weights(self._table, self._rows(start, min(CHUNK_ROWS, self.shape[0] - start)))
+            chunk = chunk.to(**to, copy=True)
+            if out is None:
+                out = torch.empty((self.shape[0],) + tuple(chunk.shape[1:]), dtype=chunk.dtype,
+                                  device=chunk.device)
+            out[start:start + chunk.shape[0]] = chunk
+        return out if out is not None else self.materialize().to(**to, copy=True)
+
+    def assign(self, values: torch.Tensor) -> None:
+        """Encode ``values`` (``[rows, D]``) as these rows' weights (see the module docstring). Rows
+        whose values equal their weights now are left as they are: a checkpoint load that writes the
+        weights after their ``linear`` and ``accum`` (or before: ``linear`` then overwrites the
+        encoding) restores ``linear`` bit for bit."""
+        values = values.to(device=self.device, dtype=torch.float32).expand(self.shape)
+        for start in range(0, self.shape[0], CHUNK_ROWS):
+            self._tbe.load_weights(self._table, values[start:start + CHUNK_ROWS],
+                                   row_start=self._row_start + start, only_changed=True)
+
+    def numpy(self, *, force: bool = False):
+        """The weights as a NumPy array (computed on the host)."""
+        return self._copy_to(device="cpu").numpy()
+
+    def tolist(self):
+        return self._copy_to(device="cpu").tolist()
+
+    def _write(self, func, args: tuple, kwargs: dict) -> None:
+        """Apply the in-place op ``func`` to the weights, :data:`CHUNK_ROWS` rows at a time: each
+        chunk's weights are computed, changed by ``func`` (tensor arguments with one row per row of
+        this tensor are sliced to the chunk) and encoded back (:meth:`assign`)."""
+        rows = self.shape[0]
+        args, kwargs = tree_map(_plain, (args, kwargs))
+        if func not in _ROW_ALIGNED:
+            values = self.materialize()
+            func(values, *args, **kwargs)
+            self.assign(values)
+            return
+        for start in range(0, rows, CHUNK_ROWS):
+            stop = min(rows, start + CHUNK_ROWS)
+            part = tree_map(lambda x: x[start:stop] if isinstance(x, torch.Tensor) and x.dim() == 2
+                            and x.shape[0] == rows else x, (args, kwargs))
+            chunk = self._view(start, stop - start)
+            values = chunk.materialize()
+            func(values, *part[0], **part[1])
+            chunk.assign(values)
+
+    def __reduce_ex__(self, protocol):
+        """Pickled (``torch.save``, a checkpoint writer) as the plain fp32 tensor of its weights."""
+        return self._copy_to().__reduce_ex__(protocol)
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        me = args[0] if args and isinstance(args[0], DerivedWeight) else None
+        if me is not None:
+            if func in _VIEWS:
+                return me._view(0, me.shape[0])
+            if func is aten.is_pinned.default:
+                return False
+            if func in (aten.slice.Tensor, aten.narrow.default):
+                view = _row_view(me, func, args)
+                if view is not None:
+                    return view
+            if func in (aten.view.default, aten._unsafe_view.default, aten.reshape.default) and \
+                    tuple(args[1]) == tuple(me.shape):
+                return me._view(0, me.shape[0])
+            if func in _COPIES and len(args) == 1:
+                keep = {k: v for k, v in kwargs.items() if k in ("dtype", "device") and v is not None}
+                if set(kwargs) <= {"dtype", "device", "layout", "memory_format", "pin_memory",
+                                   "non_blocking"}:
+                    return me._copy_to(**keep)
+            rows = _row_index(me, func, args)
+            if rows is not None and func is aten.index.Tensor:        # w[rows]
+                return me._tbe.derived_weights(me._table, rows + me._row_start)
+            if rows is not None and func is aten.index_put_.default and not (args[3:] and args[3]):
+                values = _plain(args[2]).to(device=me.device, dtype=torch.float32)
+                me._tbe.load_weights(me._table, values.expand(rows.numel(), me.shape[1]),
+                                     row_ids=rows + me._row_start)             # w[rows] = values
+                return me
+            if func._schema.arguments and func._schema.arguments[0].is_write:
+                me._write(func, args[1:], kwargs)
+                return me
+        return func(*tree_map(_plain, args), **tree_map(_plain, kwargs))
+
+
+def _row_index(me: DerivedWeight, func, args) -> torch.Tensor | None:
+    """For ``w[rows]`` / ``w[rows] = v`` (``aten.index`` / ``index_put_`` with one int64 or bool
+    index on dim 0), the int64 rows (within ``me``); else None."""
+    if func not in (aten.index.Tensor, aten.index_put_.default) or len(args) < 2:
+        return None
+    index = args[1]
+    if len(index) != 1 or index[0] is None or isinstance(index[0], DerivedWeight) or index[0].dim() != 1:
+        return None
+    rows = index[0]
+    if rows.dtype == torch.bool:
+        return rows.nonzero().flatten() if rows.numel() == me.shape[0] else None
+    if rows.dtype not in (torch.int64, torch.int32):
+        return None
+    rows = rows.to(device=me.device, dtype=torch.int64)
+    return torch.where(rows < 0, rows + me.shape[0], rows)
+
+
+def _plain(x: Any) -> Any:
+    return x.materialize() if isinstance(x, DerivedWeight) else x
+
+
+def _row_view(me: DerivedWeight, func, args) -> DerivedWeight | None:
+    """A view of a range of rows for ``slice(dim 0, step 1)`` / ``narrow(0, ...)``, else None."""
+    rows = me.shape[0]
+    if func is aten.narrow.default:
+        _, dim, start, length = args
+        return me._view(int(start) % max(rows, 1), int(length)) if dim == 0 else None
+    dim = args[1] if len(args) > 1 else 0
+    start = args[2] if len(args) > 2 and args[2] is not None else 0
+    end = args[3] if len(args) > 3 and args[3] is not None else rows
+    step = args[4] if len(args) > 4 else 1
+    if dim != 0 or step != 1:
+        return None
+    start = max(0, min(rows, start + rows if start < 0 else start))
+    end = max(start, min(rows, end + rows if end < 0 else end))
+    return me._view(start, end - start)

@@ -854,14 +854,16 @@ def layouts_markdown(meta, rows):
             gbs = res["bytes"] / 1e9
             floor = res["bytes"] / bw * 1e3
             k = res.get("kernel_ms")
-            ratio = lambda key: (f"{rwa[key] / res[key]:.2f}x" if rwa.get(key) and res.get(key) else "–")  # noqa: E731
+            def ratio(key, res=res):
+                return f"{rwa[key] / res[key]:.2f}x" if rwa.get(key) and res.get(key) else "–"
             tgt = LAYOUT_TARGETS.get(m)
             tgt = f"{tgt[0 if r['dist'] == 'uniform' else 1]:.2f}x" if tgt else "–"
             upd = res.get("update_ms")
             ufloor = res["update_bytes"] / bw * 1e3 if "update_bytes" in res else None
             md.append(
                 f"| {r['table']} | {r['ids']} | {r['unique_rows']:,.0f} | {m} | {res['row_bytes']} | {gbs:.2f} | "
-                f"{floor:.3f} | {res['ms']:.3f} | {f'{k:.3f}' if k else '–'} | {f'{k / floor:.2f}x' if k else '–'} | "
+                f"{floor:.3f} | {res['ms']:.3f} | {f'{k:.3f}' if k else '–'} | "
+                f"{f'{k / floor:.2f}x' if k else '–'} | "
                 f"{f'{100 * floor / k:.0f}%' if k else '–'} | {ratio('kernel_ms')} | {ratio('ms')} | {tgt} | "
                 f"{f'{upd:.3f}' if upd else '–'} | {f'{ufloor:.3f}' if ufloor else '–'} | "
                 f"{f'{100 * ufloor / upd:.0f}%' if upd and ufloor else '–'} |")
@@ -922,7 +924,8 @@ def run_layouts(args) -> None:
             if need + MEMORY_MARGIN > free:
                 for _, row in loads:
                     row["results"][m] = dict(row_bytes=row_bytes(m, D, wb), error=(
-                        f"skipped: tables + workspace {_gib(need):.1f} GiB + margin exceed the free {_gib(free):.1f} GiB"))
+                        f"skipped: tables + workspace {_gib(need):.1f} GiB + margin exceed the free "
+                        f"{_gib(free):.1f} GiB"))
                 log(f"  {m}: skipped (memory)")
                 continue
             mod = None
@@ -948,8 +951,11 @@ def run_layouts(args) -> None:
                         f"FAILED: {res['error']}" if "error" in res else
                         f"{res['row_bytes']:5d} B/row  floor {floor:7.3f} ms  step {res['ms']:7.3f} ms  "
                         f"kernel {res['kernel_ms']:7.3f} ms ({100 * floor / res['kernel_ms']:.0f}% of copy BW)"
-                        + (f"  update {res['update_ms']:.3f} ms ({100 * res['update_bytes'] / bw_copy * 1e3 / res['update_ms']:.0f}% of copy BW)"
+                        + (f"  update {res['update_ms']:.3f} ms "
+                           f"({100 * res['update_bytes'] / bw_copy * 1e3 / res['update_ms']:.0f}% of copy BW)"
                            if res.get("update_ms") else "")))
+                    if args.profile and "top_kernels" in res:
+                        log("    top kernels: " + ", ".join(f"{k[:40]} {v:.3f} ms" for k, v in res["top_kernels"]))
                 del grad, step
             except Exception as exc:  # noqa: BLE001 - e.g. out of memory while building
                 log(f"  {m} FAILED: {type(exc).__name__}: {exc}"[:500])

@@ -245,23 +245,62 @@ def out_tol(case: Case) -> dict:
     return dict(rtol=1.6e-2, atol=2e-3) if low else dict(rtol=5e-5, atol=1e-5)
 
 
-def check_case(case: Case, device) -> None:
+def backend_stepper(backend, arrays: TableArrays, hp, case: Case):
+    """``(arrays, step(batch, grad, k) -> (flat out, rows counted))``: training steps through
+    ``backend``'s functions on ``arrays``, bf16 states rounded with step ``7 + k``."""
+    def step(batch, grad, k):
+        batch = dataclasses.replace(batch, step=torch.tensor([7 + k], dtype=torch.int64,
+                                                             device=arrays.linear.device))
+        return run_step(backend, arrays, batch, grad, hp, case.out_dtype)
+    return arrays, step
+
+
+def module_stepper(backend: str, start: TableArrays, case: Case, device):
+    """``(arrays, step(batch, grad, k))``: training steps of an ``FTRLTableBatchedEmbeddingBags``
+    on ``backend`` built with the case's layout (``ftrl_weights``, ``ftrl_accumulator``,
+    ``optimizer_state_dtypes``; its own allocation, ``bounds_check_mode`` WARNING, ``iter`` as the
+    rounding step) and set to the state ``start``; ``arrays`` are its ``table_arrays``."""
+    m = FTRLTableBatchedEmbeddingBags(
+        case.specs, feature_table_map=case.fmap, pooling_mode=case.pooling, device=device, backend=backend,
+        ftrl_weights=case.weights, ftrl_accumulator=case.accumulator,
+        optimizer_state_dtypes={"accum": case.state_dtype, "linear": case.state_dtype},
+        bounds_check_mode=BoundsCheckMode.WARNING, **KNOBS)
+    arrays = m.table_arrays
+    with torch.no_grad():
+        for name in ("weights", "accum", "linear"):
+            if getattr(start, name) is not None:
+                getattr(arrays, name).copy_(getattr(start, name))
+
+    def step(batch, grad, k):
+        out = m(batch.indices, batch.offsets, batch.per_sample_weights, batch_size_per_feature_per_rank=case.vbe)
+        before = int(m.nonfinite_grad_rows)
+        out.backward(grad.to(out.device).view(out.shape))
+        return out.reshape(-1), int(m.nonfinite_grad_rows) - before
+    return arrays, step
+
+
+def check_case(case: Case, device, through_module: bool = False) -> None:
     """``case.steps`` steps of the Triton backend on the case's layout: each step's output, states,
     skipped rows and their count against the float64 oracle from the state before it, and the
-    output and states against the PyTorch backend run on copies of the same arrays (fp32 state:
-    close; bf16 state: within one bf16 spacing, and most values bit for bit, since both round the
-    same fp32 values with the same random bits)."""
+    output and states against the PyTorch backend from the same start (fp32 state: close; bf16
+    state: within one bf16 spacing, and most values bit for bit, since both round the same fp32
+    values with the same random bits). The backends' functions run on arrays allocated here, or
+    (``through_module``) each backend's TBE module runs."""
     geo = Tables(case.specs)
     m = batch_maker(case, device)
     hp = m.hyperparams
     knobs = reference_knobs(hp)
-    ours = start_arrays(case, geo, device)
-    twin = copy_arrays(ours)
+    start = start_arrays(case, geo, device)
+    if through_module:
+        ours, ours_step = module_stepper("triton", start, case, device)
+        twin, twin_step = module_stepper("torch", start, case, device)
+    else:
+        ours, ours_step = backend_stepper(triton_backend, start, hp, case)
+        twin, twin_step = backend_stepper(torch_backend, copy_arrays(start), hp, case)
     rng = np.random.default_rng(case.seed)
     for step in range(case.steps):
         indices, offsets, psw = random_batch(case, rng, device)
-        batch = dataclasses.replace(m._make_batch(indices, offsets, psw, case.vbe),
-                                    step=torch.tensor([7 + step], dtype=torch.int64, device=device))
+        batch = m._make_batch(indices, offsets, psw, case.vbe)
         grad = torch.randn(batch.out_numel, generator=torch.Generator().manual_seed(case.seed * 31 + step))
         if step == case.nan_step and indices.numel():   # column 0 of the first lookup's output
             first_bag = int((offsets[1:] > offsets[:-1]).nonzero()[0])
@@ -269,7 +308,7 @@ def check_case(case: Case, device) -> None:
         grad = grad.to(case.out_dtype)
         before = copy_arrays(ours, "cpu")
         ref = oracle_step(case, geo, before, indices, offsets, psw, grad, knobs)
-        out, counted = run_step(triton_backend, ours, batch, grad, hp, case.out_dtype)
+        out, counted = ours_step(batch, grad, step)
         what = f"{case.weights}/{case.accumulator}/{case.state_dtype} step {step}"
         assert out.dtype == case.out_dtype
         assert_near(out, ref.out.reshape(-1), **out_tol(case), what=f"{what} forward")
@@ -277,7 +316,7 @@ def check_case(case: Case, device) -> None:
         if step == case.nan_step:
             assert counted > 0, f"{what}: the NaN gradient reached no row"
         check_against_oracle(case, geo, before, ours, ref, what)
-        out2, counted2 = run_step(torch_backend, twin, batch, grad, hp, case.out_dtype)
+        out2, counted2 = twin_step(batch, grad, step)
         assert counted2 == counted
         check_against_twin(case, ours, twin, out, out2, what)
 
@@ -369,13 +408,6 @@ def test_interp_layout_sum_hot_rows_nan(interp, weights, accumulator, state_dtyp
     check_case(Case(weights, accumulator, state_dtype, hot=True, max_len=8, nan_step=1), interp)
 
 
-@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("weights,accumulator", LAYOUTS)
-def test_interp_layout_mean_psw(interp, weights, accumulator, state_dtype):
-    """MEAN pooling with per-sample weights."""
-    check_case(Case(weights, accumulator, state_dtype, pooling=PoolingMode.MEAN, psw=True, seed=1), interp)
-
-
 @pytest.mark.parametrize("weights,accumulator", LAYOUTS)
 def test_interp_layout_sequence_bf16_out(interp, weights, accumulator):
     """NONE pooling (one output row per lookup), bf16 output."""
@@ -389,6 +421,16 @@ def test_interp_layout_vbe_fp16_out(interp, weights, accumulator):
     vbe = [[1, 2], [2, 0], [1, 1], [0, 3], [2, 2]]
     check_case(Case(weights, accumulator, torch.bfloat16, vbe=vbe, out_dtype=torch.float16, seed=3,
                     steps=2), interp)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("weights,accumulator", LAYOUTS)
+def test_interp_tbe_module_layout(interp, weights, accumulator, state_dtype):
+    """The TBE module built with ``backend="triton"`` and the layout (its allocation, the fused
+    WARNING bounds check, ``iter`` as the rounding step): MEAN, per-sample weights, hot rows, a NaN
+    gradient, against the oracle and the torch-backend module."""
+    check_case(Case(weights, accumulator, state_dtype, pooling=PoolingMode.MEAN, psw=True, hot=True,
+                    max_len=8, nan_step=1, seed=7), interp, through_module=True)
 
 
 @pytest.mark.parametrize("accumulator", ["elementwise", "rowwise"])
@@ -470,3 +512,27 @@ def test_cuda_layout_vbe_bf16_out(weights, accumulator):
 def test_cuda_derived_equals_stored_from_zero(accumulator, pooling, psw):
     check_derived_bitwise(Case("derived", accumulator, specs=cuda_specs(pooling), fmap=CUDA_FMAP, pooling=pooling,
                                psw=psw, hot=True, B=64, max_len=12, steps=4), "cuda")
+
+
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("weights,accumulator", LAYOUTS)
+def test_cuda_tbe_module_layout(weights, accumulator, state_dtype):
+    check_case(Case(weights, accumulator, state_dtype, specs=CUDA_SPECS, fmap=CUDA_FMAP, pooling=PoolingMode.MEAN,
+                    psw=True, hot=True, B=64, max_len=12, nan_step=1, seed=8), "cuda", through_module=True)
+
+
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("weights,accumulator", [("derived", "elementwise"), ("stored", "rowwise"),
+                                                 ("derived", "rowwise")])
+def test_cuda_cached_placement_refuses_lean_layouts(weights, accumulator):
+    """MANAGED_CACHING (fused_uvm_caching) with the Triton backend: the stored / element-wise layout
+    only (``CAPABILITIES.cached_layouts``); a lean layout is refused at construction."""
+    from torchrec_ftrl.fbgemm_enums import ComputeDevice, EmbeddingLocation
+    with pytest.raises(ValueError, match=f"triton backend under MANAGED_CACHING implements .*; got "
+                                         f"ftrl_weights='{weights}', ftrl_accumulator='{accumulator}'"):
+        FTRLTableBatchedEmbeddingBags([(1000, 64, EmbeddingLocation.MANAGED_CACHING, ComputeDevice.CUDA)],
+                                      device="cuda", backend="triton", ftrl_weights=weights,
+                                      ftrl_accumulator=accumulator, **KNOBS)

@@ -12,7 +12,8 @@
   ``iter``) on the device.
 * ``torch.ops.torchrec_ftrl.triton_tbe_backward_update_cached_``: the same for a batch whose rows may
   sit in the UVM-caching placement's HBM cache (:mod:`torchrec_ftrl.cache`; mutates the weight and
-  state caches ``cache_accum`` / ``cache_linear`` too, each in its state's dtype). The forward op reads such a batch's rows from the cache where they have a slot. The stored / element-wise layout only.
+  state caches ``cache_accum`` / ``cache_linear`` too, each in its state's dtype). The forward op reads such a batch's rows from the cache where they have a slot.
+  The stored / element-wise layout only.
 * ``torch.ops.torchrec_ftrl.triton_tbe_linearize``: the training forward's linearize pass (row keys,
   gradient offsets, factors, tables; with the fused WARNING check also the offsets repair), mutates
   ``warn``.

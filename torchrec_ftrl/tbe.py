@@ -24,10 +24,11 @@ from .hyperparams import DEFAULT_LEARNING_RATE, FTRLHyperparams, parse_options
 from .kernels.backend import resolve_backend
 from .kernels.layout import TableArrays
 from .optim_type import emb_optim_type
-from .placement import PLACEMENTS, check_cache_dims, check_cache_options
+from .placement import check_cache_dims, check_cache_options
 from .row_layout import RowLayout, require_kernel_layout
 from .state_dtype import describe, state_sparse_types
-from .tbe_args import _PRECISIONS, _as_sparse_type, _enum_member
+from .tbe_args import (_PRECISIONS, _as_sparse_type, _enum_member, parse_embedding_specs,
+                       parse_feature_table_map)
 from .tbe_batch import BatchMixin
 from .tbe_cached import CachedLookupMixin
 from .tbe_tables import TableAPIMixin
@@ -240,36 +241,9 @@ class FTRLTableBatchedEmbeddingBags(BatchMixin, CachedLookupMixin, TableAPIMixin
             optimizer_state_dtypes=optimizer_state_dtypes), where)
         self._state_dtypes = self.row_layout.state_dtypes
         self.optimizer_state_dtypes = state_sparse_types(self._state_dtypes)
-        if not embedding_specs:
-            raise ValueError("embedding_specs must name at least one table, got []")
-        rows_dims, locations = [], set()
-        for t, spec in enumerate(embedding_specs):
-            if not isinstance(spec, (tuple, list)) or len(spec) not in (2, 4):
-                raise ValueError(f"embedding_specs[{t}] must be (rows, dim) or (rows, dim, location, "
-                                 f"compute_device), got {spec!r}")
-            rows, dim = spec[0], spec[1]
-            if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
-                raise ValueError(f"embedding_specs[{t}] rows must be an int >= 1, got {rows!r}")
-            if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
-                raise ValueError(f"embedding_specs[{t}] dim must be an int >= 1, got {dim!r}")
-            rows_dims.append((rows, dim))
-            if len(spec) == 4:
-                if not isinstance(spec[2], EmbeddingLocation):
-                    raise ValueError(f"embedding_specs[{t}] location must be an EmbeddingLocation, "
-                                     f"got {spec[2]!r}")
-                locations.add(spec[2])
-        uvm_locations = locations & {EmbeddingLocation.MANAGED, EmbeddingLocation.MANAGED_CACHING}
-        if not locations <= set(PLACEMENTS) or (uvm_locations and len(locations) > 1):
-            raise ValueError(f"embedding_specs locations must be one of DEVICE/HOST, MANAGED or "
-                             f"MANAGED_CACHING for all tables, got {sorted(x.name for x in locations)}")
+        rows_dims, placement = parse_embedding_specs(embedding_specs)
         T = len(rows_dims)
-        if feature_table_map is None:
-            feature_table_map = list(range(T))
-        feature_table_map = [int(t) for t in feature_table_map]
-        bad = [t for t in feature_table_map if not 0 <= t < T]
-        if not feature_table_map or bad:
-            raise ValueError(f"feature_table_map entries must be table ids in [0, {T}), got "
-                             f"{feature_table_map!r}")
+        feature_table_map = parse_feature_table_map(feature_table_map, T)
         pooling_mode = _enum_member("pooling_mode", PoolingMode, pooling_mode,
                                     (PoolingMode.SUM, PoolingMode.MEAN, PoolingMode.NONE))
         if pooling_mode == PoolingMode.NONE and len({d for _, d in rows_dims}) != 1:
@@ -282,7 +256,6 @@ class FTRLTableBatchedEmbeddingBags(BatchMixin, CachedLookupMixin, TableAPIMixin
             raise ValueError(f"table_names must have {T} names, got {list(table_names)!r}")
 
         device = torch.device(device) if device is not None else torch.device("cpu")
-        placement = uvm_locations.pop() if uvm_locations else None
         if placement is not None and device.type != "cuda":
             raise ValueError(f"embedding_specs location {placement.name} (unified memory) needs a CUDA "
                              f"device, got device={device}")
@@ -316,6 +289,37 @@ class FTRLTableBatchedEmbeddingBags(BatchMixin, CachedLookupMixin, TableAPIMixin
         require_kernel_layout(self.row_layout, where, self._backend.CAPABILITIES, self.backend,
                               cached=placement == EmbeddingLocation.MANAGED_CACHING)
 
+        self._register_tables(rows_dims, feature_table_map, device, placement, bool(uvm_host_mapped))
+        self._plain_layout_cache = None   # ((B, device), bag_feature, bag_out_offset) of the last batch
+        self._captured_hp: Optional[FTRLHyperparams] = None   # knobs a CUDA graph captured (see forward)
+        self.prefetch_pipeline = bool(prefetch_pipeline)
+        self._prefetched: list[tuple[torch.Tensor, torch.Tensor]] = []   # (keys, slots) per batch
+        self._prefetch_stream = None
+        self.cache: Optional[RowCache] = None
+        if placement == EmbeddingLocation.MANAGED_CACHING:
+            self.cache = RowCache(
+                [r for r, _ in rows_dims], [d for _, d in rows_dims], feature_table_map,
+                self._table_w_offset, _PRECISIONS[self.weights_precision], cache_load_factor, cache_sets, cache_algorithm,
+                prefetch_pipeline, cache_reserved_memory, gather_uvm_cache_stats, device,
+                state_dtypes=self._state_dtypes)
+            self.cache.reset_states(self._hp.initial_accumulator_value)
+            self.register_state_dict_pre_hook(_flush_before_state_dict)
+            self.register_load_state_dict_post_hook(_empty_cache_after_load)
+        i64 = dict(dtype=torch.int64, device=device)
+        self.register_buffer("bounds_check_warning", torch.zeros(1, **i64))
+        # What a fused FATAL check counts (read once per forward; zero while batches are valid).
+        self.register_buffer("_fatal_count", torch.zeros(1, **i64), persistent=False)
+        self.register_buffer("nonfinite_grad_rows", torch.zeros(1, **i64))
+        self.register_buffer("iter", torch.zeros(1, **i64))
+        # Makes the output require grad so backward (the fused update) runs, as in FBGEMM.
+        self.placeholder_autograd_tensor = nn.Parameter(torch.zeros(0, device=device))
+        self._init_uniform(-0.01, 0.01, warn=False)   # FBGEMM's default initialisation
+
+    def _register_tables(self, rows_dims: list, feature_table_map: list, device: torch.device,
+                         placement: Optional[EmbeddingLocation], uvm_host_mapped: bool) -> None:
+        """The offsets of the flat buffers (FBGEMM's ``weights_offsets``, ``D_offsets``), the tables'
+        facts on the device, and the weights and states by :attr:`row_layout` (in unified memory under
+        the UVM placements, FBGEMM's ``weights_uvm``)."""
         sizes = [r * d for r, d in rows_dims]
         offs = [0]
         for s in sizes[:-1]:
@@ -329,6 +333,7 @@ class FTRLTableBatchedEmbeddingBags(BatchMixin, CachedLookupMixin, TableAPIMixin
         self.total_D = self.D_offsets[-1]
         self.max_D = max(d for _, d in rows_dims)
 
+        T = len(rows_dims)
         i64 = dict(dtype=torch.int64, device=device)
         self.register_buffer("_table_w_offset", torch.tensor(offs, **i64), persistent=False)
         self.register_buffer("_table_dim", torch.tensor([d for _, d in rows_dims], **i64), persistent=False)
@@ -336,42 +341,19 @@ class FTRLTableBatchedEmbeddingBags(BatchMixin, CachedLookupMixin, TableAPIMixin
         self.register_buffer("_table_row_base", torch.tensor(
             [sum(r for r, _ in rows_dims[:t]) for t in range(T)], **i64), persistent=False)
         self.register_buffer("_feature_table", torch.tensor(feature_table_map, **i64), persistent=False)
-        self._plain_layout_cache = None   # ((B, device), bag_feature, bag_out_offset) of the last batch
-        self._captured_hp: Optional[FTRLHyperparams] = None   # knobs a CUDA graph captured (see forward)
         self.register_buffer("_feature_dim", torch.tensor(dims_f, **i64), persistent=False)
         self.register_buffer("_D_offsets", torch.tensor(self.D_offsets, **i64), persistent=False)
         total = sum(sizes)
         wdtype = _PRECISIONS[self.weights_precision]
         # Under the UVM placements these buffers are in unified memory (FBGEMM's weights_uvm).
         alloc = functools.partial(_allocate, device=device, unified=placement is not None,
-                                  host_mapped=bool(uvm_host_mapped))
+                                  host_mapped=uvm_host_mapped)
         layout = self.row_layout
         self.register_buffer("weights_dev", alloc(total if layout.weights == "stored" else 0, wdtype))
         accum_numel = self._total_rows if layout.accumulator == "rowwise" else total
         self.register_buffer("accum_dev", alloc(accum_numel, self._state_dtypes["accum"]).fill_(
             self._hp.initial_accumulator_value))
         self.register_buffer("linear_dev", alloc(total, self._state_dtypes["linear"]).zero_())
-        self.prefetch_pipeline = bool(prefetch_pipeline)
-        self._prefetched: list[tuple[torch.Tensor, torch.Tensor]] = []   # (keys, slots) per batch
-        self._prefetch_stream = None
-        self.cache: Optional[RowCache] = None
-        if placement == EmbeddingLocation.MANAGED_CACHING:
-            self.cache = RowCache(
-                [r for r, _ in rows_dims], [d for _, d in rows_dims], feature_table_map,
-                self._table_w_offset, wdtype, cache_load_factor, cache_sets, cache_algorithm,
-                prefetch_pipeline, cache_reserved_memory, gather_uvm_cache_stats, device,
-                state_dtypes=self._state_dtypes)
-            self.cache.reset_states(self._hp.initial_accumulator_value)
-            self.register_state_dict_pre_hook(_flush_before_state_dict)
-            self.register_load_state_dict_post_hook(_empty_cache_after_load)
-        self.register_buffer("bounds_check_warning", torch.zeros(1, **i64))
-        # What a fused FATAL check counts (read once per forward; zero while batches are valid).
-        self.register_buffer("_fatal_count", torch.zeros(1, **i64), persistent=False)
-        self.register_buffer("nonfinite_grad_rows", torch.zeros(1, **i64))
-        self.register_buffer("iter", torch.zeros(1, **i64))
-        # Makes the output require grad so backward (the fused update) runs, as in FBGEMM.
-        self.placeholder_autograd_tensor = nn.Parameter(torch.zeros(0, device=device))
-        self._init_uniform(-0.01, 0.01, warn=False)   # FBGEMM's default initialisation
 
     # ------------------------------------------------------------------ attributes TorchRec reads
     @property

@@ -3,11 +3,12 @@ raises ``ValueError`` naming the argument and the value."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
-from .fbgemm_enums import SparseType
+from .fbgemm_enums import EmbeddingLocation, SparseType
+from .placement import PLACEMENTS
 
 _PRECISIONS = {SparseType.FP32: torch.float32, SparseType.FP16: torch.float16,
                SparseType.BF16: torch.bfloat16}
@@ -54,3 +55,53 @@ def _check_int_vector(name: str, t: Any, device: torch.device, cpu_too: bool = F
                          f"device={t.device}")
     if not cpu_too and t.device != device:
         raise ValueError(f"{name} must be on {device} (the tables' device), got device={t.device}")
+
+
+def parse_embedding_specs(embedding_specs) -> tuple[list[tuple[int, int]], Optional[EmbeddingLocation]]:
+    """``([(rows, dim)], placement)`` of FBGEMM-style specs ``(rows, dim)`` or ``(rows, dim, location,
+    compute_device)``; ``placement`` is the one unified-memory location of all tables (``MANAGED`` or
+    ``MANAGED_CACHING``), or None for device / host memory.
+
+    Raises:
+        ValueError: no table, a malformed spec, rows or dim < 1, a location that is not a placement,
+            or a unified-memory location mixed with others.
+    """
+    if not embedding_specs:
+        raise ValueError("embedding_specs must name at least one table, got []")
+    rows_dims, locations = [], set()
+    for t, spec in enumerate(embedding_specs):
+        if not isinstance(spec, (tuple, list)) or len(spec) not in (2, 4):
+            raise ValueError(f"embedding_specs[{t}] must be (rows, dim) or (rows, dim, location, "
+                             f"compute_device), got {spec!r}")
+        rows, dim = spec[0], spec[1]
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+            raise ValueError(f"embedding_specs[{t}] rows must be an int >= 1, got {rows!r}")
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+            raise ValueError(f"embedding_specs[{t}] dim must be an int >= 1, got {dim!r}")
+        rows_dims.append((rows, dim))
+        if len(spec) == 4:
+            if not isinstance(spec[2], EmbeddingLocation):
+                raise ValueError(f"embedding_specs[{t}] location must be an EmbeddingLocation, "
+                                 f"got {spec[2]!r}")
+            locations.add(spec[2])
+    uvm_locations = locations & {EmbeddingLocation.MANAGED, EmbeddingLocation.MANAGED_CACHING}
+    if not locations <= set(PLACEMENTS) or (uvm_locations and len(locations) > 1):
+        raise ValueError(f"embedding_specs locations must be one of DEVICE/HOST, MANAGED or "
+                         f"MANAGED_CACHING for all tables, got {sorted(x.name for x in locations)}")
+    return rows_dims, (uvm_locations.pop() if uvm_locations else None)
+
+
+def parse_feature_table_map(feature_table_map, T: int) -> list[int]:
+    """The table of each feature (default one feature per table).
+
+    Raises:
+        ValueError: an empty map or an entry outside ``[0, T)``.
+    """
+    if feature_table_map is None:
+        feature_table_map = list(range(T))
+    feature_table_map = [int(t) for t in feature_table_map]
+    bad = [t for t in feature_table_map if not 0 <= t < T]
+    if not feature_table_map or bad:
+        raise ValueError(f"feature_table_map entries must be table ids in [0, {T}), got "
+                         f"{feature_table_map!r}")
+    return feature_table_map

@@ -255,21 +255,27 @@ def backend_stepper(backend, arrays: TableArrays, hp, case: Case):
     return arrays, step
 
 
-def module_stepper(backend: str, start: TableArrays, case: Case, device):
-    """``(arrays, step(batch, grad, k))``: training steps of an ``FTRLTableBatchedEmbeddingBags``
-    on ``backend`` built with the case's layout (``ftrl_weights``, ``ftrl_accumulator``,
-    ``optimizer_state_dtypes``; its own allocation, ``bounds_check_mode`` WARNING, ``iter`` as the
-    rounding step) and set to the state ``start``; ``arrays`` are its ``table_arrays``."""
+def layout_module(backend: str, start: TableArrays, case: Case, device) -> FTRLTableBatchedEmbeddingBags:
+    """An ``FTRLTableBatchedEmbeddingBags`` on ``backend`` built with the case's layout
+    (``ftrl_weights``, ``ftrl_accumulator``, ``optimizer_state_dtypes``; its own allocation,
+    ``bounds_check_mode`` WARNING), set to the state ``start``."""
     m = FTRLTableBatchedEmbeddingBags(
         case.specs, feature_table_map=case.fmap, pooling_mode=case.pooling, device=device, backend=backend,
         ftrl_weights=case.weights, ftrl_accumulator=case.accumulator,
         optimizer_state_dtypes={"accum": case.state_dtype, "linear": case.state_dtype},
         bounds_check_mode=BoundsCheckMode.WARNING, **KNOBS)
-    arrays = m.table_arrays
     with torch.no_grad():
         for name in ("weights", "accum", "linear"):
             if getattr(start, name) is not None:
-                getattr(arrays, name).copy_(getattr(start, name))
+                getattr(m.table_arrays, name).copy_(getattr(start, name))
+    return m
+
+
+def module_stepper(backend: str, start: TableArrays, case: Case, device):
+    """``(arrays, step(batch, grad, k))``: training steps of :func:`layout_module` (``iter`` is the
+    rounding step); ``arrays`` are its ``table_arrays``."""
+    m = layout_module(backend, start, case, device)
+    arrays = m.table_arrays
 
     def step(batch, grad, k):
         out = m(batch.indices, batch.offsets, batch.per_sample_weights, batch_size_per_feature_per_rank=case.vbe)
@@ -431,6 +437,22 @@ def test_interp_tbe_module_layout(interp, weights, accumulator, state_dtype):
     gradient, against the oracle and the torch-backend module."""
     check_case(Case(weights, accumulator, state_dtype, pooling=PoolingMode.MEAN, psw=True, hot=True,
                     max_len=8, nan_step=1, seed=7), interp, through_module=True)
+
+
+@pytest.mark.parametrize("weights,accumulator", LAYOUTS)
+def test_interp_eval_forward_with_bad_indices(interp, weights, accumulator):
+    """An eval forward (no training forward: the lookup checks raw indices itself under WARNING)
+    with an index out of range and bad offsets: read as row 0 / repaired and counted, like the
+    torch-backend module (which checks before its lookup)."""
+    case = Case(weights, accumulator, torch.bfloat16)
+    start = start_arrays(case, Tables(case.specs), interp)
+    ours, twin = (layout_module(b, start, case, interp) for b in ("triton", "torch"))
+    indices = torch.tensor([1, 99, 4, 2, 12, -3, 5, 0, 3, 1, 7])
+    offsets = torch.tensor([0, 2, 3, 3, 5, 4, 7, 8, 9, 9, 10, 11, 11, 11, 11, 11])   # 5 features x 3 bags
+    with torch.no_grad():
+        out, out2 = ours(indices, offsets), twin(indices, offsets)
+    assert int(ours.bounds_check_warning) == int(twin.bounds_check_warning) > 0
+    torch.testing.assert_close(out, out2, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("accumulator", ["elementwise", "rowwise"])

@@ -64,7 +64,8 @@ CAPABILITIES = Capabilities(cached_placement=True, graph_capture=True, repairs_o
 # * seg_launch: per BLOCK_D, (elements per step, gradient rows per segment in flight[, register cap
 #   per thread]) of segment_update_kernel. The cap (Triton's ``maxnreg``; compiled CUDA launches
 #   outside torch.compile only, see _register_cap) raises the programs resident per SM of this
-#   latency-bound kernel; it is set only where it spills no registers.
+#   latency-bound kernel; it is set only where it spills no registers, measured for the stored /
+#   element-wise layout (the other row layouts' kernels run uncapped).
 # * combine_cp / combine_nb: cut candidates per combine program / pieces added per step.
 # * linearize: (bags per program, indices per bag in flight, warps) of linearize_kernel.
 # * block: positions per tile of segment_mark_kernel; repair_block: bags per program of the eval
@@ -386,7 +387,7 @@ def _backward_kernels(weights, accum, linear, nonfinite_rows, grad, indices, off
         LIBDEVICE_POW=libdev, G=G, R=R, BLOCK_D=BLOCK_D, VEC=vec, EVEN_D=even_d,
         CACHED=cached, N_BF16=n_bf16, Z_BF16=z_bf16, DERIVED=derived, ROWWISE=rowwise,
         num_warps=warps,
-        **_register_cap(update, launch[2] if len(launch) > 2 else None, dev))
+        **_register_cap(update, launch[2] if len(launch) > 2 and not (derived or rowwise) else None, dev))
     if nmult > 0:
         cp = int(TUNING["combine_cp"])
         _k(segment_combine_kernel)[(_cdiv(nmult, cp),)](

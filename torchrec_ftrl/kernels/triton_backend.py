@@ -40,6 +40,7 @@ from triton.runtime.jit import JITFunction
 
 from ..fbgemm_enums import BoundsCheckMode
 from ..hyperparams import FTRLHyperparams
+from ..row_layout import CACHED_LAYOUTS, KERNEL_LAYOUTS
 from .launch import DirectLauncher, direct
 from .capabilities import Capabilities
 from .layout import POOL_MEAN, POOL_NONE, TableArrays, TBEBatch
@@ -49,10 +50,9 @@ from .triton_backward import (linearize_kernel, offsets_repair_kernel,
                               segment_update_kernel)
 from .triton_forward import forward_config, tbe_forward_kernel
 
+# Every row layout uncached; the cached placement the stored / element-wise one.
 CAPABILITIES = Capabilities(cached_placement=True, graph_capture=True, repairs_offsets=True,
-                            layouts=frozenset({("stored", "elementwise"), ("stored", "rowwise"),
-                                               ("derived", "elementwise"), ("derived", "rowwise")}),
-                            cached_layouts=frozenset({("stored", "elementwise")}))
+                            layouts=KERNEL_LAYOUTS, cached_layouts=CACHED_LAYOUTS)
 
 # Launch shape knobs (results do not depend on them beyond fp32 summation order; chosen by step-time
 # sweeps on an H200 with benchmarks/bench_tbe_cuda.py --tune / --tune-forward):

@@ -70,6 +70,7 @@ class Case:
     nan_step: Optional[int] = None      # the step whose output gradient gets a NaN
     steps: int = 3
     seed: int = 0
+    knobs: dict = dataclasses.field(default_factory=lambda: dict(KNOBS))
 
     @property
     def rowwise(self) -> bool:
@@ -98,7 +99,7 @@ def batch_maker(case: Case, device) -> FTRLTableBatchedEmbeddingBags:
     its own runs)."""
     return FTRLTableBatchedEmbeddingBags(case.specs, feature_table_map=case.fmap, pooling_mode=case.pooling,
                                          device=device, backend="torch",
-                                         bounds_check_mode=BoundsCheckMode.NONE, **KNOBS)
+                                         bounds_check_mode=BoundsCheckMode.NONE, **case.knobs)
 
 
 def random_batch(case: Case, rng: np.random.Generator, device):
@@ -263,7 +264,7 @@ def layout_module(backend: str, start: TableArrays, case: Case, device) -> FTRLT
         case.specs, feature_table_map=case.fmap, pooling_mode=case.pooling, device=device, backend=backend,
         ftrl_weights=case.weights, ftrl_accumulator=case.accumulator,
         optimizer_state_dtypes={"accum": case.state_dtype, "linear": case.state_dtype},
-        bounds_check_mode=BoundsCheckMode.WARNING, **KNOBS)
+        bounds_check_mode=BoundsCheckMode.WARNING, **case.knobs)
     with torch.no_grad():
         for name in ("weights", "accum", "linear"):
             if getattr(start, name) is not None:
@@ -360,7 +361,7 @@ def every_row_reader(case: Case, device):
     row ``r`` alone (a sum of one fp32 weight is that weight), the others empty."""
     T, B = len(case.specs), max(r for r, _ in case.specs)
     m = FTRLTableBatchedEmbeddingBags(case.specs, feature_table_map=list(range(T)), device=device,
-                                      backend="torch", bounds_check_mode=BoundsCheckMode.NONE, **KNOBS)
+                                      backend="torch", bounds_check_mode=BoundsCheckMode.NONE, **case.knobs)
     indices = torch.cat([torch.arange(r) for r, _ in case.specs]).to(device)
     lengths = torch.tensor([int(b < r) for r, _ in case.specs for b in range(B)])
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(device)
@@ -453,6 +454,14 @@ def test_interp_eval_forward_with_bad_indices(interp, weights, accumulator):
         out, out2 = ours(indices, offsets), twin(indices, offsets)
     assert int(ours.bounds_check_warning) == int(twin.bounds_check_warning) > 0
     torch.testing.assert_close(out, out2, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("weights,accumulator", LAYOUTS)
+def test_interp_layout_pow_and_shrinkage(interp, weights, accumulator):
+    """A learning-rate power other than -0.5 (the pow path of n^(-p)) and l2 shrinkage (which reads
+    the old weight, derived or stored), mcmahan's L2, hot rows."""
+    knobs = dict(KNOBS, ftrl_learning_rate_power=-0.3, ftrl_l2_shrinkage=0.03, ftrl_l2_convention="mcmahan")
+    check_case(Case(weights, accumulator, hot=True, max_len=8, seed=9, steps=2, knobs=knobs), interp)
 
 
 @pytest.mark.parametrize("accumulator", ["elementwise", "rowwise"])

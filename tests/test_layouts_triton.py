@@ -567,3 +567,12 @@ def test_cuda_cached_placement_refuses_lean_layouts(weights, accumulator):
         FTRLTableBatchedEmbeddingBags([(1000, 64, EmbeddingLocation.MANAGED_CACHING, ComputeDevice.CUDA)],
                                       device="cuda", backend="triton", ftrl_weights=weights,
                                       ftrl_accumulator=accumulator, **KNOBS)
+
+
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("weights,accumulator", LAYOUTS)
+def test_cuda_layout_pow_and_shrinkage(weights, accumulator):
+    knobs = dict(KNOBS, ftrl_learning_rate_power=-0.3, ftrl_l2_shrinkage=0.03, ftrl_l2_convention="mcmahan")
+    check_case(Case(weights, accumulator, specs=CUDA_SPECS, fmap=CUDA_FMAP, hot=True, B=64, max_len=12, seed=10,
+                    steps=2, knobs=knobs), "cuda")

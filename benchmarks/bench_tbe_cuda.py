@@ -21,8 +21,16 @@ besides step and kernel time it reports the run-length histogram of the batch (t
 rows looked up once, 2-3, 4-31 and >= 32 times) and the kernel time per unique row. Writes
 ``DIR/bench_tbe_cuda_production.md`` / ``.json``.
 
+``--layouts``: every row layout of ours (``LAYOUT_METHODS``: stored or derived weights x
+element-wise or row-wise ``accum`` x fp32 or bf16 state, :class:`torchrec_ftrl.row_layout.RowLayout`)
+beside FBGEMM's EXACT_ROWWISE_ADAGRAD, ADAM and EXACT_SGD, on the chosen suite's shapes (``--quick``,
+``--shapes``): step time, kernel time (torch.profiler) and, for ours, the update kernels' time, each
+beside its physical floor, the compulsory bytes (``bytes_model``: a layout's bytes per row from its
+``RowLayout``; a derived-weights forward reads ``z`` and ``n`` instead of the weight) over the copy
+bandwidth measured in the run. Writes ``DIR/bench_tbe_cuda_layouts.md`` / ``.json``.
+
 Usage: python benchmarks/bench_tbe_cuda.py [--suite default|production] [--methods M,...] [--out DIR]
-       [--tune] [--tune-forward] [--quick]
+       [--tune] [--tune-forward] [--quick] [--layouts]
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ from torch import nn
 import torchrec_ftrl
 from torchrec_ftrl import FTRLTableBatchedEmbeddingBags
 from torchrec_ftrl.kernels import triton_backend
+from torchrec_ftrl.row_layout import ACCUMULATORS, WEIGHTS, RowLayout
 from torchrec_ftrl.fbgemm_enums import BoundsCheckMode, ComputeDevice, EmbOptimType, PoolingMode, SparseType
 from torchrec_ftrl.state_dtype import parse_state_dtypes, state_bytes_per_element as _state_bytes
 
@@ -71,6 +80,12 @@ STATE_BYTES = {**{m: (_state_bytes(parse_state_dtypes(sd)), 0) for m, (sd, _) in
 DEFAULT_METHODS = ("ours", "ours_bf16", "ours_ignore", "fbgemm_rowwise_adagrad", "fbgemm_adam", "fbgemm_adam_rbc",
                    "fbgemm_sgd", "eager")
 HOST_FLOOR_METHODS = ("ours", "ours_bf16", "fbgemm_adam", "fbgemm_sgd")
+# --layouts: ours in every row layout, "ours_{weights}_{accumulator}_{fp32|bf16}" (both states in that
+# dtype; bounds_check_mode WARNING), and the baselines beside them, EXACT_ROWWISE_ADAGRAD first.
+LAYOUT_METHODS = {f"ours_{w}_{a}_{name}": RowLayout(w, a, dt, dt)
+                  for w in WEIGHTS for a in ACCUMULATORS
+                  for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
+LAYOUT_BASELINES = ("fbgemm_rowwise_adagrad", "fbgemm_adam", "fbgemm_sgd")
 
 
 def make_batches(T, E, B, L, dist, n, zipf_a=1.15, seed=0):
@@ -125,9 +140,33 @@ def bytes_model(method, N, U, T, B, D, wbytes):
     fp32 outputs written. Backward: the T*B fp32 output gradients read once; per unique row its
     weight read again and written, and its optimizer state read and written (``state_bytes_per_row``:
     the method's own state bytes, e.g. ours with bf16 state half of ours with fp32 state)."""
-    fwd = N * 8 + U * D * wbytes + T * B * D * 4
-    bwd = T * B * D * 4 + U * (2 * D * wbytes + 2 * state_bytes_per_row(method, D))  # state read + written
+    fwd = N * 8 + U * forward_row_bytes(method, D, wbytes) + T * B * D * 4
+    bwd = T * B * D * 4 + 2 * U * row_bytes(method, D, wbytes)   # weight and state read + written
     return fwd, bwd
+
+
+def row_bytes(method, D, wbytes):
+    """Bytes one row of ``method`` stores: its weight (none for derived weights, ``LAYOUT_METHODS``)
+    and its optimizer state (``state_bytes_per_row``)."""
+    layout = LAYOUT_METHODS.get(method)
+    if layout is not None:
+        return layout.bytes_per_row(D, wbytes)
+    return D * wbytes + state_bytes_per_row(method, D)
+
+
+def forward_row_bytes(method, D, wbytes):
+    """Bytes the forward reads per unique row: the weight, or with derived weights the ``z`` and
+    ``n`` it computes the weight from."""
+    layout = LAYOUT_METHODS.get(method)
+    if layout is not None and layout.weights == "derived":
+        return layout.state_bytes_per_row(D)
+    return D * wbytes
+
+
+def update_bytes(method, N, U, D, wbytes):
+    """Compulsory bytes of the fused update alone (ours' segment_update / segment_combine kernels):
+    each unique row's stored arrays read and written, and one gradient row (fp32, ``D``) per lookup."""
+    return 2 * U * row_bytes(method, D, wbytes) + N * D * 4
 
 
 def state_bytes_per_element(method):
@@ -138,16 +177,25 @@ def state_bytes_per_element(method):
 def state_bytes_per_row(method, D):
     """Optimizer state bytes per row of ``method`` at dim ``D`` (``STATE_BYTES``): e.g. FTRL with fp32
     state 8*D, with bf16 state 4*D, row-wise Adagrad 4, SGD 0."""
+    if method in LAYOUT_METHODS:
+        return LAYOUT_METHODS[method].state_bytes_per_row(D)
     per_element, per_row = STATE_BYTES[method]
     return per_element * D + per_row
 
 
 def build_ours(T, E, D, precision, method="ours", location=None, **kw):
-    """Our TBE for ``method`` (a key of ``OURS``: its state dtypes and bounds check mode): ``T``
+    """Our TBE for ``method`` (a key of ``OURS``: its state dtypes and bounds check mode; or of
+    ``LAYOUT_METHODS``: its row layout, bounds check WARNING): ``T``
     tables of ``E`` x ``D`` on the GPU, or under ``location`` (an ``EmbeddingLocation``, e.g.
     ``MANAGED_CACHING`` with the ``cache_*`` keywords in ``kw``). Other constructor keywords in
     ``kw`` (e.g. ``bounds_check_mode``) override the method's."""
-    state_dtypes, bounds = OURS[method]
+    if method in LAYOUT_METHODS:
+        layout = LAYOUT_METHODS[method]
+        state_dtypes, bounds = layout.state_dtypes, BoundsCheckMode.WARNING
+        if (layout.weights, layout.accumulator) != ("stored", "elementwise"):
+            kw = dict(ftrl_weights=layout.weights, ftrl_accumulator=layout.accumulator, **kw)
+    else:
+        state_dtypes, bounds = OURS[method]
     specs = [(E, D)] * T if location is None else [(E, D, location, ComputeDevice.CUDA)] * T
     kw = {"bounds_check_mode": bounds, "optimizer_state_dtypes": state_dtypes, **kw}
     return FTRLTableBatchedEmbeddingBags(specs, device="cuda", weights_precision=precision,
@@ -339,7 +387,7 @@ def production_shapes():
 
 def table_bytes(method, T, E, D, wbytes):
     """Device bytes of the weights and optimizer state of ``T`` tables of ``E`` x ``D``."""
-    return T * E * (D * wbytes + state_bytes_per_row(method, D))
+    return T * E * row_bytes(method, D, wbytes)
 
 
 def workspace_bytes(T, B, L, D):
@@ -537,6 +585,30 @@ def production_markdown(meta, rows):
     return "\n".join(md)
 
 
+def select_shapes(shapes, args):
+    """``shapes`` (``production_shapes()``' form) cut to the workloads whose ``TABLE/WORKLOAD`` name
+    contains one of ``--shapes``' comma-separated strings; with ``--quick`` the first table's first
+    workload only."""
+    if args.shapes:
+        want = [s.strip() for s in args.shapes.split(",") if s.strip()]
+        shapes = [dict(t, workloads=[w for w in t["workloads"] if any(x in f"{t['name']}/{w['name']}" for x in want)])
+                  for t in shapes]
+        shapes = [t for t in shapes if t["workloads"]]
+    if args.quick:
+        shapes = [dict(shapes[0], workloads=shapes[0]["workloads"][:1])]
+    return shapes
+
+
+def write_report(out_dir, name, text, lines_log, meta, rows):
+    """Write ``out_dir/name.md`` (``text``, then the log) and ``name.json`` (``meta`` with the
+    ``rows`` as ``results``); returns ``text``."""
+    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
+        f.write(text + "\n\n```\n" + "\n".join(lines_log) + "\n```\n")
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+        json.dump(dict(meta, results=rows), f, indent=1, default=str)
+    return text
+
+
 def run_production(args) -> None:
     """``--suite production`` (see the module docstring)."""
     import fbgemm_gpu
@@ -572,15 +644,7 @@ def run_production(args) -> None:
     log("host time per step with B=64 (GPU work negligible), D=64: " +
         ", ".join(f"{LABELS[m]} {v:.3f} ms" for m, v in host_floor.items()))
 
-    shapes = production_shapes()
-    if args.shapes:
-        want = [s.strip() for s in args.shapes.split(",") if s.strip()]
-        for t in shapes:
-            t["workloads"] = [w for w in t["workloads"]
-                              if any(x in f"{t['name']}/{w['name']}" for x in want)]
-        shapes = [t for t in shapes if t["workloads"]]
-    if args.quick:
-        shapes = [dict(shapes[0], workloads=shapes[0]["workloads"][:1])]
+    shapes = select_shapes(production_shapes(), args)
     prod_methods = [m for m in args.method_list if m in PROD_METHODS or m == "fbgemm_adam_rbc"]
     meta = dict(device=props.name, torch=torch.__version__, fbgemm_gpu=fbgemm_version,
                 copy_bw=bw_copy, methods=prod_methods, warmup=warmup, iters=iters, batches=n_batches, B=PROD_B,
@@ -589,12 +653,8 @@ def run_production(args) -> None:
 
     def write():   # after every table: a run cut short keeps what it measured
         meta["total_s"] = time.perf_counter() - t_start
-        text = production_markdown(meta, rows)
-        with open(os.path.join(args.out, "bench_tbe_cuda_production.md"), "w") as f:
-            f.write(text + "\n\n```\n" + "\n".join(lines_log) + "\n```\n")
-        with open(os.path.join(args.out, "bench_tbe_cuda_production.json"), "w") as f:
-            json.dump(dict(meta, results=rows), f, indent=1, default=str)
-        return text
+        return write_report(args.out, "bench_tbe_cuda_production", production_markdown(meta, rows),
+                            lines_log, meta, rows)
 
     for tbl in shapes:
         T, E, D, B, wb = tbl["T"], tbl["E"], tbl["D"], tbl["B"], tbl["wbytes"]
@@ -732,6 +792,184 @@ def run_production(args) -> None:
     write()
 
 
+# ======================================================================== --layouts
+
+# Issue 38's targets, D=128 fp32 weights: kernel time of EXACT_ROWWISE_ADAGRAD / ours, (uniform, Zipf).
+LAYOUT_TARGETS = {"ours_derived_elementwise_fp32": (1.0, 1.0), "ours_derived_elementwise_bf16": (1.25, 1.1),
+                  "ours_derived_rowwise_fp32": (1.25, 1.1), "ours_derived_rowwise_bf16": (1.5, 1.2)}
+UPDATE_KERNELS = ("segment_update_kernel", "segment_combine_kernel")
+
+
+def default_shapes(args):
+    """The default suite's tables in ``production_shapes()``' form: T x E (``--T``, ``--E``), B, L
+    from the flags; D=128, 64, 256 fp32 and D=128 fp16; uniform and Zipf(1.15) ids."""
+    loads = [dict(name=f"L{args.L}_uniform", L=args.L, dist="uniform", zipf_a=None),
+             dict(name=f"L{args.L}_zipf1.15", L=args.L, dist="zipf", zipf_a=1.15)]
+    return [dict(name=f"T{args.T}_E{args.E}_D{D}_{prec.lower()}", T=args.T, E=args.E, D=D, precision=prec,
+                 wbytes=2 if prec == "FP16" else 4, B=args.B, workloads=loads)
+            for D, prec in ((128, "FP32"), (64, "FP32"), (256, "FP32"), (128, "FP16"))]
+
+
+def profile_kernels(step, batches, n=3):
+    """``(total ms, {kernel: ms})`` per step: the device time of every CUDA kernel, memcpy and
+    memset that torch.profiler records over ``n`` steps (cycling through ``batches``), divided by ``n``."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(n):
+            step(*batches[i % len(batches)])
+        torch.cuda.synchronize()
+    per = {e.key: (getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)) / n / 1e3
+           for e in prof.key_averages() if not e.key.startswith("ProfilerStep")}
+    return sum(per.values()), per
+
+
+def layouts_markdown(meta, rows):
+    """--layouts' report: per workload, every method with its bytes per row, its compulsory bytes and
+    their floor at the copy bandwidth, step and kernel time, the kernel's share of the copy
+    bandwidth, the speed against EXACT_ROWWISE_ADAGRAD (kernel and step time) and issue 38's target;
+    ours also the update kernels against their own floor."""
+    bw = meta["copy_bw"]
+    md = [f"Row layouts of ours beside FBGEMM, one TBE training step (fwd + bwd + fused update), "
+          f"{meta['device']}, torch {meta['torch']}, fbgemm_gpu {meta['fbgemm_gpu']}, SUM pooling; step: "
+          f"median of {meta['iters']} steps after {meta['warmup']} warm-up steps ({meta['batches']} batches, "
+          f"CUDA events); kernel: device time per step (torch.profiler, 3 steps). Measured copy bandwidth "
+          f"{bw / 1e12:.2f} TB/s. Floor = compulsory bytes (`bytes_model`: indices, each unique row's "
+          f"forward read (weight, or z and n for derived weights) and its stored arrays read and written "
+          f"in the backward, pooled outputs and their gradients) / copy bandwidth; the update's floor "
+          f"(`update_bytes`): the stored arrays read and written and one fp32 gradient row per lookup. "
+          f"Ours: Triton, bounds_check_mode WARNING; `ours_{{weights}}_{{accumulator}}_{{state dtype}}` "
+          f"(both states in that dtype). \"vs RWA\" = EXACT_ROWWISE_ADAGRAD time / the method's time; "
+          f"target: issue 38's kernel-time target (D=128 fp32 weights; uniform / Zipf).", "",
+          "| table | ids | U | method | B / row | GB / step | floor ms | step ms | kernel ms | kernel / floor | "
+          "% of copy BW | vs RWA, kernel | vs RWA, step | target | update ms | update floor ms | "
+          "update % of copy BW |",
+          "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        rwa = r["results"].get("fbgemm_rowwise_adagrad", {})
+        for m, res in r["results"].items():
+            if "error" in res:
+                md.append(f"| {r['table']} | {r['ids']} | {r['unique_rows']:,.0f} | {m} | "
+                          f"{res.get('row_bytes', '–')} | " + " | ".join(["–"] * 11) + f" | {res['error'][:80]} |")
+                continue
+            gbs = res["bytes"] / 1e9
+            floor = res["bytes"] / bw * 1e3
+            k = res.get("kernel_ms")
+            def ratio(key, res=res):
+                return f"{rwa[key] / res[key]:.2f}x" if rwa.get(key) and res.get(key) else "–"
+            tgt = LAYOUT_TARGETS.get(m)
+            tgt = f"{tgt[0 if r['dist'] == 'uniform' else 1]:.2f}x" if tgt else "–"
+            upd = res.get("update_ms")
+            ufloor = res["update_bytes"] / bw * 1e3 if "update_bytes" in res else None
+            md.append(
+                f"| {r['table']} | {r['ids']} | {r['unique_rows']:,.0f} | {m} | {res['row_bytes']} | {gbs:.2f} | "
+                f"{floor:.3f} | {res['ms']:.3f} | {f'{k:.3f}' if k else '–'} | "
+                f"{f'{k / floor:.2f}x' if k else '–'} | "
+                f"{f'{100 * floor / k:.0f}%' if k else '–'} | {ratio('kernel_ms')} | {ratio('ms')} | {tgt} | "
+                f"{f'{upd:.3f}' if upd else '–'} | {f'{ufloor:.3f}' if ufloor else '–'} | "
+                f"{f'{100 * ufloor / upd:.0f}%' if upd and ufloor else '–'} |")
+    return "\n".join(md)
+
+
+def run_layouts(args) -> None:
+    """``--layouts`` (see the module docstring): for each table of the suite, each method built
+    alone (and freed) and timed on every workload."""
+    import fbgemm_gpu
+    t_start = time.perf_counter()
+    lines_log, rows = [], []
+
+    def log(s):
+        print(s, flush=True)
+        lines_log.append(s)
+
+    props = torch.cuda.get_device_properties(0)
+    bw_copy = copy_bandwidth()
+    meta = dict(device=props.name, torch=torch.__version__, fbgemm_gpu=getattr(fbgemm_gpu, "__version__", "?"),
+                copy_bw=bw_copy, methods=args.method_list, warmup=args.warmup, iters=args.iters,
+                batches=args.batches, tuning=triton_backend.TUNING,
+                layouts={m: LAYOUT_METHODS[m].describe() for m in args.method_list if m in LAYOUT_METHODS})
+    log(f"device {props.name}, torch {torch.__version__}, fbgemm_gpu {meta['fbgemm_gpu']}, copy bandwidth "
+        f"{bw_copy / 1e12:.2f} TB/s; methods {', '.join(args.method_list)}")
+    os.makedirs(args.out, exist_ok=True)
+
+    def write():   # after every table: a run cut short keeps what it measured
+        meta["total_s"] = time.perf_counter() - t_start
+        return write_report(args.out, "bench_tbe_cuda_layouts", layouts_markdown(meta, rows), lines_log,
+                            meta, rows)
+
+    shapes = select_shapes(production_shapes() if args.suite == "production" else default_shapes(args), args)
+    for tbl in shapes:
+        T, E, D, B, wb = tbl["T"], tbl["E"], tbl["D"], tbl["B"], tbl["wbytes"]
+        prec = getattr(SparseType, tbl["precision"])
+        loads = []
+        for i, w in enumerate(tbl["workloads"]):
+            batches = (production_batches(T, E, B, w["L"], w["zipf_a"], args.batches, seed=i)
+                       if args.suite == "production" else
+                       make_batches(T, E, B, w["L"], w["dist"], args.batches, zipf_a=w["zipf_a"] or 1.15))
+            U = statistics.mean(
+                float(torch.unique(idx.view(T, -1) + torch.arange(T, device="cuda")[:, None] * E).numel())
+                for idx, _ in batches)
+            row = dict(table=tbl["name"], workload=w["name"], T=T, E=E, B=B, L=w["L"], D=D,
+                       precision=tbl["precision"], wbytes=wb, dist=w["dist"],
+                       ids="uniform" if w["zipf_a"] is None else f"Zipf({w['zipf_a']})",
+                       lookups=T * B * w["L"], unique_rows=U, results={})
+            loads.append((batches, row))
+            rows.append(row)
+            log(f"[{tbl['name']} {w['name']}] N={row['lookups']:,} U={U:,.0f}")
+        work = max(workspace_bytes(T, B, w["L"], D) for w in tbl["workloads"])
+        for m in args.method_list:
+            gc.collect()
+            torch.cuda.empty_cache()
+            need = table_bytes(m, T, E, D, wb) + work
+            free = torch.cuda.mem_get_info()[0]
+            if need + MEMORY_MARGIN > free:
+                for _, row in loads:
+                    row["results"][m] = dict(row_bytes=row_bytes(m, D, wb), error=(
+                        f"skipped: tables + workspace {_gib(need):.1f} GiB + margin exceed the free "
+                        f"{_gib(free):.1f} GiB"))
+                log(f"  {m}: skipped (memory)")
+                continue
+            mod = None
+            try:
+                mod = build_ours(T, E, D, prec, m) if m in LAYOUT_METHODS else build_fbgemm(T, E, D, prec, m)
+                grad = torch.randn(B, T * D, device="cuda")
+                step = tbe_step(mod, grad)
+                for batches, row in loads:
+                    N, U = row["lookups"], row["unique_rows"]
+                    res = dict(row_bytes=row_bytes(m, D, wb), bytes=sum(bytes_model(m, N, U, T, B, D, wb)))
+                    try:
+                        res["ms"] = time_steps(step, batches, args.warmup, args.iters)
+                        res["kernel_ms"], per = profile_kernels(step, batches)
+                        if m in LAYOUT_METHODS:
+                            res["update_ms"] = sum(v for k, v in per.items() if k.startswith(UPDATE_KERNELS))
+                            res["update_bytes"] = update_bytes(m, N, U, D, wb)
+                        res["top_kernels"] = sorted(per.items(), key=lambda kv: -kv[1])[:8]
+                    except Exception as exc:  # noqa: BLE001 - a failing method is reported
+                        res["error"] = f"{type(exc).__name__}: {exc}"[:400]
+                    row["results"][m] = res
+                    floor = res["bytes"] / bw_copy * 1e3
+                    log(f"  {row['workload']:16s} {m:34s} " + (
+                        f"FAILED: {res['error']}" if "error" in res else
+                        f"{res['row_bytes']:5d} B/row  floor {floor:7.3f} ms  step {res['ms']:7.3f} ms  "
+                        f"kernel {res['kernel_ms']:7.3f} ms ({100 * floor / res['kernel_ms']:.0f}% of copy BW)"
+                        + (f"  update {res['update_ms']:.3f} ms "
+                           f"({100 * res['update_bytes'] / bw_copy * 1e3 / res['update_ms']:.0f}% of copy BW)"
+                           if res.get("update_ms") else "")))
+                    if args.profile and "top_kernels" in res:
+                        log("    top kernels: " + ", ".join(f"{k[:40]} {v:.3f} ms" for k, v in res["top_kernels"]))
+                del grad, step
+            except Exception as exc:  # noqa: BLE001 - e.g. out of memory while building
+                log(f"  {m} FAILED: {type(exc).__name__}: {exc}"[:500])
+                for _, row in loads:
+                    row["results"].setdefault(m, dict(row_bytes=row_bytes(m, D, wb),
+                                                      error=f"{type(exc).__name__}: {exc}"[:400]))
+            del mod
+        del loads
+        write()
+    print(write())
+    log(f"total {time.perf_counter() - t_start:.1f} s")
+    write()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--T", type=int, default=32)
@@ -760,12 +998,21 @@ def main() -> None:
     ap.add_argument("--methods", default=None,
                     help=f"comma list of methods to time (default all: {','.join(DEFAULT_METHODS)}; production: "
                          f"{','.join(PROD_METHODS)}, and fbgemm_adam_rbc)")
+    ap.add_argument("--layouts", action="store_true",
+                    help="every row layout of ours (ftrl_weights x ftrl_accumulator x fp32/bf16 state: "
+                         f"{','.join(LAYOUT_METHODS)}) beside {','.join(LAYOUT_BASELINES)}, on the suite's "
+                         "shapes, each beside its compulsory-traffic floor")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     production = args.suite == "production"
-    allowed = PROD_METHODS + ("fbgemm_adam_rbc",) if production else DEFAULT_METHODS
-    args.method_list = [m for m in (args.methods or ",".join(PROD_METHODS if production else DEFAULT_METHODS))
-                        .split(",") if m]
+    if args.layouts:
+        allowed, default = tuple(LAYOUT_BASELINES) + ("fbgemm_adam_rbc",) + tuple(LAYOUT_METHODS), \
+            tuple(LAYOUT_BASELINES) + tuple(LAYOUT_METHODS)
+    elif production:
+        allowed, default = PROD_METHODS + ("fbgemm_adam_rbc",), PROD_METHODS
+    else:
+        allowed, default = DEFAULT_METHODS, DEFAULT_METHODS
+    args.method_list = [m for m in (args.methods or ",".join(default)).split(",") if m]
     bad = [m for m in args.method_list if m not in allowed]
     if bad or not args.method_list:
         ap.error(f"--methods: {bad or args.method_list} not in {', '.join(allowed)} (suite {args.suite})")
@@ -773,9 +1020,12 @@ def main() -> None:
         args.warmup = 3 if production else 5
     if args.iters is None:
         args.iters = 10 if production else 20
+    if (production or args.layouts) and (args.tune or args.tune_forward):
+        ap.error("--tune / --tune-forward run with the default suite, without --layouts")
+    if args.layouts:
+        run_layouts(args)
+        return
     if production:
-        if args.tune or args.tune_forward:
-            ap.error("--tune / --tune-forward run with the default suite")
         run_production(args)
         return
     T, E, B, L = args.T, args.E, args.B, args.L

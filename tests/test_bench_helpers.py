@@ -786,3 +786,27 @@ def test_dlrm_example_cpu_smoke(tmp_path):
     assert r["examples_per_s"] > 0 and r["steady_steps"] == 8 and r["steady_examples_per_s"] > 0
     assert res["example"]["sha256"] and res["data"]["view"]
     assert (out / "bench_torchrec_dlrm.md").read_text().count("TorchRec DLRM example") == 1
+
+
+def test_layouts_bytes_by_hand(tbe_bench):
+    # D=128, fp32 weights (512 B): z fp32 512 B or bf16 256 B; n element-wise 512 / 256 B, row-wise 4 / 2 B
+    rows = {m: tbe_bench.row_bytes(m, 128, 4) for m in tbe_bench.LAYOUT_METHODS}
+    assert rows == {"ours_stored_elementwise_fp32": 1536, "ours_stored_elementwise_bf16": 1024,
+                    "ours_stored_rowwise_fp32": 1028, "ours_stored_rowwise_bf16": 770,
+                    "ours_derived_elementwise_fp32": 1024, "ours_derived_elementwise_bf16": 512,
+                    "ours_derived_rowwise_fp32": 516, "ours_derived_rowwise_bf16": 258}
+    assert tbe_bench.row_bytes("fbgemm_rowwise_adagrad", 128, 4) == 516
+    # N=10, U=5, T=1, B=2: a derived forward reads z and n (258 B) per unique row instead of the weight;
+    # the backward reads and writes the 258 stored bytes per row: 10*8 + 5*258 + 2*512, 2*512 + 2*5*258
+    assert tbe_bench.bytes_model("ours_derived_rowwise_bf16", 10, 5, 1, 2, 128, 4) == (2394, 3604)
+    # a stored layout's forward reads the weight: 10*8 + 5*512 + 2*512; backward 2*512 + 2*5*1028
+    assert tbe_bench.bytes_model("ours_stored_rowwise_fp32", 10, 5, 1, 2, 128, 4) == (3664, 11304)
+    # the update alone: 2 x 5 rows x 516 B + 10 gradient rows of 128 fp32
+    assert tbe_bench.update_bytes("ours_derived_rowwise_fp32", 10, 5, 128, 4) == 2 * 5 * 516 + 10 * 512
+
+
+def test_bench_tbe_cuda_layouts_flag_refuses_other_methods():
+    # --layouts runs ours' layouts and the FBGEMM baselines; checked before any CUDA call
+    p = subprocess.run([sys.executable, os.path.join(BENCH, "bench_tbe_cuda.py"), "--layouts", "--methods",
+                        "ours_derived_rowwise_bf16,eager"], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert p.returncode == 2 and "--methods: ['eager']" in p.stderr, p.stderr[-2000:]

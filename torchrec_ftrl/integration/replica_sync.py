@@ -31,12 +31,10 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..rule import ftrl_prox
 from ..tbe import FTRLTableBatchedEmbeddingBags
 from .kernels import ftrl_tbes
 
 # The TBE's names (``get_optimizer_state``) of the two states the weight derives from.
-ACCUM, LINEAR = "accum", "linear"
 
 
 @torch.no_grad()

@@ -3,13 +3,17 @@
 * ``torch.ops.torchrec_ftrl.triton_tbe_forward``: pooled lookup, see :mod:`.triton_forward` (mutates
   ``warn``, the bounds-check counter, when the fused WARNING check is on).
 * ``torch.ops.torchrec_ftrl.triton_tbe_backward_update_``: fused backward + FTRL update in place
-  (mutates weights, accum, linear, nonfinite_rows), see :mod:`.triton_backward`. ``accum`` /
+  (mutates weights, accum, linear, nonfinite_rows), see :mod:`.triton_backward`. Every row layout
+  (:class:`~.layout.TableArrays`): ``weights`` None for derived weights, ``rowwise`` for a row-wise
+  ``accum`` ``[total_rows]``; the forward op takes the same and computes a derived weight from
+  ``linear`` and ``accum`` (:mod:`.triton_prox`). ``accum`` /
   ``linear`` are fp32 or bf16 (the kernels specialise on each: the fp32 kernels are unchanged); a
   bf16 state is stored by stochastic rounding with the step read from the ``step`` tensor (the TBE's
   ``iter``) on the device.
 * ``torch.ops.torchrec_ftrl.triton_tbe_backward_update_cached_``: the same for a batch whose rows may
   sit in the UVM-caching placement's HBM cache (:mod:`torchrec_ftrl.cache`; mutates the weight and
   state caches ``cache_accum`` / ``cache_linear`` too, each in its state's dtype). The forward op reads such a batch's rows from the cache where they have a slot.
+  The stored / element-wise layout only.
 * ``torch.ops.torchrec_ftrl.triton_tbe_linearize``: the training forward's linearize pass (row keys,
   gradient offsets, factors, tables; with the fused WARNING check also the offsets repair), mutates
   ``warn``.
@@ -36,6 +40,7 @@ from triton.runtime.jit import JITFunction
 
 from ..fbgemm_enums import BoundsCheckMode
 from ..hyperparams import FTRLHyperparams
+from ..row_layout import CACHED_LAYOUTS, KERNEL_LAYOUTS
 from .launch import DirectLauncher, direct
 from .capabilities import Capabilities
 from .layout import POOL_MEAN, POOL_NONE, TableArrays, TBEBatch
@@ -45,7 +50,9 @@ from .triton_backward import (linearize_kernel, offsets_repair_kernel,
                               segment_update_kernel)
 from .triton_forward import forward_config, tbe_forward_kernel
 
-CAPABILITIES = Capabilities(cached_placement=True, graph_capture=True, repairs_offsets=True)
+# Every row layout uncached; the cached placement the stored / element-wise one.
+CAPABILITIES = Capabilities(cached_placement=True, graph_capture=True, repairs_offsets=True,
+                            layouts=KERNEL_LAYOUTS, cached_layouts=CACHED_LAYOUTS)
 
 # Launch shape knobs (results do not depend on them beyond fp32 summation order; chosen by step-time
 # sweeps on an H200 with benchmarks/bench_tbe_cuda.py --tune / --tune-forward):
@@ -57,7 +64,8 @@ CAPABILITIES = Capabilities(cached_placement=True, graph_capture=True, repairs_o
 # * seg_launch: per BLOCK_D, (elements per step, gradient rows per segment in flight[, register cap
 #   per thread]) of segment_update_kernel. The cap (Triton's ``maxnreg``; compiled CUDA launches
 #   outside torch.compile only, see _register_cap) raises the programs resident per SM of this
-#   latency-bound kernel; it is set only where it spills no registers.
+#   latency-bound kernel; it is set only where it spills no registers, measured for the stored /
+#   element-wise layout (the other row layouts' kernels run uncapped).
 # * combine_cp / combine_nb: cut candidates per combine program / pieces added per step.
 # * linearize: (bags per program, indices per bag in flight, warps) of linearize_kernel.
 # * block: positions per tile of segment_mark_kernel; repair_block: bags per program of the eval
@@ -153,7 +161,8 @@ def _vec_even(table_dims, block_d: int) -> tuple[int, bool]:
     return vec, all(int(d) == block_d for d in table_dims)
 
 
-def _forward_impl(weights: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,
+def _forward_impl(weights: Optional[torch.Tensor], linear: torch.Tensor, accum: torch.Tensor,
+                  rowwise: bool, indices: torch.Tensor, offsets: torch.Tensor,
                   bag_feature: torch.Tensor, bag_out_offset: torch.Tensor,
                   feature_table: torch.Tensor, table_w_offset: torch.Tensor, table_dim: torch.Tensor,
                   table_rows: torch.Tensor, row_base: torch.Tensor, warn: torch.Tensor, check: bool,
@@ -161,26 +170,36 @@ def _forward_impl(weights: torch.Tensor, indices: torch.Tensor, offsets: torch.T
                   per_sample_weights: Optional[torch.Tensor], pooling_mode: int, out_numel: int,
                   max_D: int, out_dtype: torch.dtype, vec: int, even_d: bool,
                   cache_locations: Optional[torch.Tensor],
-                  cache_weights: Optional[torch.Tensor]) -> torch.Tensor:
-    out = torch.empty(out_numel, dtype=out_dtype, device=weights.device)
+                  cache_weights: Optional[torch.Tensor], lr: float, neg_p: float, l1: float,
+                  l2_eff: float, beta: float) -> torch.Tensor:
+    """The pooled lookup of :func:`.triton_forward.tbe_forward_kernel`. ``weights`` None: derived
+    weights, ``prox(linear, accum)`` with the knobs ``lr`` .. ``beta`` (:meth:`kernel_scalars` order);
+    ``rowwise``: ``accum`` holds one value per row."""
+    out = torch.empty(out_numel, dtype=out_dtype, device=linear.device)
     num_bags = offsets.numel() - 1
     if num_bags <= 0 or out_numel == 0:
         return out.zero_()
     BLOCK_D = _block_d(max_D)
-    tile, unroll, evict = _forward_tuning(BLOCK_D, weights.element_size())
+    derived = weights is None
+    # Bytes read per looked-up element: the weight, or z and an element-wise n.
+    elem_bytes = weights.element_size() if not derived else \
+        linear.element_size() + (0 if rowwise else accum.element_size())
+    tile, unroll, evict = _forward_tuning(BLOCK_D, elem_bytes)
     bags, unroll, warps = forward_config(BLOCK_D, tile, unroll)
     has_psw = _has_scale(per_sample_weights, pooling_mode)[0]
     psw = per_sample_weights if has_psw else out
     use_keys = keys is not None
     cached = cache_locations is not None and cache_weights is not None
+    w = linear if derived else weights     # derived: a read-only placeholder, never dereferenced
     _k(tbe_forward_kernel)[(_cdiv(num_bags, bags),)](
-        weights, out, keys if use_keys else indices, offsets, bag_feature, bag_out_offset,
+        w, out, keys if use_keys else indices, offsets, bag_feature, bag_out_offset,
         feature_table, table_w_offset, table_dim, table_rows, row_base, psw, warn,
-        cache_locations if cached else offsets, cache_weights if cached else weights, num_bags, max_D,
-        cache_weights.stride(0) if cached else 0,
+        cache_locations if cached else offsets, cache_weights if cached else w, linear, accum,
+        num_bags, max_D, cache_weights.stride(0) if cached else 0, lr, l1, l2_eff, beta, neg_p,
         POOL=pooling_mode, HAS_PSW=has_psw, CHECK=check and not use_keys, KEYS=use_keys, BAGS=bags,
         UNROLL=unroll, BLOCK_D=BLOCK_D, VEC=vec, EVEN_D=even_d, WEVICT=evict,
-        CACHED=cached, num_warps=warps)
+        CACHED=cached, DERIVED=derived, ROWWISE=derived and rowwise, POW_HALF=neg_p == 0.5,
+        LIBDEVICE_POW=isinstance(tbe_forward_kernel, JITFunction), num_warps=warps)
     return out
 
 
@@ -253,8 +272,9 @@ def _sort_positions(key: torch.Tensor, total_rows: int) -> torch.Tensor:
     return torch.sort(key, stable=True)[1]
 
 
-def _backward_impl(weights: torch.Tensor, accum: torch.Tensor, linear: torch.Tensor,
-                   nonfinite_rows: torch.Tensor, grad: torch.Tensor, indices: torch.Tensor,
+def _backward_impl(weights: Optional[torch.Tensor], accum: torch.Tensor, linear: torch.Tensor,
+                   nonfinite_rows: torch.Tensor, rowwise: bool, grad: torch.Tensor,
+                   indices: torch.Tensor,
                    offsets: torch.Tensor, bag_feature: torch.Tensor, bag_out_offset: torch.Tensor,
                    feature_table: torch.Tensor, table_w_offset: torch.Tensor,
                    table_dim: torch.Tensor, table_rows: torch.Tensor, row_base: torch.Tensor,
@@ -263,10 +283,13 @@ def _backward_impl(weights: torch.Tensor, accum: torch.Tensor, linear: torch.Ten
                    per_sample_weights: Optional[torch.Tensor], pooling_mode: int, max_D: int,
                    total_rows: int, vec: int, even_d: bool, lr: float, neg_p: float, l1: float,
                    l2_eff: float, beta: float, shrink2: float, step: torch.Tensor) -> None:
+    """The fused backward + update of an uncached batch, every row layout: ``weights`` None for
+    derived weights; ``rowwise``: ``accum`` ``[total_rows]``, one value per row."""
     _backward_kernels(weights, accum, linear, nonfinite_rows, grad, indices, offsets, bag_feature,
                       bag_out_offset, feature_table, table_w_offset, table_dim, table_rows, row_base,
                       check, lin_key, lin_gofs, lin_scale, lin_tid, per_sample_weights, pooling_mode,
-                      max_D, total_rows, vec, even_d, lr, neg_p, l1, l2_eff, beta, shrink2, step)
+                      max_D, total_rows, vec, even_d, lr, neg_p, l1, l2_eff, beta, shrink2, step,
+                      rowwise=rowwise)
 
 
 def _backward_cached_impl(weights: torch.Tensor, accum: torch.Tensor, linear: torch.Tensor,
@@ -297,12 +320,14 @@ def _backward_kernels(weights, accum, linear, nonfinite_rows, grad, indices, off
                       bag_out_offset, feature_table, table_w_offset, table_dim, table_rows, row_base,
                       check, lin_key, lin_gofs, lin_scale, lin_tid, per_sample_weights, pooling_mode,
                       max_D, total_rows, vec, even_d, lr, neg_p, l1, l2_eff, beta, shrink2, step,
-                      cache_locations=None, cache_weights=None, cache_states=None) -> None:
+                      cache_locations=None, cache_weights=None, cache_states=None,
+                      rowwise=False) -> None:
     N = indices.numel()
     num_bags = offsets.numel() - 1
     if N == 0 or num_bags <= 0:
         return
-    dev = weights.device
+    dev = linear.device
+    derived = weights is None
     BLOCK_D = _block_d(max_D)
     seg = TUNING["seg"]
     SEG = max(1, int(_nearest(seg, BLOCK_D) if isinstance(seg, dict) else seg))
@@ -352,14 +377,17 @@ def _backward_kernels(weights, accum, linear, nonfinite_rows, grad, indices, off
     cw, cn, cz = (cache_weights, cache_states[0], cache_states[1]) if cached else (grad, grad, grad)
     cache_stride = cw.stride(0) if cached else 0
     n_bf16, z_bf16 = accum.dtype == torch.bfloat16, linear.dtype == torch.bfloat16
+    if derived:
+        weights = grad     # read-only placeholder, never dereferenced
     update[(_cdiv(bound, G),)](
         seg, count, sorted_key, sgofs, sscale, stid, sloc, grad, weights, accum, linear, cw, cn, cz,
         table_w_offset, table_dim, row_base, part, nonfinite_rows, step,
         N, cache_stride, lr, l1, l2_eff, beta, shrink2, neg_p,
         SEG=SEG, HAS_SCALE=has_scale, POW_HALF=pow_half, HAS_SHRINK=has_shrink,
         LIBDEVICE_POW=libdev, G=G, R=R, BLOCK_D=BLOCK_D, VEC=vec, EVEN_D=even_d,
-        CACHED=cached, N_BF16=n_bf16, Z_BF16=z_bf16, num_warps=warps,
-        **_register_cap(update, launch[2] if len(launch) > 2 else None, dev))
+        CACHED=cached, N_BF16=n_bf16, Z_BF16=z_bf16, DERIVED=derived, ROWWISE=rowwise,
+        num_warps=warps,
+        **_register_cap(update, launch[2] if len(launch) > 2 and not (derived or rowwise) else None, dev))
     if nmult > 0:
         cp = int(TUNING["combine_cp"])
         _k(segment_combine_kernel)[(_cdiv(nmult, cp),)](
@@ -368,7 +396,7 @@ def _backward_kernels(weights, accum, linear, nonfinite_rows, grad, indices, off
             N, cache_stride, lr, l1, l2_eff, beta, shrink2, neg_p,
             SEG=SEG, CP=cp, NB=int(TUNING["combine_nb"]), POW_HALF=pow_half,
             HAS_SHRINK=has_shrink, LIBDEVICE_POW=libdev, BLOCK_D=BLOCK_D, VEC=vec, EVEN_D=even_d,
-            CACHED=cached, N_BF16=n_bf16, Z_BF16=z_bf16,
+            CACHED=cached, N_BF16=n_bf16, Z_BF16=z_bf16, DERIVED=derived, ROWWISE=rowwise,
             num_warps=max(1, min(4, int(TUNING["combine_nb"]) * BLOCK_D // 1024)))
 
 
@@ -436,17 +464,21 @@ def _batch_shape(batch: TBEBatch) -> tuple[int, int, bool]:
     return int(batch.total_rows), vec, even_d
 
 
-def _lookup(weights: torch.Tensor, batch: TBEBatch, offsets: torch.Tensor, out_dtype: torch.dtype,
-            keys: Optional[torch.Tensor], counter: tuple, shape: tuple) -> torch.Tensor:
+def _lookup(arrays: TableArrays, batch: TBEBatch, offsets: torch.Tensor, out_dtype: torch.dtype,
+            keys: Optional[torch.Tensor], counter: tuple, shape: tuple,
+            hp: FTRLHyperparams) -> torch.Tensor:
     """The pooled lookup over ``offsets`` (checked or repaired); ``counter`` / ``shape``:
     :func:`_warn_counter` / :func:`_batch_shape` of the batch."""
     check, warn = counter
     _, vec, even_d = shape
-    return _call(_forward_op, _forward_impl, weights, batch.indices, offsets,
+    lr, neg_p, l1, l2_eff, beta, _ = hp.kernel_scalars()
+    return _call(_forward_op, _forward_impl, arrays.weights, arrays.linear, arrays.accum,
+                 arrays.rowwise, batch.indices, offsets,
                  batch.bag_feature, batch.bag_out_offset, batch.feature_table, batch.table_w_offset,
                  batch.table_dim, batch.table_rows, batch.table_row_base, warn, check, keys,
                  batch.per_sample_weights, int(batch.pooling_mode), int(batch.out_numel),
-                 int(batch.max_D), out_dtype, vec, even_d, batch.cache_locations, batch.cache_weights)
+                 int(batch.max_D), out_dtype, vec, even_d, batch.cache_locations, batch.cache_weights,
+                 lr, neg_p, l1, l2_eff, beta)
 
 
 def _checked_offsets(batch: TBEBatch, warn: Optional[torch.Tensor]) -> torch.Tensor:
@@ -456,22 +488,36 @@ def _checked_offsets(batch: TBEBatch, warn: Optional[torch.Tensor]) -> torch.Ten
     return repair_offsets(batch.offsets, batch.indices.numel(), warn)
 
 
-def _stored_weights(arrays: TableArrays) -> torch.Tensor:
-    """The weight buffer of the one layout this backend's kernels implement."""
-    if not arrays.stored_elementwise:
-        raise NotImplementedError("the Triton FTRL kernels implement stored weights with an "
-                                  "element-wise accum only")
-    return arrays.weights
+def _check_layout(arrays: TableArrays, batch: TBEBatch) -> None:
+    """Return when the kernels implement ``arrays``' row layout for ``batch``'s placement: every
+    layout uncached, the stored / element-wise one only for a cached batch (``CAPABILITIES``).
+
+    Raises:
+        ValueError: a derived-weights or row-wise-accum layout with a cached batch
+            (``batch.cache_locations`` set, the ``fused_uvm_caching`` placement).
+    """
+    if batch.cache_locations is not None and not arrays.stored_elementwise:
+        layout = (("derived" if arrays.derived else "stored"),
+                  ("rowwise" if arrays.rowwise else "elementwise"))
+        raise ValueError(f"the Triton FTRL kernels run the cached placement (fused_uvm_caching) with "
+                         f"layouts {sorted(CAPABILITIES.cached_layouts)} only, got "
+                         f"ftrl_weights={layout[0]!r}, ftrl_accumulator={layout[1]!r}")
 
 
 def forward(arrays: TableArrays, batch: TBEBatch, out_dtype: torch.dtype,
             hp: FTRLHyperparams) -> torch.Tensor:
     """Pooled lookup. Returns the flat output ``[batch.out_numel]`` in ``out_dtype`` (fp32 accumulation).
     For a raw batch (the fused WARNING check), the offsets are repaired first and out-of-range
-    indices are read as row 0; both are counted in ``batch.unchecked_counter``."""
+    indices are read as row 0; both are counted in ``batch.unchecked_counter``. Derived weights
+    (``arrays.weights`` None) are ``prox(linear, accum)`` with ``hp``, computed per looked-up element.
+
+    Raises:
+        ValueError: a layout other than stored / element-wise with a cached batch (:func:`_check_layout`).
+    """
+    _check_layout(arrays, batch)
     counter = _warn_counter(batch)
     offsets = _checked_offsets(batch, counter[1])
-    return _lookup(_stored_weights(arrays), batch, offsets, out_dtype, None, counter, _batch_shape(batch))
+    return _lookup(arrays, batch, offsets, out_dtype, None, counter, _batch_shape(batch), hp)
 
 
 def forward_train(arrays: TableArrays, batch: TBEBatch, out_dtype: torch.dtype,
@@ -484,6 +530,7 @@ def forward_train(arrays: TableArrays, batch: TBEBatch, out_dtype: torch.dtype,
     for :func:`backward_update_`; the lookup then reads the checked row keys (32-bit when the tables
     have fewer than 2**31 rows) instead of checking every index again.
     """
+    _check_layout(arrays, batch)
     counter, shape = _warn_counter(batch), _batch_shape(batch)
     (check, warn), (total_rows, _, even_d) = counter, shape
     lin = _call(_linearize_op, _linearize_impl, batch.indices, batch.offsets, batch.bag_feature,
@@ -491,7 +538,7 @@ def forward_train(arrays: TableArrays, batch: TBEBatch, out_dtype: torch.dtype,
                 warn, check, True, check, batch.per_sample_weights, int(batch.pooling_mode),
                 int(batch.max_D), total_rows, int(batch.out_numel), even_d)
     offsets = lin[4] if check else batch.offsets
-    out = _lookup(_stored_weights(arrays), batch, offsets, out_dtype, lin[0], counter, shape)
+    out = _lookup(arrays, batch, offsets, out_dtype, lin[0], counter, shape, hp)
     return out, TritonContext(offsets, tuple(lin[:4]))
 
 
@@ -504,12 +551,17 @@ def backward_update_(arrays: TableArrays, batch: TBEBatch, ctx: Optional[TritonC
     the linearised batch of ``ctx`` (from :func:`forward_train`); without it the batch is linearised
     here, and a raw batch's repairs are not counted again (its forward counted them).
     ``accum`` / ``linear`` fp32 or bf16; a bf16 state is stored with stochastic rounding by the step
-    ``batch.step`` (int64 ``[1]``, read on the device).
+    ``batch.step`` (int64 ``[1]``, read on the device). Every row layout of ``arrays``: derived
+    weights (the old weight ``prox(linear, accum)``; only ``accum`` and ``linear`` are written), a
+    row-wise ``accum`` (``[total_rows]``: ``n += mean_d(g_d^2)`` once per row, a bf16 one rounded
+    with column 0), uncached; a cached batch takes the stored / element-wise layout only.
 
     Raises:
-        ValueError: a bf16 state and ``batch.step`` None.
+        ValueError: a bf16 state and ``batch.step`` None; a layout other than stored / element-wise
+            with a cached batch.
     """
-    weights, accum, linear = _stored_weights(arrays), arrays.accum, arrays.linear
+    _check_layout(arrays, batch)
+    weights, accum, linear = arrays.weights, arrays.accum, arrays.linear
     step = batch.step
     if step is None:
         if accum.dtype == torch.bfloat16 or linear.dtype == torch.bfloat16:
@@ -531,7 +583,8 @@ def backward_update_(arrays: TableArrays, batch: TBEBatch, ctx: Optional[TritonC
             batch.per_sample_weights, int(batch.pooling_mode), int(batch.max_D), total_rows,
             vec, even_d, *hp.kernel_scalars(), step)
     if batch.cache_locations is None:
-        _call(_backward_op, _backward_impl, weights, accum, linear, nonfinite_rows, *args)
+        _call(_backward_op, _backward_impl, weights, accum, linear, nonfinite_rows, arrays.rowwise,
+              *args)
     else:
         _call(_backward_cached_op, _backward_cached_impl, weights, accum, linear, nonfinite_rows,
               batch.cache_weights, batch.cache_states[0], batch.cache_states[1],

@@ -54,15 +54,25 @@ reference within the tests' tolerances): with ``p == -0.5``,
 ``sigma = g^2 / (sqrt(n_new) + sqrt(n)) / lr`` (equal to ``(sqrt(n_new) - sqrt(n)) / lr`` without its
 cancellation), ``pow`` for other powers; ``w = (l1 sign(z) - z) lr / (beta + n_new^(-p) + L2 lr)``;
 hardware sqrt and division (<= 2 ulp each): two divisions per element instead of three IEEE ones.
+The new weight is :func:`.triton_prox.ftrl_prox`, the function the forward uses for derived weights.
+
+Row layouts (:mod:`torchrec_ftrl.row_layout`), compile-time flags of the update kernels (with both
+False the kernels are the stored / element-wise ones): ``DERIVED`` (no weight buffer: the old
+weight is ``prox(z, n)`` of the loaded state, and only ``n`` and ``z`` are stored) and ``ROWWISE``
+(``accum`` holds one ``n`` per row at the row key ``row_base[table] + row``, the sort key itself;
+``n`` grows by the mean of ``g^2`` over the row, :func:`torchrec_ftrl.rule.ftrl_rule_rowwise`; a
+row is one tile, so the mean is one ``tl.sum`` over its columns, taken where the row's full
+gradient sum is: in the update kernel for a whole run, in the combine kernel for a run cut into
+pieces). The cached placement (``CACHED``) takes the stored / element-wise layout only.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from .triton_forward import MEAN, NONE, bag_table, load_bags
+from .triton_prox import ftrl_power, ftrl_prox
 
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
@@ -257,40 +267,40 @@ def segment_mark_kernel(key_ptr, perm_ptr, gofs_ptr, scale_ptr, tid_ptr, loc_ptr
 
 
 @triton.jit
-def _pow(x, e, LIBDEVICE_POW: tl.constexpr):
-    # x >= 0, e = -p >= 0. libdevice pow when compiled; exp2/log2 under the interpreter (no libdevice).
-    if LIBDEVICE_POW:
-        return libdevice.pow(x, e)
-    else:
-        safe = tl.where(x > 0, x, 1.0)
-        r = tl.exp2(e * tl.log2(safe))
-        return tl.where(x > 0, r, tl.where(e > 0, 0.0, 1.0))
-
-
-@triton.jit
-def row_pointers(w_ptr, n_ptr, z_ptr, roff, cw_ptr, cn_ptr, cz_ptr, loc, cache_stride, cols,
-                 CACHED: tl.constexpr):
+def row_pointers(w_ptr, n_ptr, z_ptr, roff, key, cw_ptr, cn_ptr, cz_ptr, loc, cache_stride, cols,
+                 CACHED: tl.constexpr, ROWWISE: tl.constexpr):
     """Pointer blocks ``[R, BLOCK_D]`` to the weight, accum and linear of the rows at element offsets
-    ``roff`` ``[R]`` of the three flat buffers. With ``CACHED``, a row whose cache slot ``loc`` ``[R]``
-    is >= 0 is addressed in the HBM caches instead (weight, accum, linear caches ``cw``, ``cn``,
-    ``cz``, row ``slot`` at ``slot * cache_stride``)."""
+    ``roff`` ``[R]`` of the three flat buffers; with ``ROWWISE`` the accum pointers are ``[R]``, at
+    the row keys ``key`` (one value per row). With ``CACHED`` (element-wise accum only), a row whose
+    cache slot ``loc`` ``[R]`` is >= 0 is addressed in the HBM caches instead (weight, accum, linear
+    caches ``cw``, ``cn``, ``cz``, row ``slot`` at ``slot * cache_stride``)."""
     offs = roff[:, None] + cols[None, :]
     if CACHED:
         hit = (loc >= 0)[:, None]
         coffs = (loc.to(tl.int64) * cache_stride)[:, None] + cols[None, :]
         return (tl.where(hit, cw_ptr + coffs, w_ptr + offs), tl.where(hit, cn_ptr + coffs, n_ptr + offs),
                 tl.where(hit, cz_ptr + coffs, z_ptr + offs))
+    elif ROWWISE:
+        return w_ptr + offs, n_ptr + key.to(tl.int64), z_ptr + offs
     else:
         return w_ptr + offs, n_ptr + offs, z_ptr + offs
 
 
 @triton.jit
-def load_states(wp, np_, zp, m):
+def load_states(wp, np_, zp, m, rmask, DERIVED: tl.constexpr, ROWWISE: tl.constexpr):
     """Load ``(w, n (accum), z (linear))`` in fp32 at the pointer blocks of :func:`row_pointers`,
-    elements ``m`` (bf16 states upcast exactly; fp32 ones as stored)."""
-    w = tl.load(wp, mask=m, other=0.0).to(tl.float32)
+    elements ``m`` (rows ``rmask`` for a ``ROWWISE`` accum, ``[R]``; bf16 states upcast exactly; fp32
+    ones as stored). With ``DERIVED`` there is no weight to load: ``w`` is zeros (a placeholder;
+    :func:`ftrl_update_store` derives the weight)."""
+    if DERIVED:
+        w = tl.zeros(zp.shape, dtype=tl.float32)
+    else:
+        w = tl.load(wp, mask=m, other=0.0).to(tl.float32)
     z = tl.load(zp, mask=m, other=0.0).to(tl.float32)
-    n = tl.load(np_, mask=m, other=0.0).to(tl.float32)
+    if ROWWISE:
+        n = tl.load(np_, mask=rmask, other=0.0).to(tl.float32)
+    else:
+        n = tl.load(np_, mask=m, other=0.0).to(tl.float32)
     return w, n, z
 
 
@@ -340,14 +350,33 @@ def store_state(ptr, x, m, key, cols, step_ptr, STATE: tl.constexpr, BF16: tl.co
 
 
 @triton.jit
-def ftrl_update_store(wp, np_, zp, nonfinite_ptr, w, n, z, m, rmask, g,
+def store_row_state(ptr, x, rm, key, step_ptr, STATE: tl.constexpr, BF16: tl.constexpr):
+    """Store fp32 ``x`` ``[R]`` (one value per row, rows ``rm``) at the pointers ``ptr`` ``[R]``: as
+    is for an fp32 state; for a bf16 one stochastically rounded by ``sr_bits(key[r], 0, step_ptr[0],
+    STATE)`` (column 0)."""
+    if BF16:
+        bits = _lowbias32(sr_row_hash(key, step_ptr, STATE)) >> 16
+        tl.store(ptr, round_bf16_sr(x, bits), mask=rm, cache_modifier=".cs")
+    else:
+        tl.store(ptr, x, mask=rm, cache_modifier=".cs")
+
+
+@triton.jit
+def ftrl_update_store(wp, np_, zp, nonfinite_ptr, w, n, z, m, rmask, g, dimf,
                       lr, l1, l2_eff, beta, shrink2, neg_p, key, cols, step_ptr,
                       POW_HALF: tl.constexpr, HAS_SHRINK: tl.constexpr, LIBDEVICE_POW: tl.constexpr,
-                      N_BF16: tl.constexpr, Z_BF16: tl.constexpr):
+                      N_BF16: tl.constexpr, Z_BF16: tl.constexpr, DERIVED: tl.constexpr,
+                      ROWWISE: tl.constexpr):
     """One FTRL step (the twin of torchrec_ftrl.rule.ftrl_rule) of rows ``rmask`` ``[R]`` with summed gradients ``g``
-    ``[R, BLOCK_D]`` and their loaded states (fp32); rows whose gradient has a NaN/Inf are not stored
-    and are counted in ``nonfinite_ptr``. ``N_BF16`` / ``Z_BF16``: accum / linear stored in bf16
-    (:func:`store_state`, row keys ``key`` ``[R]``, columns ``cols``, step at ``step_ptr``)."""
+    ``[R, BLOCK_D]`` and their loaded states (fp32, :func:`load_states`); rows whose gradient has a
+    NaN/Inf are not stored and are counted in ``nonfinite_ptr``. ``N_BF16`` / ``Z_BF16``: accum /
+    linear stored in bf16 (:func:`store_state`, row keys ``key`` ``[R]``, columns ``cols``, step at
+    ``step_ptr``). ``DERIVED``: no weight buffer; the old weight is ``prox(z, n)``
+    (:func:`.triton_prox.ftrl_prox`, the function that computes the new weight) and only ``n`` and
+    ``z`` are stored. ``ROWWISE``: ``n`` is ``[R]``, one per row, and grows by the mean of ``g^2``
+    over the row's ``dimf`` (fp32, ``[R]`` or scalar: the table's D) columns
+    (:func:`torchrec_ftrl.rule.ftrl_rule_rowwise`); every element of the row shares its sigma and q;
+    the new ``n`` is stored once per row (:func:`store_row_state`, column 0)."""
     # fp32 knobs whatever the caller's scalar type (torch.compile may pass Python floats as fp64).
     lr, l1, l2_eff = tl.cast(lr, tl.float32), tl.cast(l1, tl.float32), tl.cast(l2_eff, tl.float32)
     beta, shrink2 = tl.cast(beta, tl.float32), tl.cast(shrink2, tl.float32)
@@ -358,36 +387,41 @@ def ftrl_update_store(wp, np_, zp, nonfinite_ptr, w, n, z, m, rmask, g,
     tl.atomic_add(nonfinite_ptr, nbad, mask=nbad > 0)
     sm = m & (row_bad == 0)[:, None]
     g2 = g * g
+    if ROWWISE:
+        g2 = tl.div_rn(tl.sum(tl.where(m, g2, 0.0), axis=1), dimf)   # [R]: mean over the row
     n_new = n + g2
     inv_lr = 1.0 / lr
+    pn_new = ftrl_power(n_new, neg_p, POW_HALF, LIBDEVICE_POW)
+    pn = ftrl_power(n, neg_p, POW_HALF, LIBDEVICE_POW)
     if POW_HALF:
         # sqrt(n_new) - sqrt(n) == g^2 / (sqrt(n_new) + sqrt(n)): the same value without the
         # cancellation of the difference (sigma of a row with a large accum and a small gradient
         # is exact to a few ulp instead of losing digits), with the hardware sqrt / division (<= 2
         # ulp each): the IEEE sequences make the update kernel instruction-bound.
-        pn_new = tl.sqrt(n_new)
-        den = pn_new + tl.sqrt(n)
+        den = pn_new + pn
         sigma = tl.where(den > 0, tl.fdiv(g2, tl.where(den > 0, den, 1.0)), 0.0) * inv_lr
     else:
-        pn_new = _pow(n_new, neg_p, LIBDEVICE_POW)
-        sigma = (pn_new - _pow(n, neg_p, LIBDEVICE_POW)) * inv_lr
+        sigma = (pn_new - pn) * inv_lr
+    if ROWWISE:
+        sigma = sigma[:, None]
+        pn_new = pn_new[:, None]
+        pn = pn[:, None]
+    if DERIVED:
+        w = ftrl_prox(z, pn, lr, l1, l2_eff, beta)
     if HAS_SHRINK:
         gs = g + shrink2 * w
     else:
         gs = g
     z_new = (z + gs) - sigma * w
-    # w = (l1 sign(z) - z) / q with q = (beta + pn_new) / lr + L2, multiplied through by lr: one
-    # division. qd == 0 (beta = L2 = 0, n_new = 0) gives +-inf, as the division by q == 0 does.
-    qd = (beta + pn_new) + l2_eff * lr
-    keep = tl.abs(z_new) > l1
-    sgn = tl.where(z_new > 0, 1.0, -1.0)
-    num = (l1 * sgn - z_new) * lr
-    w_new = tl.where(keep, tl.where(qd > 0, tl.fdiv(num, tl.where(qd > 0, qd, 1.0)), num * float("inf")),
-                     0.0)
+    w_new = ftrl_prox(z_new, pn_new, lr, l1, l2_eff, beta)
     # Streaming stores (.cs): the rows are not read again in this step; keeps L2 for the gradients.
-    tl.store(wp, w_new.to(wp.dtype.element_ty), mask=sm, cache_modifier=".cs")
+    if not DERIVED:
+        tl.store(wp, w_new.to(wp.dtype.element_ty), mask=sm, cache_modifier=".cs")
     store_state(zp, z_new, sm, key, cols, step_ptr, 1, Z_BF16)
-    store_state(np_, n_new, sm, key, cols, step_ptr, 0, N_BF16)
+    if ROWWISE:
+        store_row_state(np_, n_new, rmask & (row_bad == 0), key, step_ptr, 0, N_BF16)
+    else:
+        store_state(np_, n_new, sm, key, cols, step_ptr, 0, N_BF16)
 
 
 @triton.jit
@@ -422,7 +456,7 @@ def segment_update_kernel(
     SEG: tl.constexpr, HAS_SCALE: tl.constexpr, POW_HALF: tl.constexpr, HAS_SHRINK: tl.constexpr,
     LIBDEVICE_POW: tl.constexpr, G: tl.constexpr, R: tl.constexpr, BLOCK_D: tl.constexpr,
     VEC: tl.constexpr, EVEN_D: tl.constexpr, CACHED: tl.constexpr, N_BF16: tl.constexpr,
-    Z_BF16: tl.constexpr,
+    Z_BF16: tl.constexpr, DERIVED: tl.constexpr, ROWWISE: tl.constexpr,
 ):
     j0 = tl.program_id(0).to(tl.int64) * G
     count = tl.load(count_ptr).to(tl.int64)          # number of segments (device-side)
@@ -449,6 +483,7 @@ def segment_update_kernel(
             # Every table has D == BLOCK_D: row r of the flat layout starts at r * BLOCK_D.
             m2 = tl.broadcast_to(valid[:, None], [G, BLOCK_D])
             roff = key.to(tl.int64) * BLOCK_D
+            dimf = tl.zeros([G], dtype=tl.float32) + BLOCK_D
         else:
             tid = tl.load(stid_ptr + s, mask=valid, other=0)
             dim = tl.multiple_of(tl.load(table_dim_ptr + tid, mask=valid, other=VEC), VEC)
@@ -456,15 +491,16 @@ def segment_update_kernel(
             rbase = tl.load(row_base_ptr + tid, mask=valid, other=0)
             woff = tl.multiple_of(tl.load(table_w_offset_ptr + tid, mask=valid, other=0), VEC)
             roff = woff + (key - rbase) * dim
+            dimf = dim.to(tl.float32)
         if CACHED:
             loc = tl.load(sloc_ptr + s, mask=valid, other=-1)
         else:
             loc = s
-        wp, np_, zp = row_pointers(w_ptr, n_ptr, z_ptr, roff, cw_ptr, cn_ptr, cz_ptr, loc,
-                                   cache_stride, cols, CACHED)
+        wp, np_, zp = row_pointers(w_ptr, n_ptr, z_ptr, roff, key, cw_ptr, cn_ptr, cz_ptr, loc,
+                                   cache_stride, cols, CACHED, ROWWISE)
         # State loads depend only on the row: issue them before the gradient gather.
         sm = complete[:, None] & m2
-        w, n, z = load_states(wp, np_, zp, sm)
+        w, n, z = load_states(wp, np_, zp, sm, complete, DERIVED, ROWWISE)
         m3c = m2[:, None, :]
         acc = sum_gradient_rows(grad_ptr, go0, sc0, lm0, m3c, cols, HAS_SCALE, VEC)
         # Entries past the first R (pieces of long runs), R at a time in sorted order.
@@ -477,9 +513,9 @@ def segment_update_kernel(
             acc += sum_gradient_rows(grad_ptr, go, sc, lm, m3c, cols, HAS_SCALE, VEC)
         slot = 2 * (s // SEG) + ((s % SEG) != 0).to(tl.int64)
         tl.store(part_ptr + slot[:, None] * BLOCK_D + cols[None, :], acc, mask=partial[:, None] & m2)
-        ftrl_update_store(wp, np_, zp, nonfinite_ptr, w, n, z, sm, complete, acc,
+        ftrl_update_store(wp, np_, zp, nonfinite_ptr, w, n, z, sm, complete, acc, dimf,
                           lr, l1, l2_eff, beta, shrink2, neg_p, key, cols, step_ptr, POW_HALF,
-                          HAS_SHRINK, LIBDEVICE_POW, N_BF16, Z_BF16)
+                          HAS_SHRINK, LIBDEVICE_POW, N_BF16, Z_BF16, DERIVED, ROWWISE)
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -490,7 +526,7 @@ def segment_combine_kernel(
     SEG: tl.constexpr, CP: tl.constexpr, NB: tl.constexpr, POW_HALF: tl.constexpr,
     HAS_SHRINK: tl.constexpr, LIBDEVICE_POW: tl.constexpr, BLOCK_D: tl.constexpr,
     VEC: tl.constexpr, EVEN_D: tl.constexpr, CACHED: tl.constexpr, N_BF16: tl.constexpr,
-    Z_BF16: tl.constexpr,
+    Z_BF16: tl.constexpr, DERIVED: tl.constexpr, ROWWISE: tl.constexpr,
 ):
     # Candidates: the CP multiples p = m * SEG (m >= 1) of this program. p is the FIRST cut of a
     # run iff key[p - SEG] == key[p] (p is a cut) and p - SEG is not a cut.
@@ -515,9 +551,11 @@ def segment_combine_kernel(
             if c < CP:
                 p1 = tl.sum(tl.where(sel_c, pc, 0), axis=0)
                 kb = tl.sum(tl.where(sel_c, kc, 0), axis=0)
+                one = tl.arange(0, 1)
                 if EVEN_D:
                     cmask = cols < BLOCK_D
                     roff = kb.to(tl.int64) * BLOCK_D
+                    dimf = tl.zeros([1], dtype=tl.float32) + BLOCK_D
                 else:
                     tid = tl.load(stid_ptr + p1)
                     dim = tl.multiple_of(tl.load(table_dim_ptr + tid), VEC)
@@ -525,17 +563,17 @@ def segment_combine_kernel(
                     rbase = tl.load(row_base_ptr + tid)
                     woff = tl.multiple_of(tl.load(table_w_offset_ptr + tid), VEC)
                     roff = woff + (kb - rbase) * dim
-                one = tl.arange(0, 1)
+                    dimf = (dim + one * 0).to(tl.float32)
                 rmask = one == 0
                 if CACHED:
                     loc = tl.load(sloc_ptr + p1 + one * 0)
                 else:
                     loc = one
-                wp, np_, zp = row_pointers(w_ptr, n_ptr, z_ptr, roff + one * 0, cw_ptr, cn_ptr, cz_ptr,
-                                           loc, cache_stride, cols, CACHED)
+                wp, np_, zp = row_pointers(w_ptr, n_ptr, z_ptr, roff + one * 0, kb + one * 0, cw_ptr,
+                                           cn_ptr, cz_ptr, loc, cache_stride, cols, CACHED, ROWWISE)
                 # States first: they depend only on the row.
                 sm = rmask[:, None] & cmask[None, :]
-                w, n, z = load_states(wp, np_, zp, sm)
+                w, n, z = load_states(wp, np_, zp, sm, rmask, DERIVED, ROWWISE)
                 # The run's first piece starts at p1 - SEG (slot 2(m-1)) or inside (p1-2SEG, p1-SEG)
                 # (slot 2(m-2)+1).
                 m1 = p1 // SEG
@@ -555,9 +593,9 @@ def segment_combine_kernel(
                     go = tl.sum(selj.to(tl.int32), axis=0) == NB
                     j0 += NB
                 ftrl_update_store(wp, np_, zp, nonfinite_ptr, w, n, z, sm, rmask,
-                                  acc[None, :], lr, l1, l2_eff, beta, shrink2, neg_p,
+                                  acc[None, :], dimf, lr, l1, l2_eff, beta, shrink2, neg_p,
                                   kb + one * 0, cols, step_ptr, POW_HALF, HAS_SHRINK,
-                                  LIBDEVICE_POW, N_BF16, Z_BF16)
+                                  LIBDEVICE_POW, N_BF16, Z_BF16, DERIVED, ROWWISE)
 
 
 @triton.jit

@@ -14,6 +14,12 @@ L2 eviction policy of the row loads ("" or "evict_last", which helps small D on 
 With ``CACHED`` (the UVM-caching placement) each index position also has a cache slot (``loc``, -1
 for none): a row held by the HBM cache is read from ``cache + slot * cache_stride``, any other from
 the table in unified memory.
+With ``DERIVED`` (the row layout without a weight buffer, :mod:`torchrec_ftrl.row_layout`) each
+looked-up element's weight is ``prox(z, n)`` of its ``linear`` (``z_ptr``) and ``accum`` (``n_ptr``),
+computed in fp32 registers by :func:`.triton_prox.ftrl_prox`, the function the update stores a weight
+with (so a derived table reads the bits a stored table holds for the same fp32 state); ``w_ptr`` is
+then unused. With ``ROWWISE`` too, ``accum`` holds one ``n`` per row, at the row key
+``row_base[table] + index``, loaded once per looked-up row. Not with ``CACHED``.
 
 Layout contract: :mod:`torchrec_ftrl.kernels.layout`.
 """
@@ -24,6 +30,7 @@ import triton
 import triton.language as tl
 
 from .layout import POOL_MEAN, POOL_NONE
+from .triton_prox import ftrl_power, ftrl_prox
 
 # The pooling modes as the kernels compare them (layout.POOL_*; Triton reads only constexpr globals).
 MEAN = tl.constexpr(POOL_MEAN)
@@ -51,10 +58,12 @@ def load_bags(offsets_ptr, bag_feature_ptr, feature_table_ptr, num_bags, BAGS: t
 def tbe_forward_kernel(
     w_ptr, out_ptr, indices_ptr, offsets_ptr, bag_feature_ptr, bag_out_ptr, feature_table_ptr,
     table_w_offset_ptr, table_dim_ptr, table_rows_ptr, row_base_ptr, psw_ptr, warn_ptr,
-    loc_ptr, cache_ptr, num_bags, out_row_stride, cache_stride,
+    loc_ptr, cache_ptr, z_ptr, n_ptr, num_bags, out_row_stride, cache_stride,
+    lr, l1, l2_eff, beta, neg_p,
     POOL: tl.constexpr, HAS_PSW: tl.constexpr, CHECK: tl.constexpr, KEYS: tl.constexpr,
     BAGS: tl.constexpr, UNROLL: tl.constexpr, BLOCK_D: tl.constexpr,
     VEC: tl.constexpr, EVEN_D: tl.constexpr, WEVICT: tl.constexpr, CACHED: tl.constexpr,
+    DERIVED: tl.constexpr, ROWWISE: tl.constexpr, POW_HALF: tl.constexpr, LIBDEVICE_POW: tl.constexpr,
 ):
     bags, bmask, start, length, tab = load_bags(offsets_ptr, bag_feature_ptr, feature_table_ptr,
                                                 num_bags, BAGS)
@@ -63,8 +72,11 @@ def tbe_forward_kernel(
     dim = tl.multiple_of(tl.load(table_dim_ptr + tab, mask=bmask, other=VEC), VEC)
     if CHECK:
         trows = tl.load(table_rows_ptr + tab, mask=bmask, other=0)
-    if KEYS and not EVEN_D:
+    if (KEYS and not EVEN_D) or (DERIVED and ROWWISE and not KEYS):
         rbase = tl.load(row_base_ptr + tab, mask=bmask, other=0)
+    if DERIVED:  # fp32 knobs, as the update takes them
+        lr, l1, l2_eff = tl.cast(lr, tl.float32), tl.cast(l1, tl.float32), tl.cast(l2_eff, tl.float32)
+        beta, neg_p = tl.cast(beta, tl.float32), tl.cast(neg_p, tl.float32)
     nbad = tl.zeros([BAGS, UNROLL], dtype=tl.int32)
 
     cols = tl.arange(0, BLOCK_D)
@@ -105,9 +117,24 @@ def tbe_forward_kernel(
             rowp = tl.where(loc >= 0, cache_ptr + loc.to(tl.int64) * cache_stride, w_ptr + roff)
         else:
             rowp = w_ptr + roff
-        rows = tl.load(rowp[:, :, None] + cols[None, None, :], mask=m3, other=0.0,
-                       eviction_policy=WEVICT)
-        rows = rows.to(tl.float32)
+        if DERIVED:
+            offs = roff[:, :, None] + cols[None, None, :]
+            z = tl.load(z_ptr + offs, mask=m3, other=0.0, eviction_policy=WEVICT).to(tl.float32)
+            if ROWWISE:  # one n per row, at its row key
+                if KEYS:
+                    nkey = idx.to(tl.int64)
+                else:
+                    nkey = rbase[:, None] + idx
+                n = tl.load(n_ptr + nkey, mask=lmask, other=0.0).to(tl.float32)
+                pn = ftrl_power(n, neg_p, POW_HALF, LIBDEVICE_POW)[:, :, None]
+            else:
+                n = tl.load(n_ptr + offs, mask=m3, other=0.0, eviction_policy=WEVICT).to(tl.float32)
+                pn = ftrl_power(n, neg_p, POW_HALF, LIBDEVICE_POW)
+            rows = ftrl_prox(z, pn, lr, l1, l2_eff, beta)
+        else:
+            rows = tl.load(rowp[:, :, None] + cols[None, None, :], mask=m3, other=0.0,
+                           eviction_policy=WEVICT)
+            rows = rows.to(tl.float32)
         if HAS_PSW:
             psw = tl.load(psw_ptr + pos, mask=lmask, other=0.0)
             rows = rows * psw[:, :, None]

@@ -1,0 +1,107 @@
+"""Checks of the FTRL TBE's arguments, shared by its constructor, its batches and its hooks: each
+raises ``ValueError`` naming the argument and the value."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+
+from .fbgemm_enums import EmbeddingLocation, SparseType
+from .placement import PLACEMENTS
+
+_PRECISIONS = {SparseType.FP32: torch.float32, SparseType.FP16: torch.float16,
+               SparseType.BF16: torch.bfloat16}
+
+
+def _short(values: list) -> str:
+    return repr(values) if len(values) <= 12 else f"{values[:12]!r}... ({len(values)} values)"
+
+
+def _as_sparse_type(name: str, value: Any) -> SparseType:
+    if isinstance(value, torch.dtype):
+        for k, v in _PRECISIONS.items():
+            if v == value:
+                return k
+    if isinstance(value, SparseType) and value in _PRECISIONS:
+        return value
+    raise ValueError(f"{name} must be SparseType.FP32, FP16 or BF16 (or the torch dtype), got {value!r}")
+
+
+def _enum_member(name: str, enum_cls, value: Any, allowed: Sequence) -> Any:
+    """``enum_cls(value)`` when it is one of ``allowed``; else ``ValueError`` naming ``name``, the
+    allowed members and the value."""
+    try:
+        member = enum_cls(value)
+    except ValueError:
+        member = None
+    if member not in allowed:
+        names = ", ".join(m.name for m in allowed)
+        raise ValueError(f"{name} must be {enum_cls.__name__} {names}, got {value!r}")
+    return member
+
+
+def _check_int_vector(name: str, t: Any, device: torch.device, cpu_too: bool = False) -> None:
+    """Raises ValueError, naming ``name`` and the value, unless ``t`` is a 1-D int32/int64 tensor on
+    ``device`` (or, with ``cpu_too``, on the CPU)."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name} must be int32 or int64, got dtype={t.dtype}")
+    if t.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape={tuple(t.shape)}")
+    if cpu_too and t.device.type != "cpu" and t.device != device:
+        raise ValueError(f"{name} must be on the CPU or on {device} (the tables' device), got "
+                         f"device={t.device}")
+    if not cpu_too and t.device != device:
+        raise ValueError(f"{name} must be on {device} (the tables' device), got device={t.device}")
+
+
+def parse_embedding_specs(embedding_specs) -> tuple[list[tuple[int, int]], Optional[EmbeddingLocation]]:
+    """``([(rows, dim)], placement)`` of FBGEMM-style specs ``(rows, dim)`` or ``(rows, dim, location,
+    compute_device)``; ``placement`` is the one unified-memory location of all tables (``MANAGED`` or
+    ``MANAGED_CACHING``), or None for device / host memory.
+
+    Raises:
+        ValueError: no table, a malformed spec, rows or dim < 1, a location that is not a placement,
+            or a unified-memory location mixed with others.
+    """
+    if not embedding_specs:
+        raise ValueError("embedding_specs must name at least one table, got []")
+    rows_dims, locations = [], set()
+    for t, spec in enumerate(embedding_specs):
+        if not isinstance(spec, (tuple, list)) or len(spec) not in (2, 4):
+            raise ValueError(f"embedding_specs[{t}] must be (rows, dim) or (rows, dim, location, "
+                             f"compute_device), got {spec!r}")
+        rows, dim = spec[0], spec[1]
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+            raise ValueError(f"embedding_specs[{t}] rows must be an int >= 1, got {rows!r}")
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+            raise ValueError(f"embedding_specs[{t}] dim must be an int >= 1, got {dim!r}")
+        rows_dims.append((rows, dim))
+        if len(spec) == 4:
+            if not isinstance(spec[2], EmbeddingLocation):
+                raise ValueError(f"embedding_specs[{t}] location must be an EmbeddingLocation, "
+                                 f"got {spec[2]!r}")
+            locations.add(spec[2])
+    uvm_locations = locations & {EmbeddingLocation.MANAGED, EmbeddingLocation.MANAGED_CACHING}
+    if not locations <= set(PLACEMENTS) or (uvm_locations and len(locations) > 1):
+        raise ValueError(f"embedding_specs locations must be one of DEVICE/HOST, MANAGED or "
+                         f"MANAGED_CACHING for all tables, got {sorted(x.name for x in locations)}")
+    return rows_dims, (uvm_locations.pop() if uvm_locations else None)
+
+
+def parse_feature_table_map(feature_table_map, T: int) -> list[int]:
+    """The table of each feature (default one feature per table).
+
+    Raises:
+        ValueError: an empty map or an entry outside ``[0, T)``.
+    """
+    if feature_table_map is None:
+        feature_table_map = list(range(T))
+    feature_table_map = [int(t) for t in feature_table_map]
+    bad = [t for t in feature_table_map if not 0 <= t < T]
+    if not feature_table_map or bad:
+        raise ValueError(f"feature_table_map entries must be table ids in [0, {T}), got "
+                         f"{feature_table_map!r}")
+    return feature_table_map

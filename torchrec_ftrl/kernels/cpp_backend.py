@@ -33,13 +33,13 @@ import torch
 from typing import Any
 
 from ..hyperparams import FTRLHyperparams
+from ..row_layout import KERNEL_LAYOUTS
 from . import cpu_build, ops  # noqa: F401  (ops: the schemas the library implements)
 from .capabilities import Capabilities
 from .layout import TableArrays, TBEBatch
 from .torch_backend import per_sample_weight_grad  # noqa: F401  (the Backend member, shared)
 
-CAPABILITIES = Capabilities(layouts=frozenset({("stored", "elementwise"), ("stored", "rowwise"),
-                                               ("derived", "elementwise"), ("derived", "rowwise")}))
+CAPABILITIES = Capabilities(layouts=KERNEL_LAYOUTS)
 
 _lock = threading.Lock()
 _library: str | None = None

@@ -18,16 +18,16 @@ l1, l2, beta, shrink2``.
 * ``tbe_forward(weights?, accum, linear, rowwise, table_w_offset, table_dim, feature_table,
   bag_feature, bag_out_offset, indices, offsets, per_sample_weights?, pooling_mode, max_D,
   table_row_base, <knobs>, out_numel, out_dtype) -> Tensor``: the flat pooled (SUM / MEAN) or
-  sequence (NONE) output ``[out_numel]`` in ``out_dtype``, fp32 accumulation; empty bags give zeros.
-  Reads the weights, or derives them (``shrink2`` unused).
+  sequence (NONE) output ``[out_numel]`` in ``out_dtype`` (fp32, fp16 or bf16), fp32 accumulation;
+  empty bags give zeros. Reads the weights, or derives them (``shrink2`` unused).
 * ``tbe_count_invalid(table_rows, feature_table, bag_feature, indices, offsets) -> Tensor``: int64
   ``[1]``, the number of malformed offsets plus indices outside ``[0, rows)`` of their table (0 for a
   valid batch); reads only.
 * ``tbe_backward_update_(weights!?, accum!, linear!, rowwise, table_w_offset, table_dim, table_rows,
   feature_table, bag_feature, bag_out_offset, indices, offsets, per_sample_weights?, pooling_mode,
-  max_D, grad_out, <knobs>, nonfinite_rows!, step) -> ()``: sums the gradient of every touched row
-  and applies ONE FTRL update per row in place (:func:`torchrec_ftrl.rule.ftrl_update_rows_`'s
-  rule for the layout); rows whose summed gradient holds a NaN/Inf are left unchanged and counted
+  max_D, grad_out, <knobs>, nonfinite_rows!, step) -> ()``: sums the gradient (``grad_out`` flat
+  ``[out_numel]``, fp32, fp16 or bf16) of every touched row and applies ONE FTRL update per row in
+  place (:func:`torchrec_ftrl.rule.ftrl_update_rows_`'s rule for the layout); rows whose summed gradient holds a NaN/Inf are left unchanged and counted
   in ``nonfinite_rows`` (int64 ``[1]``); a bf16 state is stored by stochastic rounding keyed by
   ``step``.
 """

@@ -18,6 +18,7 @@ import pytest
 
 from conftest import REPO, data_dir
 
+pytest.importorskip("sybil", reason="needs sybil (requirements.txt); the GPU machine's bundle has none")
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 import doc_commands  # noqa: E402
 

@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 import torch
 
-from .derived_weight import DerivedWeight
+from .derived_weight import CHUNK_ROWS, DerivedWeight
 from .hyperparams import parse_options
 from .row_layout import warn_dropped_weights
 from .rule import ftrl_encode, ftrl_prox
@@ -137,8 +137,9 @@ class TableAPIMixin:
             self.reset_cache_states()
             return
         for t, (rows, dim, *_) in enumerate(self.embedding_specs):
-            w = torch.empty(rows, dim, device=self.linear_dev.device).uniform_(min_val, max_val)
-            self.load_weights(t, w, warn=warn)
+            for start in range(0, rows, CHUNK_ROWS):
+                w = torch.empty(min(CHUNK_ROWS, rows - start), dim, device=self.linear_dev.device)
+                self.load_weights(t, w.uniform_(min_val, max_val), warn=warn, row_start=start)
 
     @torch.no_grad()
     def load_weights(self, t: int, weights: torch.Tensor, warn: bool = True, row_start: int = 0,
@@ -181,18 +182,29 @@ class TableAPIMixin:
             self._table_view(self.weights_dev, t)[rows_written].copy_(weights)
             self.reset_cache_states()
             return
-        n = self._accum_view(t)[rows_written]
+        if row_ids is None:
+            rows_written = torch.arange(row_start, row_start + k, device=self.linear_dev.device)
+        dropped = 0
+        for start in range(0, k, CHUNK_ROWS):   # temporaries of one chunk of rows at a time
+            sel = rows_written[start:start + CHUNK_ROWS]
+            dropped += self._encode_rows(t, sel, weights[start:start + CHUNK_ROWS], only_changed)
+        if dropped and warn:
+            warn_dropped_weights(dropped, self.table_names[t])
+
+    def _encode_rows(self, t: int, rows: torch.Tensor, weights: torch.Tensor, only_changed: bool) -> int:
+        """``linear[rows] := ftrl_encode(weights, accum[rows])`` of table ``t`` (rows whose weights
+        are unchanged keep theirs with ``only_changed``); returns the weights that could not be held."""
+        n = self._accum_view(t)[rows]
         n = n.unsqueeze(-1) if self.row_layout.accumulator == "rowwise" else n
         weights = weights.to(self.linear_dev.device)
         z, dropped = ftrl_encode(weights, n, self._hp)
         table_linear = self._table_view(self.linear_dev, t)
         if only_changed:
-            linear = table_linear[rows_written]
+            linear = table_linear[rows]
             same = (ftrl_prox(linear, n, self._hp) == weights).all(dim=1, keepdim=True)
             z = torch.where(same, linear.to(z.dtype), z)
-        table_linear[rows_written] = z.to(table_linear.dtype)
-        if dropped and warn:
-            warn_dropped_weights(dropped, self.table_names[t])
+        table_linear[rows] = z.to(table_linear.dtype)
+        return dropped
 
     # ------------------------------------------------------------------ hooks TorchRec calls
     # (the list, and what each does: docs/managed-collision.md, "TBE hooks TorchRec calls")

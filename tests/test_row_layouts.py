@@ -168,9 +168,24 @@ def test_load_weights_bad_arguments_name_them():
     m = _tbe("torch", "derived", "rowwise")
     with pytest.raises(ValueError, match=r"^load_weights: t must be a table id in \[0, 2\), got 5$"):
         m.load_weights(5, torch.zeros(SPECS[0]))
-    with pytest.raises(ValueError, match=r"^load_weights: weights of table 't1' must be \[9, 3\] \(or \[k, 3\] "
-                                         r"with row_start \+ k <= 9\), got \[9, 4\] at row_start=0$"):
+    with pytest.raises(ValueError, match=r"^load_weights: weights of table 't1' must be a floating-point "
+                                         r"\[k, 3\] tensor, got \[9, 4\] torch.float32$"):
         m.load_weights(1, torch.zeros(9, 4))
+    before = [bits(m.linear_dev), bits(m.accum_dev)]
+    for kwargs, message in (
+            (dict(row_start=True), r"row_start must be an int in \[0, 7\] for 2 rows of table 't1' \(9 rows\), got True"),
+            (dict(row_start=8), r"row_start must be an int in \[0, 7\] .* got 8"),
+            (dict(row_ids=torch.tensor([1.0, 2.0])), r"row_ids must be an int64 or int32 tensor of 2 row ids, "
+                                                     r"got torch.float32 \[2\]"),
+            (dict(row_ids=torch.tensor([1, 9])), r"row_ids must be row ids of table 't1' in \[0, 9\), got \[1, 9\]")):
+        with pytest.raises(ValueError, match=message):
+            m.load_weights(1, torch.zeros(2, 3), **kwargs)
+    with pytest.raises(ValueError, match="hold NaN or Inf"):
+        m.load_weights(1, torch.full((9, 3), float("nan")))
+    assert all(torch.equal(a, b) for a, b in zip([bits(m.linear_dev), bits(m.accum_dev)], before))
+    stored = _tbe("torch", "stored", "elementwise")
+    stored.load_weights(0, torch.full((2, 4), 0.5), row_ids=torch.tensor([1, 3]))
+    assert torch.equal(stored.split_embedding_weights()[0][torch.tensor([1, 3])], torch.full((2, 4), 0.5))
 
 
 @pytest.mark.parametrize("accumulator", ["elementwise", "rowwise"])
@@ -243,3 +258,28 @@ def test_derived_weight_tensor_reads_and_writes_the_table(monkeypatch, tmp_path)
     torch.save(w, tmp_path / "w.pt")
     loaded = torch.load(tmp_path / "w.pt")
     assert type(loaded) is torch.Tensor and torch.equal(loaded, w.clone())
+
+
+def test_derived_weight_views_it_cannot_hold_refuse_writes():
+    """Reads through any view work; a write through a view the table cannot hold (an element, a
+    column, a reshape, a split) raises instead of being lost, and so does out=; row indices out of
+    a view's bounds raise IndexError as for a tensor."""
+    from torchrec_ftrl.derived_weight import ReadOnlyWeights
+    m = _tbe("torch", "derived", "rowwise")
+    w = m.split_embedding_weights()[0]
+    full = w.clone()
+    assert torch.equal(w[:, 1].clone(), full[:, 1]) and torch.equal(w.t().clone(), full.t())
+    assert isinstance(w[0], ReadOnlyWeights) and float(w[2, 3]) == float(full[2, 3])
+    before = bits(m.linear_dev)
+    for write in (lambda: w.__setitem__(0, 0.5), lambda: w[:, 1].fill_(0.5), lambda: w.view(-1)[0].zero_(),
+                  lambda: w.split(5)[0].fill_(0.5)):
+        with pytest.raises(RuntimeError, match="the write would not reach the table"):
+            write()
+    with pytest.raises(RuntimeError, match="out= a derived-weights table"):
+        torch.mul(full, 2, out=w)
+    assert torch.equal(bits(m.linear_dev), before)
+    with pytest.raises(IndexError, match="index 7 is out of bounds for dimension 0 with size 5"):
+        w[0:5][torch.tensor([7])]
+    with pytest.raises(IndexError, match="index -13 is out of bounds"):
+        w[torch.tensor([-13])]
+    np.testing.assert_allclose(w[5:10][torch.tensor([-1])].numpy(), full[9:10].numpy())

@@ -14,7 +14,10 @@ storage-less tensor of that shape (fp32, the tables' device) whose
   load applies) encode the new weights into ``linear``, :data:`CHUNK_ROWS` rows at a time, leaving
   rows whose weights do not change as they are (``FTRLTableBatchedEmbeddingBags.load_weights``:
   exact up to rounding where ``q(accum) > 0``, else the row starts at 0 with a one-time warning);
-* row slices (``w[a:b]``, ``narrow(0, ...)``), ``detach`` and ``alias`` are views of the same rows.
+* row slices (``w[a:b]``, ``narrow(0, ...)``), ``detach`` and ``alias`` are views of the same rows;
+  ``w[rows]`` reads and ``w[rows] = v`` writes only those rows. Other views (an element, a column, a
+  reshape, a ``split``) are :class:`ReadOnlyWeights`: readable, and a write into them raises
+  ``RuntimeError`` rather than being lost, as does ``out=`` a ``DerivedWeight``.
 
 Metadata queries (shape, dtype, device, ``is_pinned``) compute nothing.
 """
@@ -130,6 +133,10 @@ class DerivedWeight(torch.Tensor):
             func(values, *part[0], **part[1])
             chunk.assign(values)
 
+    def __deepcopy__(self, memo):
+        """A deep copy is the plain fp32 tensor of its weights."""
+        return self._copy_to()
+
     def __reduce_ex__(self, protocol):
         """Pickled (``torch.save``, a checkpoint writer) as the plain fp32 tensor of its weights."""
         return self._copy_to().__reduce_ex__(protocol)
@@ -163,12 +170,70 @@ class DerivedWeight(torch.Tensor):
             if rows is not None and func is aten.index_put_.default and not (args[3:] and args[3]):
                 values = _plain(args[2]).to(device=me.device, dtype=torch.float32)
                 me._tbe.load_weights(me._table, values.expand(rows.numel(), me.shape[1]),
-                                     row_ids=rows + me._row_start)             # w[rows] = values
+                                     row_ids=rows + me._row_start, only_changed=True)   # w[rows] = v
                 return me
             if func._schema.arguments and func._schema.arguments[0].is_write:
                 me._write(func, args[1:], kwargs)
                 return me
-        return func(*tree_map(_plain, args), **tree_map(_plain, kwargs))
+        if any(isinstance(v, DerivedWeight) for v in kwargs.values()):
+            raise RuntimeError(f"{func}: out= a derived-weights table (DerivedWeight) is not supported; "
+                               f"compute the result, then copy_ it into the table's rows")
+        out = func(*tree_map(_plain, args), **tree_map(_plain, kwargs))
+        if me is not None and _is_view(func):   # a view the table cannot hold: readable, not writable
+            return tree_map(lambda x: ReadOnlyWeights(x, str(func)) if isinstance(x, torch.Tensor) else x, out)
+        return out
+
+
+def _is_view(func) -> bool:
+    """Whether ``func`` returns a view of its first argument (its schema aliases it)."""
+    returns = func._schema.returns
+    return bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
+
+
+class ReadOnlyWeights(torch.Tensor):
+    """A view of a :class:`DerivedWeight` that the table cannot hold (a column, an element, a
+    reshape, a transpose): its values are the weights, computed; writes into it raise
+    ``RuntimeError`` instead of being lost (write whole rows: ``w[rows] = v``, ``w[a:b].copy_(v)``)."""
+
+    _value: torch.Tensor
+    _origin: str
+
+    @staticmethod
+    def __new__(cls, value: torch.Tensor, origin: str):
+        return torch.Tensor._make_wrapper_subclass(cls, value.shape, strides=value.stride(),
+                                                   dtype=value.dtype, device=value.device)
+
+    def __init__(self, value: torch.Tensor, origin: str) -> None:
+        self._value, self._origin = value, origin
+
+    def __repr__(self) -> str:
+        return f"ReadOnlyWeights({self._value!r})"
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        writes = [a for a, arg in zip(args, func._schema.arguments) if arg.is_write] + \
+            [v for k, v in kwargs.items() if k == "out"]
+        if any(isinstance(w, ReadOnlyWeights) for w in writes):
+            origin = next(w._origin for w in writes if isinstance(w, ReadOnlyWeights))
+            raise RuntimeError(
+                f"{func} writes into a view ({origin}) of a derived-weights table, which holds no "
+                f"weight array: the write would not reach the table. Write whole rows instead: "
+                f"w[rows] = values or w[a:b].copy_(values)")
+        unwrap = lambda x: x._value if isinstance(x, ReadOnlyWeights) else x  # noqa: E731
+        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+        if _is_view(func) and args and isinstance(args[0], ReadOnlyWeights):
+            return tree_map(lambda x: ReadOnlyWeights(x, args[0]._origin) if isinstance(x, torch.Tensor)
+                            else x, out)
+        return out
+
+    def numpy(self, *, force: bool = False):
+        return self._value.detach().cpu().numpy()
+
+    def tolist(self):
+        return self._value.tolist()
 
 
 def _row_index(me: DerivedWeight, func, args) -> torch.Tensor | None:
@@ -185,6 +250,9 @@ def _row_index(me: DerivedWeight, func, args) -> torch.Tensor | None:
     if rows.dtype not in (torch.int64, torch.int32):
         return None
     rows = rows.to(device=me.device, dtype=torch.int64)
+    bad = (rows < -me.shape[0]) | (rows >= me.shape[0])
+    if bool(bad.any()):
+        raise IndexError(f"index {int(rows[bad][0])} is out of bounds for dimension 0 with size {me.shape[0]}")
     return torch.where(rows < 0, rows + me.shape[0], rows)
 
 

@@ -75,8 +75,9 @@ class RowLayout:
         options = options or {}
         dtypes = parse_state_dtypes(options.get("optimizer_state_dtypes"), f"{where} optimizer_state_dtypes")
         try:
-            return cls(weights=options.get("ftrl_weights") or "stored",
-                       accumulator=options.get("ftrl_accumulator") or "elementwise",
+            weights, accumulator = options.get("ftrl_weights"), options.get("ftrl_accumulator")
+            return cls(weights="stored" if weights is None else weights,
+                       accumulator="elementwise" if accumulator is None else accumulator,
                        accum_dtype=dtypes["accum"], linear_dtype=dtypes["linear"])
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None

@@ -150,7 +150,9 @@ class TableAPIMixin:
 
         A stored-weights table copies them. A derived-weights table keeps ``accum`` and sets
         ``linear`` to the z with ``prox(z, accum) = w`` (:func:`torchrec_ftrl.rule.ftrl_encode`):
-        exact up to rounding where ``q(accum) > 0`` (``accum > 0``, ``ftrl_beta > 0`` or an L2 term);
+        exact up to rounding where ``q(accum) > 0`` (``accum > 0``, ``ftrl_beta > 0`` or an L2 term;
+        with ``ftrl_l1_reg > 0`` a weight small beside ``l1 / q`` keeps fewer bits, and a bf16
+        ``linear`` keeps bf16's precision);
         where ``q == 0`` no z gives a non-zero w, so those rows start at w = 0 (what FTRL does at a
         row's first touch anyway) and, with ``warn``, a one-time ``UserWarning`` says how many non-zero
         weights were dropped. With ``only_changed``, rows whose weights equal ``prox(linear, accum)``
@@ -159,29 +161,18 @@ class TableAPIMixin:
         the warning: a derived table with ``accum = 0`` and ``ftrl_beta = 0`` starts at w = 0.)
 
         Raises:
-            ValueError: ``t`` not a table of this TBE, or ``weights`` not ``[k, D]`` within the table.
+            ValueError: ``t`` not a table of this TBE; ``weights`` not a finite floating-point ``[k, D]``
+                tensor; ``row_start`` not an int with the rows inside the table; ``row_ids`` not
+                ``k`` int32/int64 row ids of the table. Nothing is changed then.
         """
-        T = len(self.embedding_specs)
-        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < T:
-            raise ValueError(f"load_weights: t must be a table id in [0, {T}), got {t!r}")
-        rows, dim = self.embedding_specs[t][:2]
-        k = weights.shape[0] if isinstance(weights, torch.Tensor) and weights.dim() == 2 else -1
-        if k < 0 or weights.shape[1] != dim or not 0 <= row_start <= rows - k:
-            shape = list(weights.shape) if isinstance(weights, torch.Tensor) else type(weights).__name__
-            raise ValueError(f"load_weights: weights of table {self.table_names[t]!r} must be "
-                             f"[{rows}, {dim}] (or [k, {dim}] with row_start + k <= {rows}), got {shape} "
-                             f"at row_start={row_start}")
-        rows_written = slice(row_start, row_start + k)
-        if row_ids is not None:
-            rows_written = row_ids.to(device=self.linear_dev.device, dtype=torch.int64)
-            if rows_written.shape != (k,) or bool(((rows_written < 0) | (rows_written >= rows)).any()):
-                raise ValueError(f"load_weights: row_ids must be {k} row ids of table "
-                                 f"{self.table_names[t]!r} in [0, {rows}), got {_short(row_ids.tolist())}")
+        rows_written = self._check_load(t, weights, row_start, row_ids)
         if self.row_layout.weights == "stored":
             self.flush()
-            self._table_view(self.weights_dev, t)[rows_written].copy_(weights)
+            self._table_view(self.weights_dev, t)[rows_written] = weights.to(
+                device=self.weights_dev.device, dtype=self.weights_dev.dtype)
             self.reset_cache_states()
             return
+        k = weights.shape[0]
         if row_ids is None:
             rows_written = torch.arange(row_start, row_start + k, device=self.linear_dev.device)
         dropped = 0
@@ -190,6 +181,41 @@ class TableAPIMixin:
             dropped += self._encode_rows(t, sel, weights[start:start + CHUNK_ROWS], only_changed)
         if dropped and warn:
             warn_dropped_weights(dropped, self.table_names[t])
+
+    def _check_load(self, t, weights, row_start, row_ids) -> torch.Tensor | slice:
+        """The rows :meth:`load_weights` writes (a slice, or int64 ids on the tables' device).
+
+        Raises:
+            ValueError: naming the argument and the value (see :meth:`load_weights`).
+        """
+        where = "load_weights"
+        T = len(self.embedding_specs)
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < T:
+            raise ValueError(f"{where}: t must be a table id in [0, {T}), got {t!r}")
+        rows, dim = self.embedding_specs[t][:2]
+        ok = isinstance(weights, torch.Tensor) and weights.dim() == 2 and weights.shape[1] == dim
+        if not ok or not weights.is_floating_point():
+            shape = (f"{list(weights.shape)} {weights.dtype}" if isinstance(weights, torch.Tensor)
+                     else type(weights).__name__)
+            raise ValueError(f"{where}: weights of table {self.table_names[t]!r} must be a floating-point "
+                             f"[k, {dim}] tensor, got {shape}")
+        if not bool(torch.isfinite(weights).all()):
+            raise ValueError(f"{where}: weights of table {self.table_names[t]!r} hold NaN or Inf")
+        k = weights.shape[0]
+        if row_ids is None:
+            if isinstance(row_start, bool) or not isinstance(row_start, int) or not 0 <= row_start <= rows - k:
+                raise ValueError(f"{where}: row_start must be an int in [0, {rows - k}] for {k} rows of "
+                                 f"table {self.table_names[t]!r} ({rows} rows), got {row_start!r}")
+            return slice(row_start, row_start + k)
+        if not isinstance(row_ids, torch.Tensor) or row_ids.dtype not in (torch.int32, torch.int64) \
+                or row_ids.shape != (k,):
+            got = f"{row_ids.dtype} {list(row_ids.shape)}" if isinstance(row_ids, torch.Tensor) else repr(row_ids)
+            raise ValueError(f"{where}: row_ids must be an int64 or int32 tensor of {k} row ids, got {got}")
+        ids = row_ids.to(device=self.linear_dev.device, dtype=torch.int64)
+        if bool(((ids < 0) | (ids >= rows)).any()):
+            raise ValueError(f"{where}: row_ids must be row ids of table {self.table_names[t]!r} in "
+                             f"[0, {rows}), got {_short(row_ids.tolist())}")
+        return ids
 
     def _encode_rows(self, t: int, rows: torch.Tensor, weights: torch.Tensor, only_changed: bool) -> int:
         """``linear[rows] := ftrl_encode(weights, accum[rows])`` of table ``t`` (rows whose weights

@@ -67,12 +67,14 @@ def ftrl_rule(w: torch.Tensor, accum: torch.Tensor, linear: torch.Tensor, g: tor
 
 
 def _power(n: torch.Tensor, hp: FTRLHyperparams) -> torch.Tensor:
-    """``n^(-p)``: ``sqrt`` for ``p == -0.5``, ``pow`` otherwise. An fp32 ``sqrt`` is taken in fp64
-    and rounded once, the correctly rounded result (IEEE ``sqrtf``, as the compiled CPU kernel
-    computes it; torch's fp32 CPU ``sqrt`` is not correctly rounded for every input)."""
+    """``n^(-p)``: ``sqrt`` for ``p == -0.5``, ``pow`` otherwise. On the CPU an fp32 ``sqrt`` is taken
+    in fp64 and rounded once, the correctly rounded result (IEEE ``sqrtf``, as the compiled CPU
+    kernel computes it; torch's fp32 CPU ``sqrt`` is not correctly rounded for every input; CUDA's is)."""
     if hp.learning_rate_power != -0.5:
         return n.pow(-hp.learning_rate_power)
-    return n.double().sqrt().to(n.dtype) if n.dtype == torch.float32 else n.sqrt()
+    if n.dtype == torch.float32 and n.device.type == "cpu":
+        return n.double().sqrt().to(n.dtype)
+    return n.sqrt()
 
 
 def _linear_step(w: torch.Tensor, accum: torch.Tensor, n_new: torch.Tensor, linear: torch.Tensor,

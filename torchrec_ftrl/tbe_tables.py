@@ -56,15 +56,18 @@ class TableAPIMixin:
     @torch.no_grad()
     def derived_weights(self, t: int, rows: Optional[torch.Tensor | slice] = None) -> torch.Tensor:
         """fp32 ``[len(rows), D]`` (``rows``: int64 row ids or a slice; default every row) weights
-        ``prox(linear, accum)`` of table ``t`` with the knobs of now (:func:`torchrec_ftrl.rule.ftrl_prox`): the weights the
-        kernels use with derived weights. For a table that stores weights they equal the stored
+        ``prox(linear, accum)`` of table ``t`` with the knobs of now
+        (:func:`torchrec_ftrl.rule.ftrl_prox`): the weights the kernels use with derived weights. For a table that stores weights they equal the stored
         ones wherever training wrote them (bitwise for fp32 weights and states)."""
-        z, n = self._table_view(self.linear_dev, t), self._accum_view(t)
-        if rows is not None:
-            z, n = z[rows], n[rows]
-        if self.row_layout.accumulator == "rowwise":
-            n = n.unsqueeze(-1)
-        return ftrl_prox(z, n, self._hp).float()
+        rows = slice(None) if rows is None else rows
+        return ftrl_prox(self._table_view(self.linear_dev, t)[rows], self._accum_rows(t, rows),
+                         self._hp).float()
+
+    def _accum_rows(self, t: int, rows: torch.Tensor | slice) -> torch.Tensor:
+        """Table ``t``'s ``accum`` of ``rows``, broadcastable against their ``[k, D]`` ``linear``
+        (``[k, 1]`` for a row-wise accumulator)."""
+        n = self._accum_view(t)[rows]
+        return n.unsqueeze(-1) if self.row_layout.accumulator == "rowwise" else n
 
     def split_optimizer_states(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-table ``(accum, linear)`` views (not copies) in their stored dtypes (fp32, or bf16 per
@@ -172,12 +175,10 @@ class TableAPIMixin:
                 device=self.weights_dev.device, dtype=self.weights_dev.dtype)
             self.reset_cache_states()
             return
-        k = weights.shape[0]
-        if row_ids is None:
-            rows_written = torch.arange(row_start, row_start + k, device=self.linear_dev.device)
         dropped = 0
-        for start in range(0, k, CHUNK_ROWS):   # temporaries of one chunk of rows at a time
-            sel = rows_written[start:start + CHUNK_ROWS]
+        for start in range(0, weights.shape[0], CHUNK_ROWS):   # temporaries of one chunk of rows at a time
+            sel = (rows_written[start:start + CHUNK_ROWS] if row_ids is not None
+                   else slice(row_start + start, min(rows_written.stop, row_start + start + CHUNK_ROWS)))
             dropped += self._encode_rows(t, sel, weights[start:start + CHUNK_ROWS], only_changed)
         if dropped and warn:
             warn_dropped_weights(dropped, self.table_names[t])
@@ -217,11 +218,11 @@ class TableAPIMixin:
                              f"[0, {rows}), got {_short(row_ids.tolist())}")
         return ids
 
-    def _encode_rows(self, t: int, rows: torch.Tensor, weights: torch.Tensor, only_changed: bool) -> int:
+    def _encode_rows(self, t: int, rows: torch.Tensor | slice, weights: torch.Tensor,
+                     only_changed: bool) -> int:
         """``linear[rows] := ftrl_encode(weights, accum[rows])`` of table ``t`` (rows whose weights
         are unchanged keep theirs with ``only_changed``); returns the weights that could not be held."""
-        n = self._accum_view(t)[rows]
-        n = n.unsqueeze(-1) if self.row_layout.accumulator == "rowwise" else n
+        n = self._accum_rows(t, rows)
         weights = weights.to(self.linear_dev.device)
         z, dropped = ftrl_encode(weights, n, self._hp)
         table_linear = self._table_view(self.linear_dev, t)

@@ -302,6 +302,58 @@ def tune_forward(T, E, B, L, batches_by_dist, log):
         del m
 
 
+# --tune-layouts: the launch settings swept per lean row layout (segment_update_kernel's elements per
+# step; then the forward's (elements per step, eviction)), one group after the other; the gradient
+# rows and indices per bag in flight are the stored table's (triton_backend.TUNING's comment).
+LAYOUT_SEG_GRID = ((4096,), (1024,), (2048,), (8192,))
+LAYOUT_FWD_GRID = ((1024, ""), (512, ""), (2048, ""), (4096, ""), (512, "evict_last"))
+TUNE_LAYOUT_METHODS = ("ours_derived_elementwise_fp32", "ours_derived_elementwise_bf16",
+                       "ours_derived_rowwise_fp32", "ours_derived_rowwise_bf16")
+
+
+def tune_layouts(args, log) -> dict:
+    """Sweep of the lean layouts' own launch entries (``TUNING["layouts"]``) on the production shape
+    T8 x 2M x 128 fp32, B=16384, L=20: step time (CUDA events, median), uniform + Zipf(1.05) ids
+    summed. Keeps each layout's fastest entries in ``TUNING`` (so a ``--layouts`` run after it in the
+    same process measures them) and returns ``{layout key: {"fwd": ..., "seg_launch": ...,
+    "sweep": [...]}}``."""
+    T, E, D, B, L = 8, 2_000_000, 128, 16384, 20
+    lists = [production_batches(T, E, B, L, None, 2, seed=0), production_batches(T, E, B, L, 1.05, 2, seed=1)]
+    grad = torch.randn(B, T * D, device="cuda")
+    chosen = {}
+    for m in [m for m in args.method_list if m in TUNE_LAYOUT_METHODS] or TUNE_LAYOUT_METHODS:
+        gc.collect()
+        torch.cuda.empty_cache()
+        mod = build_ours(T, E, D, SparseType.FP32, m)
+        arr = mod.table_arrays
+        key = triton_backend.layout_key(arr.weights is None, arr.rowwise, arr.accum, arr.linear)
+        step = tbe_step(mod, grad)
+        own = triton_backend.TUNING["layouts"].setdefault(key, {})
+        sweep = []
+
+        def step_ms():
+            return sum(time_steps(step, bl, 2, 8) for bl in lists)
+
+        step_ms()   # compile + first timing after building a module: discarded
+        for group, grid in (("seg_launch", LAYOUT_SEG_GRID), ("fwd", LAYOUT_FWD_GRID)):
+            res = []
+            for cfg in grid:
+                own[group] = cfg
+                try:
+                    ms = step_ms()
+                except Exception as exc:  # noqa: BLE001 - e.g. out of resources: reported, skipped
+                    log(f"  {key} {group}={cfg}: FAILED {type(exc).__name__}: {str(exc)[:120]}")
+                    continue
+                res.append((ms, cfg))
+                sweep.append(dict(group=group, cfg=list(cfg), ms=ms))
+                log(f"  {key} {group}={cfg}: uniform+zipf steps {ms:.3f} ms")
+            own[group] = min(res)[1]
+        chosen[key] = dict(fwd=list(own["fwd"]), seg_launch=list(own["seg_launch"]), sweep=sweep)
+        log(f"  chosen {key}: fwd {own['fwd']}, seg_launch {own['seg_launch']}")
+        del mod, step, arr
+    return chosen
+
+
 def kernel_ms_per_step(step, batches, top=12):
     """``[(kernel name, ms per step)]`` of the ``top`` CUDA kernels (torch.profiler) over one step
     of each of ``batches`` (``step(*batch)``)."""
@@ -1002,6 +1054,9 @@ def main() -> None:
                     help="every row layout of ours (ftrl_weights x ftrl_accumulator x fp32/bf16 state: "
                          f"{','.join(LAYOUT_METHODS)}) beside {','.join(LAYOUT_BASELINES)}, on the suite's "
                          "shapes, each beside its compulsory-traffic floor")
+    ap.add_argument("--tune-layouts", action="store_true",
+                    help="sweep the lean layouts' launch entries (TUNING['layouts']) on the production "
+                         "shape first, write DIR/tune_layouts.json; with --layouts, then measure with them")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     production = args.suite == "production"
@@ -1022,8 +1077,17 @@ def main() -> None:
         args.iters = 10 if production else 20
     if (production or args.layouts) and (args.tune or args.tune_forward):
         ap.error("--tune / --tune-forward run with the default suite, without --layouts")
+    if args.tune_layouts:
+        os.makedirs(args.out, exist_ok=True)
+        chosen = tune_layouts(args, print)
+        with open(os.path.join(args.out, "tune_layouts.json"), "w") as f:
+            json.dump(chosen, f, indent=1)
+        print("TUNING['layouts'] = " + repr({k: {g: tuple(v[g]) for g in ("fwd", "seg_launch")}
+                                              for k, v in chosen.items()}), flush=True)
     if args.layouts:
         run_layouts(args)
+        return
+    if args.tune_layouts:
         return
     if production:
         run_production(args)

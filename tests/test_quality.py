@@ -114,7 +114,7 @@ def test_unsupported_layouts_and_kernels_are_refused_by_name():
         qm.build_tbe(qm.VARIANTS["adam"], [10], 4, 8, CPU)
     runnable, skipped = quality.resolve_variants(["all"], CPU)
     assert [v.name for v in runnable][0] == qm.REFERENCE
-    lean = {"ftrl_derived", "ftrl_derived_bf16_zn", "ftrl_rowwise_n", "ftrl_bf16_z_rowwise_n"}
+    lean = {"ftrl_derived", "ftrl_derived_bf16_zn", "ftrl_derived_rowwise_n", "ftrl_derived_bf16_z_rowwise_n"}
     assert lean <= {v.name for v in runnable}          # every row layout runs, on every backend
     assert "adam" in skipped
     with pytest.raises(ValueError, match="unknown"):
@@ -189,7 +189,7 @@ def test_two_seed_study_writes_paired_results(tmp_path):
     # as not run); a zero time budget still runs 2 seeds, then starts no third
     assert quality.main(["--teacher", "tiny", "--train-rows", "4096", "--batches", "512",
                          "--seeds", "0", "1", "2", "--variants", "all", "--exclude", "sgd", "ftrl_derived",
-                         "ftrl_derived_bf16_zn", "ftrl_rowwise_n", "ftrl_bf16_z_rowwise_n",
+                         "ftrl_derived_bf16_zn", "ftrl_derived_rowwise_n", "ftrl_derived_bf16_z_rowwise_n",
                          "--time-budget-s", "0", "--threads", "1", "--out", out]) == 0
     with open(out + ".json") as f:
         res = json.load(f)

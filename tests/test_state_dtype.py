@@ -55,7 +55,7 @@ def _py_sr_bits(row_key: int, col: int, step: int, state: int) -> int:
     M = 0xFFFFFFFF
     h = _py_lowbias32(((step & M) * 0x9E3779B9 + state) & M)
     h = _py_lowbias32(h ^ (row_key & M) ^ ((row_key >> 32) & M))
-    return _py_lowbias32(h ^ (col & M)) >> 16
+    return ((h + (col & M) * 0x9E3779B9) & M) >> 16
 
 
 def test_sr_bits_match_the_transcribed_formula():

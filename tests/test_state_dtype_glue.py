@@ -55,7 +55,7 @@ def _lowbias32(x: int) -> int:
 def _sr_bits(row: int, col: int, step: int, state: int) -> int:
     h = _lowbias32(step * 0x9E3779B9 + state)
     h = _lowbias32(h ^ (row & _M32) ^ ((row >> 32) & _M32))
-    return _lowbias32(h ^ col) >> 16
+    return ((h + col * 0x9E3779B9) & _M32) >> 16
 
 
 def _round_bf16_sr(x32: np.float32, r: int) -> np.float32:

@@ -807,17 +807,18 @@ def test_cuda_ops_under_torch_compile():
                                            b.unchecked_counter, True, True, True, None, 0, b.max_D,
                                            b.total_rows, b.out_numel, even)
             fixed = lin[4]                                     # repaired offsets
-            out = ops.triton_tbe_forward(w, b.indices, fixed, b.bag_feature, b.bag_out_offset,
-                                         b.feature_table, b.table_w_offset, b.table_dim,
-                                         b.table_rows, b.table_row_base, b.unchecked_counter, True,
-                                         lin[0], None, 0, b.out_numel, b.max_D, torch.float32,
-                                         vec, even, None, None)          # no cache
+            lr, neg_p, l1, l2_eff, beta, shrink2 = hp.kernel_scalars()
+            out = ops.triton_tbe_forward(w, linear, accum, False, b.indices, fixed, b.bag_feature,
+                                         b.bag_out_offset, b.feature_table, b.table_w_offset,
+                                         b.table_dim, b.table_rows, b.table_row_base,
+                                         b.unchecked_counter, True, lin[0], None, 0, b.out_numel,
+                                         b.max_D, torch.float32, vec, even, None, None,  # no cache
+                                         lr, neg_p, l1, l2_eff, beta)
             ops.triton_tbe_backward_update_(
-                w, accum, linear, nonfinite, torch.cos(out), b.indices, fixed, b.bag_feature,
+                w, accum, linear, nonfinite, False, torch.cos(out), b.indices, fixed, b.bag_feature,
                 b.bag_out_offset, b.feature_table, b.table_w_offset, b.table_dim, b.table_rows,
                 b.table_row_base, True, *lin[:4], None, 0, b.max_D, b.total_rows, vec, even,
-                hp.learning_rate, -hp.learning_rate_power, hp.l1_reg, hp.l2_effective, hp.beta,
-                2.0 * hp.l2_shrinkage, m.iter)
+                lr, neg_p, l1, l2_eff, beta, shrink2, m.iter)
             return out
         fn = torch.compile(fwd_bwd, fullgraph=True) if compiled else fwd_bwd
         return fn(m.weights_dev, m.accum_dev, m.linear_dev, m.nonfinite_grad_rows)

@@ -144,13 +144,18 @@ def sr_bits(row_key: torch.Tensor, col: torch.Tensor, step: int | torch.Tensor, 
     (the TBE's ``iter`` before the step's increment; int or int64 tensor, taken mod 2^32) of state
     ``state`` (0 accum, 1 linear). Broadcasts ``row_key``, ``col`` and a tensor ``step``. Every
     product is reduced mod 2^32, so this is exactly the uint32 arithmetic of the kernels (C++
-    ``sr_bits`` in ``kernels/csrc/ftrl_tbe_cpu.cpp``, Triton ``_sr_bits`` in
+    ``sr_bits`` in ``kernels/csrc/ftrl_tbe_cpu.cpp``, Triton ``store_state`` in
     ``kernels/triton_backward.py``)::
 
         lowbias32(x) = x ^= x >> 16; x *= 0x7FEB352D; x ^= x >> 15; x *= 0x846CA68B; x ^= x >> 16
         h = lowbias32(step * 0x9E3779B9 + state)
         h = lowbias32(h ^ (row_key mod 2^32) ^ (row_key >> 32))
-        bits = lowbias32(h ^ col) >> 16
+        bits = (h + col * 0x9E3779B9) >> 16
+
+    The row's hash ``h`` is uniform, so each element's bits are uniform and its rounding unbiased;
+    across a row's columns the bits step by the golden ratio (a Weyl sequence), so the columns of one
+    row round with stratified, not independent, bits. Per element this is one add and one shift: the
+    kernels hash once per row and state, not once per element.
     """
     if not isinstance(step, torch.Tensor):
         step = torch.as_tensor(int(step), dtype=torch.int64)
@@ -158,8 +163,7 @@ def sr_bits(row_key: torch.Tensor, col: torch.Tensor, step: int | torch.Tensor, 
     h = _lowbias32(_mul32(step, HASH_GOLDEN) + int(state))
     rk = row_key.to(torch.int64)
     h = _lowbias32(h ^ (rk & _M32) ^ ((rk >> 32) & _M32))
-    h = _lowbias32(h ^ (col.to(torch.int64) & _M32))
-    return h >> 16
+    return ((h + _mul32(col.to(torch.int64) & _M32, HASH_GOLDEN)) & _M32) >> 16
 
 
 def round_bf16_stochastic(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:

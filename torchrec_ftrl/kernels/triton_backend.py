@@ -65,7 +65,13 @@ CAPABILITIES = Capabilities(cached_placement=True, graph_capture=True, repairs_o
 #   per thread]) of segment_update_kernel. The cap (Triton's ``maxnreg``; compiled CUDA launches
 #   outside torch.compile only, see _register_cap) raises the programs resident per SM of this
 #   latency-bound kernel; it is set only where it spills no registers, measured for the stored /
-#   element-wise layout (the other row layouts' kernels run uncapped).
+#   element-wise layout (another layout takes a cap from its own "layouts" entry only).
+# * layouts: per row layout other than the stored / element-wise one, keyed
+#   "{weights}/{accumulator}/{accum dtype}/{linear dtype}" (e.g. "derived/rowwise/fp32/bf16"), its
+#   own "fwd" (elements per step, eviction) and "seg_launch" (elements per step[, register cap])
+#   entries, for every D; a layout not listed uses the tables above. The indices per bag and the
+#   gradient rows in flight stay those of the tables above (they set the order of the pooled and
+#   the gradient sums), so a derived table keeps the bits of its stored twin.
 # * combine_cp / combine_nb: cut candidates per combine program / pieces added per step.
 # * linearize: (bags per program, indices per bag in flight, warps) of linearize_kernel.
 # * block: positions per tile of segment_mark_kernel; repair_block: bags per program of the eval
@@ -77,6 +83,7 @@ TUNING = {"fwd": {256: (1024, 4, ""), 512: (1024, 4, ""), 1024: (1024, 4, "")},
           "seg": {64: 64, 128: 128, 256: 128},
           "seg_launch": {32: (4096, 4), 64: (4096, 4, 40), 128: (4096, 4), 256: (4096, 4, 40),
                          512: (4096, 4)},
+          "layouts": {},
           "combine_cp": 16, "combine_nb": 64, "linearize": (64, 8, 4), "block": 1024,
           "repair_block": 1024, "lookback": 32}
 
@@ -86,10 +93,45 @@ def _nearest(table: dict, size: int):
     return table[min(table, key=lambda b: (abs(math.log2(b) - math.log2(size)), b))]
 
 
-def _forward_tuning(block_d: int, elem_bytes: int) -> tuple[int, int, str]:
-    """``(tile, unroll, eviction policy)`` of the forward for rows of ``block_d`` elements."""
-    tile, unroll, evict = _nearest(TUNING["fwd"], block_d * elem_bytes)
-    return tile, (min(unroll, 2) if elem_bytes < 4 else unroll), evict
+def layout_key(derived: bool, rowwise: bool, accum: torch.Tensor, linear: torch.Tensor) -> str:
+    """The key of a row layout in ``TUNING["layouts"]``, e.g. ``"derived/rowwise/fp32/bf16"``."""
+    name = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+    return (f"{'derived' if derived else 'stored'}/{'rowwise' if rowwise else 'elementwise'}/"
+            f"{name.get(accum.dtype, accum.dtype)}/{name.get(linear.dtype, linear.dtype)}")
+
+
+def _layout_tuning(key: str, entry: str):
+    """``TUNING["layouts"][key][entry]``, or None where the layout has no entry of its own."""
+    return TUNING["layouts"].get(key, {}).get(entry)
+
+
+def _forward_tuning(block_d: int, weight_bytes: int, key: str = "") -> tuple[int, int, str]:
+    """``(tile, unroll, eviction policy)`` of the forward for rows of ``block_d`` weights of
+    ``weight_bytes`` bytes (4 for derived weights: their stored twin holds fp32 weights), in the row
+    layout ``key`` (:func:`layout_key`). ``unroll`` (the indices of a bag summed together, so the
+    order of the pooled sum) is always the stored table's; a layout's own entry sets the tile and
+    the eviction only, so every layout pools in the same order as its stored twin."""
+    tile, unroll, evict = _nearest(TUNING["fwd"], block_d * weight_bytes)
+    unroll = max(1, min(min(unroll, 2) if weight_bytes < 4 else unroll, max(1, tile // block_d)))
+    own = _layout_tuning(key, "fwd")
+    if own is not None:
+        tile, evict = max(int(own[0]), unroll * block_d), own[1]
+    return tile, unroll, evict
+
+
+def _update_tuning(block_d: int, key: str, lean: bool) -> tuple[int, int, Optional[int]]:
+    """``(tile, rows, register cap)`` of :func:`.triton_backward.segment_update_kernel` for
+    ``block_d`` in the row layout ``key``. ``rows`` (gradient rows summed together, so the order of a
+    row's gradient sum) is always the stored table's; a layout's own entry ``(tile[, cap])`` sets the
+    tile and the cap only. The stored table's cap applies to the stored / element-wise layout only
+    (``lean``: any other)."""
+    launch = _nearest(TUNING["seg_launch"], block_d)
+    tile, rows = int(launch[0]), int(launch[1])
+    rows = max(1, min(rows, max(1, tile // block_d)))   # as segment_config clamps it
+    own = _layout_tuning(key, "seg_launch")
+    if own is not None:
+        return max(int(own[0]), rows * block_d), rows, (int(own[1]) if len(own) > 1 else None)
+    return tile, rows, (int(launch[2]) if len(launch) > 2 and not lean else None)
 
 
 try:
@@ -181,10 +223,8 @@ def _forward_impl(weights: Optional[torch.Tensor], linear: torch.Tensor, accum: 
         return out.zero_()
     BLOCK_D = _block_d(max_D)
     derived = weights is None
-    # Bytes read per looked-up element: the weight, or z and an element-wise n.
-    elem_bytes = weights.element_size() if not derived else \
-        linear.element_size() + (0 if rowwise else accum.element_size())
-    tile, unroll, evict = _forward_tuning(BLOCK_D, elem_bytes)
+    tile, unroll, evict = _forward_tuning(BLOCK_D, 4 if derived else weights.element_size(),
+                                          layout_key(derived, rowwise, accum, linear))
     bags, unroll, warps = forward_config(BLOCK_D, tile, unroll)
     has_psw = _has_scale(per_sample_weights, pooling_mode)[0]
     psw = per_sample_weights if has_psw else out
@@ -366,8 +406,9 @@ def _backward_kernels(weights, accum, linear, nonfinite_rows, grad, indices, off
     nmult = _cdiv(N, SEG) - 1            # multiples m * SEG, m >= 1, inside [0, N)
     part = torch.empty(max(1, 2 * (nmult + 1)) * BLOCK_D, dtype=torch.float32, device=dev)
     bound = N if total_rows < 0 else min(N, total_rows + N // SEG)
-    launch = _nearest(TUNING["seg_launch"], BLOCK_D)
-    G, R, warps = segment_config(BLOCK_D, *launch[:2])
+    tile, rows, cap = _update_tuning(BLOCK_D, layout_key(derived, rowwise, accum, linear),
+                                     derived or rowwise)
+    G, R, warps = segment_config(BLOCK_D, tile, rows)
     pow_half = neg_p == 0.5
     has_shrink = shrink2 != 0.0
     libdev = isinstance(segment_update_kernel, JITFunction)
@@ -387,7 +428,7 @@ def _backward_kernels(weights, accum, linear, nonfinite_rows, grad, indices, off
         LIBDEVICE_POW=libdev, G=G, R=R, BLOCK_D=BLOCK_D, VEC=vec, EVEN_D=even_d,
         CACHED=cached, N_BF16=n_bf16, Z_BF16=z_bf16, DERIVED=derived, ROWWISE=rowwise,
         num_warps=warps,
-        **_register_cap(update, launch[2] if len(launch) > 2 and not (derived or rowwise) else None, dev))
+        **_register_cap(update, cap, dev))
     if nmult > 0:
         cp = int(TUNING["combine_cp"])
         _k(segment_combine_kernel)[(_cdiv(nmult, cp),)](

@@ -72,7 +72,7 @@ import triton
 import triton.language as tl
 
 from .triton_forward import MEAN, NONE, bag_table, load_bags
-from .triton_prox import ftrl_power, ftrl_prox
+from .triton_prox import ftrl_power, ftrl_prox, ftrl_prox_rowwise, ftrl_row_rate
 
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
@@ -331,9 +331,9 @@ def round_bf16_sr(x, bits):
     :func:`torchrec_ftrl.state_dtype.round_bf16_stochastic`: finite values add the bits to the bit
     pattern and truncate, Inf truncates, a NaN gets its quiet bit, then truncates."""
     u = x.to(tl.uint32, bitcast=True)
-    finite = (u & 0x7F800000) != 0x7F800000
+    # An Inf plus bits < 2^16 truncates back to the Inf, so only a NaN needs its own case.
     nan = (u & 0x7FFFFFFF) > 0x7F800000
-    r = tl.where(finite, u + bits, tl.where(nan, u | 0x00400000, u))
+    r = tl.where(nan, u | 0x00400000, u + bits)
     return (r >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
@@ -343,7 +343,7 @@ def store_state(ptr, x, m, key, cols, step_ptr, STATE: tl.constexpr, BF16: tl.co
     bf16 one stochastically rounded by ``sr_bits(key[r], cols[c], step_ptr[0], STATE)``."""
     if BF16:
         h = sr_row_hash(key, step_ptr, STATE)
-        bits = _lowbias32(h[:, None] ^ cols.to(tl.uint32)[None, :]) >> 16
+        bits = (h[:, None] + cols.to(tl.uint32)[None, :] * tl.full([], 0x9E3779B9, tl.uint32)) >> 16
         tl.store(ptr, round_bf16_sr(x, bits), mask=m, cache_modifier=".cs")
     else:
         tl.store(ptr, x, mask=m, cache_modifier=".cs")
@@ -355,7 +355,7 @@ def store_row_state(ptr, x, rm, key, step_ptr, STATE: tl.constexpr, BF16: tl.con
     is for an fp32 state; for a bf16 one stochastically rounded by ``sr_bits(key[r], 0, step_ptr[0],
     STATE)`` (column 0)."""
     if BF16:
-        bits = _lowbias32(sr_row_hash(key, step_ptr, STATE)) >> 16
+        bits = sr_row_hash(key, step_ptr, STATE) >> 16
         tl.store(ptr, round_bf16_sr(x, bits), mask=rm, cache_modifier=".cs")
     else:
         tl.store(ptr, x, mask=rm, cache_modifier=".cs")
@@ -402,18 +402,21 @@ def ftrl_update_store(wp, np_, zp, nonfinite_ptr, w, n, z, m, rmask, g, dimf,
         sigma = tl.where(den > 0, tl.fdiv(g2, tl.where(den > 0, den, 1.0)), 0.0) * inv_lr
     else:
         sigma = (pn_new - pn) * inv_lr
-    if ROWWISE:
+    if ROWWISE:   # q, hence lr / q, is one per row: one division per row, a multiply per element
         sigma = sigma[:, None]
-        pn_new = pn_new[:, None]
-        pn = pn[:, None]
-    if DERIVED:
+        if DERIVED:
+            w = ftrl_prox_rowwise(z, ftrl_row_rate(pn, lr, l2_eff, beta)[:, None], l1)
+    elif DERIVED:
         w = ftrl_prox(z, pn, lr, l1, l2_eff, beta)
     if HAS_SHRINK:
         gs = g + shrink2 * w
     else:
         gs = g
     z_new = (z + gs) - sigma * w
-    w_new = ftrl_prox(z_new, pn_new, lr, l1, l2_eff, beta)
+    if ROWWISE:
+        w_new = ftrl_prox_rowwise(z_new, ftrl_row_rate(pn_new, lr, l2_eff, beta)[:, None], l1)
+    else:
+        w_new = ftrl_prox(z_new, pn_new, lr, l1, l2_eff, beta)
     # Streaming stores (.cs): the rows are not read again in this step; keeps L2 for the gradients.
     if not DERIVED:
         tl.store(wp, w_new.to(wp.dtype.element_ty), mask=sm, cache_modifier=".cs")

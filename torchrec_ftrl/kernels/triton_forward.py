@@ -19,7 +19,9 @@ looked-up element's weight is ``prox(z, n)`` of its ``linear`` (``z_ptr``) and `
 computed in fp32 registers by :func:`.triton_prox.ftrl_prox`, the function the update stores a weight
 with (so a derived table reads the bits a stored table holds for the same fp32 state); ``w_ptr`` is
 then unused. With ``ROWWISE`` too, ``accum`` holds one ``n`` per row, at the row key
-``row_base[table] + index``, loaded once per looked-up row. Not with ``CACHED``.
+``row_base[table] + index``, loaded once per looked-up row, and the row's ``lr / q`` is computed once
+(:func:`.triton_prox.ftrl_row_rate`, :func:`.triton_prox.ftrl_prox_rowwise`, as the update does).
+Not with ``CACHED``.
 
 Layout contract: :mod:`torchrec_ftrl.kernels.layout`.
 """
@@ -30,7 +32,7 @@ import triton
 import triton.language as tl
 
 from .layout import POOL_MEAN, POOL_NONE
-from .triton_prox import ftrl_power, ftrl_prox
+from .triton_prox import ftrl_power, ftrl_prox, ftrl_prox_rowwise, ftrl_row_rate
 
 # The pooling modes as the kernels compare them (layout.POOL_*; Triton reads only constexpr globals).
 MEAN = tl.constexpr(POOL_MEAN)
@@ -126,11 +128,12 @@ def tbe_forward_kernel(
                 else:
                     nkey = rbase[:, None] + idx
                 n = tl.load(n_ptr + nkey, mask=lmask, other=0.0).to(tl.float32)
-                pn = ftrl_power(n, neg_p, POW_HALF, LIBDEVICE_POW)[:, :, None]
+                rate = ftrl_row_rate(ftrl_power(n, neg_p, POW_HALF, LIBDEVICE_POW), lr, l2_eff, beta)
+                rows = ftrl_prox_rowwise(z, rate[:, :, None], l1)
             else:
                 n = tl.load(n_ptr + offs, mask=m3, other=0.0, eviction_policy=WEVICT).to(tl.float32)
                 pn = ftrl_power(n, neg_p, POW_HALF, LIBDEVICE_POW)
-            rows = ftrl_prox(z, pn, lr, l1, l2_eff, beta)
+                rows = ftrl_prox(z, pn, lr, l1, l2_eff, beta)
         else:
             rows = tl.load(rowp[:, :, None] + cols[None, None, :], mask=m3, other=0.0,
                            eviction_policy=WEVICT)

@@ -14,7 +14,9 @@ exact arithmetic (``docs/ftrl.md``; McMahan et al. 2013, Algorithm 1)::
 
 one hardware division (<= 2 ulp) per element, ``n^(-p)`` by the hardware square root for
 ``p = -0.5``, ``pow`` otherwise, and ``beta + n^(-p) + L2 lr`` with one fused multiply-add
-(``tl.fma``), so that every kernel rounds it alike whatever the compiler contracts.
+(``tl.fma``), so that every kernel rounds it alike whatever the compiler contracts. A row-wise
+accum shares ``q`` over the row: :func:`ftrl_row_rate` divides once per row and
+:func:`ftrl_prox_rowwise` multiplies per element.
 """
 
 from __future__ import annotations
@@ -62,3 +64,23 @@ def ftrl_prox(z, pn, lr, l1, l2_eff, beta):
     num = (l1 * sgn - z) * lr
     return tl.where(keep, tl.where(qd > 0, tl.fdiv(num, tl.where(qd > 0, qd, 1.0)), num * float("inf")),
                     0.0)
+
+
+@triton.jit
+def ftrl_row_rate(pn, lr, l2_eff, beta):
+    """fp32 ``lr / q`` of rows with one ``pn = n^(-p)`` each (a row-wise accum; any shape), ``q = beta
+    + pn + L2 lr`` by the fused multiply-add of :func:`ftrl_prox`, divided once per row (IEEE): so
+    every element of the row takes one multiply, :func:`ftrl_prox_rowwise`. ``q == 0`` gives +inf."""
+    qd = tl.fma(tl.broadcast_to(l2_eff, pn.shape), tl.broadcast_to(lr, pn.shape), beta + pn)
+    return tl.div_rn(tl.broadcast_to(lr, pn.shape), qd)
+
+
+@triton.jit
+def ftrl_prox_rowwise(z, rate, l1):
+    """fp32 weight ``prox(z, n)`` of ``z`` whose row's ``rate = lr / q`` (:func:`ftrl_row_rate`,
+    broadcastable against ``z``) is shared: ``(l1 sign(z) - z) rate`` where ``|z| > l1``, else exactly
+    0.0; ``rate`` +inf (q == 0) gives +-inf. The forward and the update of a row-wise accum both read
+    and store weights with it, so a derived row-wise table reads the bits a stored one holds."""
+    keep = tl.abs(z) > l1
+    sgn = tl.where(z > 0, 1.0, -1.0)
+    return tl.where(keep, (l1 * sgn - z) * rate, 0.0)

@@ -148,8 +148,9 @@ inline uint32_t sr_seed(uint64_t step, uint32_t state) {
 inline uint32_t sr_row(uint32_t seed, uint64_t row_key) {
   return lowbias32(seed ^ static_cast<uint32_t>(row_key) ^ static_cast<uint32_t>(row_key >> 32));
 }
-// 16 random bits of column `col` (state_dtype.sr_bits, last line).
-inline uint32_t sr_bits(uint32_t row_hash, uint32_t col) { return lowbias32(row_hash ^ col) >> 16; }
+// 16 random bits of column `col` (state_dtype.sr_bits, last line): the row hash stepped by the golden
+// ratio per column.
+inline uint32_t sr_bits(uint32_t row_hash, uint32_t col) { return (row_hash + col * 0x9E3779B9u) >> 16; }
 
 // fp32 -> bf16 bits with the random `bits` (state_dtype.round_bf16_stochastic): finite values add
 // the bits and truncate; Inf truncates; a NaN gets its quiet bit, then truncates.

@@ -468,12 +468,12 @@ def one_process_group():
     dist.destroy_process_group()
 
 
-def _cpu_kernel(kernels_cls, compute_kernel):
+def _cpu_kernel(kernels_cls, compute_kernel, **fused_params):
     rows, dim = 10, 4
     md = ShardMetadata(shard_offsets=[0, 0], shard_sizes=[rows, dim], placement="rank:0/cpu")
     gmd = ShardedTensorMetadata(shards_metadata=[md], size=torch.Size([rows, dim]),
                                 tensor_properties=TensorProperties(dtype=torch.float32))
-    fp = {"optimizer": EmbOptimType.FTRL, "learning_rate": 0.1}
+    fp = {"optimizer": EmbOptimType.FTRL, "learning_rate": 0.1, **fused_params}
     table = ShardedEmbeddingTable(
         num_embeddings=rows, embedding_dim=dim, name="t0", feature_names=["f0"], data_type=DataType.FP32,
         pooling=PoolingType.SUM, compute_kernel=EmbeddingComputeKernel(compute_kernel), local_rows=rows,
@@ -499,6 +499,23 @@ def test_cpu_kernel_builds_a_host_tbe_and_flushes_before_optimizer_state_dict(on
     assert calls == ["flush"]
     assert sorted(state) == ["t0.accum", "t0.linear"]
     assert torch.equal(state["t0.accum"].local_shards()[0].tensor, torch.full((10, 4), 0.5))
+
+
+@pytest.mark.parametrize("compute_kernel", ["fused", "fused_uvm"])
+def test_cpu_kernel_keeps_a_lean_layout_in_host_memory(one_process_group, compute_kernel):
+    """On a CPU device every FTRL kernel, fused_uvm too, builds a HOST TBE (TorchRec keeps CPU tables
+    in host memory) with the layout of its fused_params: derived weights (no weight array; the
+    kernel's weight parameter computes them) and a row-wise accum of one value per row."""
+    from torchrec_ftrl.derived_weight import DerivedWeight
+    from torchrec_ftrl.integration.kernels import FTRLBatchedFusedEmbeddingBag
+
+    kernel = _cpu_kernel(FTRLBatchedFusedEmbeddingBag, compute_kernel, ftrl_weights="derived",
+                         ftrl_accumulator="rowwise", ftrl_beta=0.5)
+    tbe = kernel._emb_module
+    assert [spec[2:] for spec in tbe.embedding_specs] == [(EmbeddingLocation.HOST, ComputeDevice.CPU)]
+    assert tbe.weights_dev.numel() == 0 and tuple(tbe.accum_dev.shape) == (10,)
+    weight = dict(kernel.named_parameters())["t0.weight"]
+    assert isinstance(weight, DerivedWeight) and tuple(weight.shape) == (10, 4)
 
 
 def test_enforce_hbm_refused_for_cached_ftrl_tables():

@@ -335,7 +335,7 @@ def test_cuda_placements_train_bitwise_equal(name, kw, batch_kw, train_kw):
 def test_cuda_managed_lean_layouts_train_bitwise_as_device(accumulator, states):
     """fused_uvm (MANAGED, no cache) with derived weights: the states live in unified memory and the
     same kernels update them in place, so a MANAGED table trains bit for bit as a DEVICE table of the
-    same layout (weighted features, Zipf ids with hot rows)."""
+    same layout (Zipf ids: rows repeat within a batch)."""
     kw = dict(ftrl_weights="derived", ftrl_accumulator=accumulator, optimizer_state_dtypes=states)
     dev = _tbe(EmbeddingLocation.DEVICE, SPECS, FMAP, **kw)
     uvm = _tbe(EmbeddingLocation.MANAGED, SPECS, FMAP, **kw)
@@ -348,7 +348,7 @@ def test_cuda_managed_lean_layouts_train_bitwise_as_device(accumulator, states):
     start = _tables(uvm)
     batches = _batches(6, SPECS, FMAP, B=256, L=12, zipf=1.1, seed=3)
     for m in (dev, uvm):
-        _train(m, batches, weighted=True)
+        _train(m, batches)
     _assert_bitwise(uvm, dev)
     assert not torch.equal(_tables(uvm)[1][0][1], start[1][0][1]), "training changed no linear"
 

@@ -156,7 +156,9 @@ def refuse_ftrl_keys_without_ftrl(options: Optional[dict[str, Any]], optimizer: 
     """Refuse FTRL-only options given with another optimizer: a non-FTRL table gets none of them
     (routing drops them, :mod:`.routing`), so the row layout, knobs or state dtype asked for would
     not apply. The FTRL-only keys are those of :func:`ftrl_only_key` and ``state_dtype`` (FTRL's
-    one dtype for both states). ``optimizer`` ``None`` (not named) refuses nothing.
+    one dtype for both states). ``optimizer`` ``None`` (not named) refuses nothing. A sharder whose
+    ``fused_params`` name another optimizer may still shard in-backward FTRL tables: their FTRL
+    options go in their own in-backward kwargs.
 
     Raises:
         ValueError: naming ``where``, the first such key, its value and ``optimizer``.
@@ -169,8 +171,9 @@ def refuse_ftrl_keys_without_ftrl(options: Optional[dict[str, Any]], optimizer: 
         if ftrl_only_key(key, value) or key == STATE_DTYPE:
             name = getattr(optimizer, "__name__", None) or repr(optimizer)
             raise ValueError(f"{where}: {key}={value!r} is an FTRL option, but the optimizer is {name}; "
-                             f"its tables would not get it. Use EmbOptimType.FTRL (torchrec_ftrl.FTRL "
-                             f"in apply_optimizer_in_backward) or remove {key!r}")
+                             f"its tables would not get it. Use EmbOptimType.FTRL, give it in the kwargs "
+                             f"of apply_optimizer_in_backward(torchrec_ftrl.FTRL, ...) for the FTRL "
+                             f"tables, or remove {key!r}")
 
 
 def _sparse_type(key: str, value: Any) -> SparseType:

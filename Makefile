@@ -11,7 +11,7 @@ PIP19 := $(VENV19)/bin/python -m pip --disable-pip-version-check -q
 # The suites that exercise TorchRec's internals (registration, patches, planner, DMP, sharded reliability).
 INTEGRATION_TESTS := tests/test_integration.py tests/test_planner.py tests/test_distributed.py \
 	tests/test_checkpoint.py tests/test_reliability_sharded.py tests/test_package_scope.py \
-	tests/test_state_paths.py
+	tests/test_state_paths.py tests/test_inference_export.py
 
 .PHONY: venv venv19 demo test bench clean
 

@@ -330,6 +330,31 @@ def test_cuda_placements_train_bitwise_equal(name, kw, batch_kw, train_kw):
 
 @cuda
 @needs_cuda
+@pytest.mark.parametrize("accumulator,states", [("elementwise", None), ("rowwise", None), ("rowwise", BF16_STATES)],
+                         ids=["elementwise-fp32", "rowwise-fp32", "rowwise-bf16"])
+def test_cuda_managed_lean_layouts_train_bitwise_as_device(accumulator, states):
+    """fused_uvm (MANAGED, no cache) with derived weights: the states live in unified memory and the
+    same kernels update them in place, so a MANAGED table trains bit for bit as a DEVICE table of the
+    same layout (Zipf ids: rows repeat within a batch)."""
+    kw = dict(ftrl_weights="derived", ftrl_accumulator=accumulator, optimizer_state_dtypes=states)
+    dev = _tbe(EmbeddingLocation.DEVICE, SPECS, FMAP, **kw)
+    uvm = _tbe(EmbeddingLocation.MANAGED, SPECS, FMAP, **kw)
+    assert uvm.weights_dev.numel() == 0 and uvm.accum_dev.numel() == (
+        sum(r for r, _ in SPECS) if accumulator == "rowwise" else sum(r * d for r, d in SPECS))
+    if hasattr(torch.ops.fbgemm, "is_uvm_tensor"):
+        assert torch.ops.fbgemm.is_uvm_tensor(uvm.linear_dev) and torch.ops.fbgemm.is_uvm_tensor(uvm.accum_dev)
+        assert not torch.ops.fbgemm.is_uvm_tensor(dev.linear_dev)
+    _same_start([dev, uvm])
+    start = _tables(uvm)
+    batches = _batches(6, SPECS, FMAP, B=256, L=12, zipf=1.1, seed=3)
+    for m in (dev, uvm):
+        _train(m, batches)
+    _assert_bitwise(uvm, dev)
+    assert not torch.equal(_tables(uvm)[1][0][1], start[1][0][1]), "training changed no linear"
+
+
+@cuda
+@needs_cuda
 @pytest.mark.parametrize("states", [None, "bf16"])
 def test_cuda_state_dict_with_a_warm_cache_resumes_bitwise(states):
     """Save mid-run with dirty cached rows, load into a fresh cached TBE, continue: equal to the

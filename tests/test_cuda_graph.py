@@ -133,6 +133,44 @@ def test_replays_with_bf16_state_round_with_fresh_steps(states):
         assert torch.equal(getattr(eager, name), getattr(graphed, name)), name
 
 
+BF16 = {"accum": SparseType.BF16, "linear": SparseType.BF16}
+
+
+@pytest.mark.parametrize("accumulator,states", [("elementwise", None), ("elementwise", BF16), ("rowwise", None),
+                                                ("rowwise", BF16)],
+                         ids=["elementwise-fp32", "elementwise-bf16", "rowwise-fp32", "rowwise-bf16"])
+def test_lean_layouts_replay_bitwise_as_eager_steps(accumulator, states):
+    """Derived weights (no weight array), element-wise or row-wise ``accum``, fp32 or bf16 states:
+    each replayed step's output and the states after it are bitwise those of the same step run
+    eagerly on a table of the same layout (bf16 states round stochastically with the replay's own
+    step, read from ``iter`` on the device)."""
+    kw = dict(ftrl_weights="derived", ftrl_accumulator=accumulator)
+    if states:
+        kw["optimizer_state_dtypes"] = states
+    eager, graphed = _tbe(**kw), _tbe(**kw)
+    assert graphed.weights_dev.numel() == 0
+    assert graphed.accum_dev.dim() == 1 and graphed.accum_dev.numel() == (
+        sum(r for r, _ in SPECS) if accumulator == "rowwise" else sum(r * d for r, d in SPECS))
+    static = tuple(t.cuda() for t in _batch(0))
+    eager(static[0], static[1]).backward(static[2])            # the graphed module's warm-up step
+    graph, out = _capture(graphed, static)
+    linear0 = graphed.linear_dev.clone()
+    for step in range(1, 4):
+        idx, off, grad = (t.cuda() for t in _batch(step))
+        for dst, src in zip(static, (idx, off, grad)):
+            dst.copy_(src)
+        graph.replay()
+        want = eager(idx, off)
+        want.backward(grad)
+        torch.cuda.synchronize()
+        assert torch.equal(out, want), f"output of replay {step}"
+        for name in ("accum_dev", "linear_dev", "iter"):
+            assert torch.equal(getattr(eager, name), getattr(graphed, name)), (name, step)
+    assert not torch.equal(graphed.linear_dev, linear0), "the replays updated nothing"
+    for w_eager, w_graphed in zip(eager.split_embedding_weights(), graphed.split_embedding_weights()):
+        assert torch.equal(w_eager.cpu(), w_graphed.cpu())
+
+
 def test_warning_repairs_are_counted_on_replay():
     m = _tbe()
     idx, off, grad = _batch(0)

@@ -245,6 +245,48 @@ def test_sharders_validate_knobs_up_front():
         torchrec_ftrl.sharders({"optimizer": EmbOptimType.FTRL, "learning_rate": 0.0})
 
 
+@pytest.mark.parametrize("key,value", [("ftrl_weights", "derived"), ("ftrl_accumulator", "rowwise"),
+                                       ("ftrl_l1_reg", 0.01), ("state_dtype", "bf16"),
+                                       ("optimizer_state_dtypes", {"accum": SparseType.BF16})])
+def test_sharders_refuse_ftrl_keys_with_another_optimizer(key, value):
+    """FTRL-only fused_params with a non-FTRL optimizer would reach no FTRL table (routing drops them
+    from the group): refused when the sharders are built, naming the key, the value and the
+    optimizer; the same keys are taken with FTRL, or with no optimizer named (in-backward FTRL
+    tables take them)."""
+    adagrad = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.1}
+    match = rf"{key}={value!r} is an FTRL option, but the optimizer is .*EXACT_ROWWISE_ADAGRAD"
+    with pytest.raises(ValueError, match=match.replace("{", r"\{").replace("}", r"\}")):
+        torchrec_ftrl.sharders({**adagrad, key: value})
+    with pytest.raises(ValueError, match=key):
+        sharders_mod.FTRLEmbeddingCollectionSharder(fused_params={**adagrad, key: value})
+    torchrec_ftrl.sharders({"optimizer": EmbOptimType.FTRL, "learning_rate": 0.1, key: value})
+    torchrec_ftrl.sharders({"learning_rate": 0.1, key: value})
+
+
+def test_sharder_refuses_ftrl_keys_in_another_optimizers_in_backward_kwargs(monkeypatch):
+    """torchrec.optim.RowWiseAdagrad takes any kwargs, so apply_optimizer_in_backward accepts FTRL's
+    there; the sharder refuses them before sharding, naming the table, key, value and class."""
+    seen = []
+    monkeypatch.setattr(EmbeddingBagCollectionSharder, "shard",
+                        lambda self, module, params, env, device=None, module_fqn=None: seen.append(module))
+    ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(
+        name=f"t{i}", embedding_dim=8, num_embeddings=100, feature_names=[f"f{i}"]) for i in range(2)],
+        device=torch.device("meta"))
+    apply_optimizer_in_backward(torchrec.optim.FTRL, ebc.embedding_bags["t0"].parameters(),
+                                {"lr": 0.1, "ftrl_weights": "derived"})
+    apply_optimizer_in_backward(torchrec.optim.RowWiseAdagrad, ebc.embedding_bags["t1"].parameters(),
+                                {"lr": 0.1, "ftrl_accumulator": "rowwise"})
+    plan = _plan_of({"t0": ("table_wise", "fused", [0]), "t1": ("table_wise", "fused", [0])})
+    sharder = torchrec_ftrl.sharders({"optimizer": EmbOptimType.FTRL, "learning_rate": 0.1})[0]
+    with pytest.raises(ValueError, match=r"table 't1' in-backward kwargs: ftrl_accumulator='rowwise' is an "
+                                         r"FTRL option, but the optimizer is RowWiseAdagrad"):
+        sharder.shard(ebc, plan, None, torch.device("cpu"))
+    assert seen == []
+    ebc.embedding_bags["t1"].weight._optimizer_kwargs = [{"lr": 0.1}]
+    sharder.shard(ebc, plan, None, torch.device("cpu"))
+    assert seen == [ebc]
+
+
 FTRL_KERNELS = ["fused", "fused_uvm", "fused_uvm_caching"]
 
 
@@ -426,12 +468,12 @@ def one_process_group():
     dist.destroy_process_group()
 
 
-def _cpu_kernel(kernels_cls, compute_kernel):
+def _cpu_kernel(kernels_cls, compute_kernel, **fused_params):
     rows, dim = 10, 4
     md = ShardMetadata(shard_offsets=[0, 0], shard_sizes=[rows, dim], placement="rank:0/cpu")
     gmd = ShardedTensorMetadata(shards_metadata=[md], size=torch.Size([rows, dim]),
                                 tensor_properties=TensorProperties(dtype=torch.float32))
-    fp = {"optimizer": EmbOptimType.FTRL, "learning_rate": 0.1}
+    fp = {"optimizer": EmbOptimType.FTRL, "learning_rate": 0.1, **fused_params}
     table = ShardedEmbeddingTable(
         num_embeddings=rows, embedding_dim=dim, name="t0", feature_names=["f0"], data_type=DataType.FP32,
         pooling=PoolingType.SUM, compute_kernel=EmbeddingComputeKernel(compute_kernel), local_rows=rows,
@@ -457,6 +499,23 @@ def test_cpu_kernel_builds_a_host_tbe_and_flushes_before_optimizer_state_dict(on
     assert calls == ["flush"]
     assert sorted(state) == ["t0.accum", "t0.linear"]
     assert torch.equal(state["t0.accum"].local_shards()[0].tensor, torch.full((10, 4), 0.5))
+
+
+@pytest.mark.parametrize("compute_kernel", ["fused", "fused_uvm"])
+def test_cpu_kernel_keeps_a_lean_layout_in_host_memory(one_process_group, compute_kernel):
+    """On a CPU device every FTRL kernel, fused_uvm too, builds a HOST TBE (TorchRec keeps CPU tables
+    in host memory) with the layout of its fused_params: derived weights (no weight array; the
+    kernel's weight parameter computes them) and a row-wise accum of one value per row."""
+    from torchrec_ftrl.derived_weight import DerivedWeight
+    from torchrec_ftrl.integration.kernels import FTRLBatchedFusedEmbeddingBag
+
+    kernel = _cpu_kernel(FTRLBatchedFusedEmbeddingBag, compute_kernel, ftrl_weights="derived",
+                         ftrl_accumulator="rowwise", ftrl_beta=0.5)
+    tbe = kernel._emb_module
+    assert [spec[2:] for spec in tbe.embedding_specs] == [(EmbeddingLocation.HOST, ComputeDevice.CPU)]
+    assert tbe.weights_dev.numel() == 0 and tuple(tbe.accum_dev.shape) == (10,)
+    weight = dict(kernel.named_parameters())["t0.weight"]
+    assert isinstance(weight, DerivedWeight) and tuple(weight.shape) == (10, 4)
 
 
 def test_enforce_hbm_refused_for_cached_ftrl_tables():

@@ -39,6 +39,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from ..fbgemm_enums import BoundsCheckMode, CacheAlgorithm, PoolingMode, SparseType
 from ..hyperparams import parse_options
 from ..optim import parse_dense_state_dtype
+from ..optim_type import is_ftrl
 from ..placement import check_cache_options
 from ..derived_weight import DerivedWeight
 from ..row_layout import LAYOUT_KEYS, RowLayout, require_kernel_layout
@@ -140,6 +141,39 @@ def is_ftrl_state_dtypes(value: Any) -> bool:
         return all(isinstance(pair, tuple) and len(pair) == 2 and pair[0] in STATE_NAMES for pair in pairs)
     except TypeError:
         return False
+
+
+def ftrl_only_key(key: str, value: Any) -> bool:
+    """Whether a fused_params entry is FTRL's alone: an ``ftrl_*`` knob or row-layout key
+    (``ftrl_weights``, ``ftrl_accumulator``), or ``optimizer_state_dtypes`` naming only FTRL's
+    states (``accum`` / ``linear``). A stock table's own state dtypes (other names) are FBGEMM's."""
+    if key.startswith("ftrl_"):
+        return True
+    return key == OPTIMIZER_STATE_DTYPES and is_ftrl_state_dtypes(value)
+
+
+def refuse_ftrl_keys_without_ftrl(options: Optional[dict[str, Any]], optimizer: Any, where: str) -> None:
+    """Refuse FTRL-only options given with another optimizer: a non-FTRL table gets none of them
+    (routing drops them, :mod:`.routing`), so the row layout, knobs or state dtype asked for would
+    not apply. The FTRL-only keys are those of :func:`ftrl_only_key` and ``state_dtype`` (FTRL's
+    one dtype for both states). ``optimizer`` ``None`` (not named) refuses nothing. A sharder whose
+    ``fused_params`` name another optimizer may still shard in-backward FTRL tables: their FTRL
+    options go in their own in-backward kwargs.
+
+    Raises:
+        ValueError: naming ``where``, the first such key, its value and ``optimizer``.
+    """
+    if optimizer is None or is_ftrl(optimizer):
+        return
+    for key, value in (options or {}).items():
+        if not isinstance(key, str) or value is None or (isinstance(value, (dict, frozenset, tuple)) and not value):
+            continue
+        if ftrl_only_key(key, value) or key == STATE_DTYPE:
+            name = getattr(optimizer, "__name__", None) or repr(optimizer)
+            raise ValueError(f"{where}: {key}={value!r} is an FTRL option, but the optimizer is {name}; "
+                             f"its tables would not get it. Use EmbOptimType.FTRL, give it in the kwargs "
+                             f"of apply_optimizer_in_backward(torchrec_ftrl.FTRL, ...) for the FTRL "
+                             f"tables, or remove {key!r}")
 
 
 def _sparse_type(key: str, value: Any) -> SparseType:

@@ -28,8 +28,7 @@ from torchrec.distributed.embedding_types import (
 from torchrec.distributed.types import ShardingType
 
 from ..optim_type import is_ftrl
-from .kernels import (FTRL_COMPUTE_KERNELS, OPTIMIZER_STATE_DTYPES, FTRLBatchedFusedEmbedding,
-                      FTRLBatchedFusedEmbeddingBag, is_ftrl_state_dtypes)
+from .kernels import FTRL_COMPUTE_KERNELS, FTRLBatchedFusedEmbedding, FTRLBatchedFusedEmbeddingBag, ftrl_only_key
 
 _FTRL_KERNEL_NAMES = ", ".join(repr(k) for k in FTRL_COMPUTE_KERNELS)
 
@@ -98,15 +97,6 @@ def _mark_prefetch(lookup, config: GroupedEmbeddingConfig) -> None:
         lookup._need_prefetch = True
 
 
-def _ftrl_only_key(key: str, value) -> bool:
-    """Whether a fused_params entry is FTRL's alone: an ``ftrl_*`` knob, or ``optimizer_state_dtypes``
-    naming only FTRL's states (``accum`` / ``linear``). A stock table's own state dtypes (other
-    names) are left to FBGEMM."""
-    if key.startswith("ftrl_"):
-        return True
-    return key == OPTIMIZER_STATE_DTYPES and is_ftrl_state_dtypes(value)
-
-
 def routed_create_embedding_kernel(original, kernel_cls: type):
     """``_create_embedding_kernel`` that builds ``kernel_cls`` for FTRL groups and calls ``original``
     for every other group."""
@@ -122,12 +112,12 @@ def routed_create_embedding_kernel(original, kernel_cls: type):
             extra = {k: arguments[k] for k in ("sharding_type", "env") if k in arguments}
             return kernel_cls(config=config, pg=arguments.get("pg"), device=arguments.get("device"),
                               **extra)
-        if config.fused_params and any(_ftrl_only_key(k, v) for k, v in config.fused_params.items()):
+        if config.fused_params and any(ftrl_only_key(k, v) for k, v in config.fused_params.items()):
             # A non-FTRL group (e.g. an in-backward row-wise Adagrad table) inherited FTRL knobs or
             # FTRL's state dtypes from a sharder's fused_params: FBGEMM's TBE would reject them
             # (it asserts optimizer_state_dtypes is None for its other optimizers).
             config.fused_params = {k: v for k, v in config.fused_params.items()
-                                   if not _ftrl_only_key(k, v)}
+                                   if not ftrl_only_key(k, v)}
         return original(self, *args, **kwargs)
 
     return _create_embedding_kernel

@@ -34,7 +34,7 @@ from torchrec.distributed.types import ModuleSharder, ParameterSharding, Shardin
 
 from ..optim_type import is_ftrl
 from .kernels import (FTRL_COMPUTE_KERNELS, OPTIMIZER_STATE_DTYPES, STATE_DTYPE, canonical_fused_params,
-                      fused_state_dtypes, tbe_kwargs_from_fused_params)
+                      fused_state_dtypes, refuse_ftrl_keys_without_ftrl, tbe_kwargs_from_fused_params)
 
 __all__ = ["FTRL_COMPUTE_KERNELS", "FTRLEmbeddingBagCollectionSharder", "FTRLEmbeddingCollectionSharder",
            "mixed_ftrl_placements", "sharders"]
@@ -54,6 +54,7 @@ def mixed_ftrl_placements(params: dict[str, ParameterSharding], ftrl_tables: set
 
 class _FTRLKernelFilter:
     def __init__(self, fused_params: Optional[dict[str, Any]] = None, *args: Any, **kwargs: Any) -> None:
+        refuse_ftrl_keys_without_ftrl(fused_params, (fused_params or {}).get("optimizer"), "fused_params")
         super().__init__(canonical_fused_params(fused_params), *args, **kwargs)
 
     def _ftrl(self) -> bool:
@@ -90,11 +91,16 @@ class _FTRLKernelFilter:
         a new one; the dicts the caller passed are not modified.
 
         Raises:
-            ValueError: an invalid state dtype, naming the table, the key and the value.
+            ValueError: an invalid state dtype, naming the table, the key and the value; an FTRL-only
+                key (``ftrl_*``, FTRL's state dtypes) in a non-FTRL table's kwargs, naming the table,
+                the key, its value and the optimizer class
+                (:func:`.kernels.refuse_ftrl_keys_without_ftrl`).
         """
         for name, param in self.shardable_parameters(module).items():
             classes = getattr(param, "_optimizer_classes", None)
             kwargs_list = getattr(param, "_optimizer_kwargs", None)
+            if classes and kwargs_list:
+                refuse_ftrl_keys_without_ftrl(kwargs_list[0], classes[0], f"table {name!r} in-backward kwargs")
             if not classes or not kwargs_list or not is_ftrl(classes[0]):
                 continue
             kwargs = kwargs_list[0]
@@ -151,9 +157,12 @@ def sharders(fused_params: Optional[dict[str, Any]] = None) -> list[ModuleSharde
             these sharders never receive FTRL's ``optimizer_state_dtypes`` (see :mod:`.routing`).
 
     Raises:
-        ValueError: invalid FTRL knobs, cache keys or state dtypes (checked here, before any
-            process builds a kernel; naming the key and the value).
+        ValueError: invalid FTRL knobs, cache keys or state dtypes, or FTRL-only keys (``ftrl_*``
+            knobs and row-layout keys, FTRL's state dtypes) with another ``"optimizer"``, which
+            would not apply (:func:`.kernels.refuse_ftrl_keys_without_ftrl`); checked here, before
+            any process builds a kernel, naming the key and the value.
     """
+    refuse_ftrl_keys_without_ftrl(fused_params, (fused_params or {}).get("optimizer"), "fused_params")
     fp = canonical_fused_params(dict(fused_params)) if fused_params else None
     if fp and is_ftrl(fp.get("optimizer")):
         tbe_kwargs_from_fused_params(fp)   # validates the knobs

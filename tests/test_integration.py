@@ -263,6 +263,15 @@ def test_sharders_refuse_ftrl_keys_with_another_optimizer(key, value):
     torchrec_ftrl.sharders({"learning_rate": 0.1, key: value})
 
 
+def test_sharders_pass_a_stock_optimizers_own_state_dtypes_through():
+    """A stock optimizer's own optimizer_state_dtypes (FBGEMM's state names) reach its sharders'
+    fused_params as given, as without torchrec_ftrl: they are not FTRL's to check."""
+    fp = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.1,
+          "optimizer_state_dtypes": {"momentum1": SparseType.BF16}}
+    for sharder in torchrec_ftrl.sharders(fp):
+        assert sharder.fused_params["optimizer_state_dtypes"] == {"momentum1": SparseType.BF16}
+
+
 def test_sharder_refuses_ftrl_keys_in_another_optimizers_in_backward_kwargs(monkeypatch):
     """torchrec.optim.RowWiseAdagrad takes any kwargs, so apply_optimizer_in_backward accepts FTRL's
     there; the sharder refuses them before sharding, naming the table, key, value and class."""

@@ -110,7 +110,8 @@ def canonical_fused_params(fused_params: Optional[dict[str, Any]],
     ...}``, a frozenset / tuple of pairs) or ``state_dtype`` (one dtype for both) becomes
     ``optimizer_state_dtypes = frozenset((state, SparseType.as_int()), ...)`` of the non-fp32 states
     (:func:`torchrec_ftrl.state_dtype.hashable_state_dtypes`); fp32 for both drops the key. ``None``
-    stays ``None``; other keys are copied as they are.
+    stays ``None``; other keys are copied as they are, and so is the ``optimizer_state_dtypes`` of
+    fused_params naming another ``optimizer`` (that optimizer's own states, FBGEMM's to read).
 
     Raises:
         ValueError: an invalid state name or dtype (naming ``where``, the key and the value), or both
@@ -123,6 +124,8 @@ def canonical_fused_params(fused_params: Optional[dict[str, Any]],
         raise ValueError(f"{where} has both {STATE_DTYPE}={fp[STATE_DTYPE]!r} and {OPTIMIZER_STATE_DTYPES}="
                          f"{fp[OPTIMIZER_STATE_DTYPES]!r}; give one of them")
     if STATE_DTYPE not in fp and OPTIMIZER_STATE_DTYPES not in fp:
+        return fp
+    if fp.get(STATE_DTYPE) is None and fp.get("optimizer") is not None and not is_ftrl(fp["optimizer"]):
         return fp
     dtypes = fused_state_dtypes(fp, where)
     fp.pop(STATE_DTYPE, None)

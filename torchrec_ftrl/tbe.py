@@ -301,7 +301,7 @@ class FTRLTableBatchedEmbeddingBags(BatchMixin, CachedLookupMixin, TableAPIMixin
                 [r for r, _ in rows_dims], [d for _, d in rows_dims], feature_table_map,
                 self._table_w_offset, _PRECISIONS[self.weights_precision], cache_load_factor, cache_sets, cache_algorithm,
                 prefetch_pipeline, cache_reserved_memory, gather_uvm_cache_stats, device,
-                state_dtypes=self._state_dtypes)
+                layout=self.row_layout)
             self.cache.reset_states(self._hp.initial_accumulator_value)
             self.register_state_dict_pre_hook(_flush_before_state_dict)
             self.register_load_state_dict_post_hook(_empty_cache_after_load)

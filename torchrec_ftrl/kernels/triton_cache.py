@@ -95,8 +95,8 @@ def state_cache_follow_kernel(
     SLOTS: tl.constexpr, BLOCK_D: tl.constexpr, ROWWISE: tl.constexpr,
 ):
     """For slots ``s`` in this program's ``SLOTS``: if ``old[s] != new[s]``, store the cached states
-    ``cn[s]``, ``cz[s]`` (row stride ``cache_stride``; ``cn[s]`` one value with ``ROWWISE``) to row ``old[s]`` of ``accum`` / ``linear`` when
-    ``old[s] >= 0``, then load row ``new[s]``'s states into the slot when ``new[s] >= 0``.
+    ``cn[s]``, ``cz[s]`` (row stride ``cache_stride``; ``cn[s]`` one value with ``ROWWISE``) to row
+    ``old[s]`` of ``accum`` / ``linear`` when ``old[s] >= 0``, then load row ``new[s]``'s states into the slot when ``new[s] >= 0``.
     ``row_table`` (int32 ``[rows]``): table of each linear row; ``table_*`` / ``row_base``: the
     :mod:`.layout` arrays."""
     first = tl.program_id(0).to(tl.int64) * SLOTS

@@ -556,21 +556,6 @@ def test_cuda_tbe_module_layout(weights, accumulator, state_dtype):
 
 @cuda
 @needs_cuda
-@pytest.mark.parametrize("weights,accumulator", [("derived", "elementwise"), ("stored", "rowwise"),
-                                                 ("derived", "rowwise")])
-def test_cuda_cached_placement_refuses_lean_layouts(weights, accumulator):
-    """MANAGED_CACHING (fused_uvm_caching) with the Triton backend: the stored / element-wise layout
-    only (``CAPABILITIES.cached_layouts``); a lean layout is refused at construction."""
-    from torchrec_ftrl.fbgemm_enums import ComputeDevice, EmbeddingLocation
-    with pytest.raises(ValueError, match=f"triton backend under MANAGED_CACHING implements .*; got "
-                                         f"ftrl_weights='{weights}', ftrl_accumulator='{accumulator}'"):
-        FTRLTableBatchedEmbeddingBags([(1000, 64, EmbeddingLocation.MANAGED_CACHING, ComputeDevice.CUDA)],
-                                      device="cuda", backend="triton", ftrl_weights=weights,
-                                      ftrl_accumulator=accumulator, **KNOBS)
-
-
-@cuda
-@needs_cuda
 @pytest.mark.parametrize("weights,accumulator", LAYOUTS)
 def test_cuda_layout_pow_and_shrinkage(weights, accumulator):
     knobs = dict(KNOBS, ftrl_learning_rate_power=-0.3, ftrl_l2_shrinkage=0.03, ftrl_l2_convention="mcmahan")

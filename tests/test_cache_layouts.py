@@ -195,27 +195,6 @@ def test_interp_state_cache_moves_a_rowwise_accum_with_its_row(interp, kernel):
     assert torch.equal(cn, exp_cn) and torch.equal(cz, exp_cz)
 
 
-def test_a_cached_batch_of_a_layout_outside_the_capabilities_is_refused(monkeypatch):
-    """The Triton backend's refusal follows its capability data: with ``cached_layouts`` narrowed
-    to the stored / element-wise layout, a cached batch of a derived / row-wise table raises a
-    ValueError naming the layout before any kernel runs, and nothing changes."""
-    narrowed = dataclasses.replace(triton_backend.CAPABILITIES,
-                                   cached_layouts=frozenset({("stored", "elementwise")}))
-    monkeypatch.setattr(triton_backend, "CAPABILITIES", narrowed)
-    case = Case("derived", "rowwise")
-    m = batch_maker(case, "cpu")
-    arrays = start_arrays(case, Tables(case.specs), "cpu")
-    before = copy_arrays(arrays)
-    indices, offsets, _ = random_batch(case, np.random.default_rng(0), "cpu")
-    batch = dataclasses.replace(m._make_batch(indices, offsets, None, None),
-                                cache_locations=torch.full((indices.numel(),), -1, dtype=torch.int32),
-                                cache_weights=torch.zeros(4, 0), cache_states=(torch.zeros(4, 1), torch.zeros(4, 8)))
-    with pytest.raises(ValueError, match=r"fused_uvm_caching\) with layouts \[\('stored', 'elementwise'\)\] only, "
-                                         r"got ftrl_weights='derived', ftrl_accumulator='rowwise'$"):
-        triton_backend.forward_train(arrays, batch, torch.float32, m.hyperparams)
-    _assert_same_bits(arrays, before, "a refused batch")
-
-
 # ------------------------------------------------------------------ CPU: what a slot holds
 @pytest.mark.parametrize("weights,accumulator", LAYOUTS)
 def test_row_cache_holds_the_layouts_arrays(weights, accumulator):

@@ -479,9 +479,12 @@ def test_interp_derived_equals_stored_from_zero(interp, accumulator, pooling, ps
 
 @pytest.mark.parametrize("weights,accumulator", [("derived", "elementwise"), ("stored", "rowwise"),
                                                  ("derived", "rowwise")])
-def test_lean_layout_refused_with_a_cached_batch(weights, accumulator):
-    """The cached placement runs the stored / element-wise layout only: a lean layout with a cached
-    batch raises ValueError naming the layout, before any kernel runs or any state changes."""
+def test_layout_outside_the_cached_capabilities_refused_with_a_cached_batch(monkeypatch, weights, accumulator):
+    """The refusal of a cached batch follows the capability data: with ``cached_layouts`` narrowed to
+    the stored / element-wise layout, a lean layout with a cached batch raises ValueError naming the
+    layout, before any kernel runs or any state changes."""
+    monkeypatch.setattr(triton_backend, "CAPABILITIES", dataclasses.replace(
+        triton_backend.CAPABILITIES, cached_layouts=frozenset({("stored", "elementwise")})))
     case = Case(weights, accumulator)
     geo = Tables(case.specs)
     arrays = start_arrays(case, geo, "cpu")

@@ -153,6 +153,81 @@ def test_interp_cached_layout_trains_like_uncached(interp, weights, accumulator,
         cache.assert_flat_copies_untouched()
 
 
+EMU_SPECS = [(60, 8), (40, 4)]
+EMU_FMAP = [0, 1, 0]
+
+
+def _emulated_pair(weights, accumulator, state_dtype):
+    """``(uncached, cached)`` Triton TBEs on the CPU from the same start; the second with a
+    :class:`~torchrec_ftrl.cache.RowCache` of one set (32 slots for 100 rows) on FBGEMM's emulated
+    ops (``cache_ops_emulation``)."""
+    from torchrec_ftrl.cache import RowCache
+    kw = dict(feature_table_map=EMU_FMAP, device="cpu", backend="triton", ftrl_weights=weights,
+              ftrl_accumulator=accumulator, ftrl_initial_accumulator_value=0.1,
+              optimizer_state_dtypes={"accum": state_dtype, "linear": state_dtype}, **KNOBS)
+    torch.manual_seed(0)
+    plain = FTRLTableBatchedEmbeddingBags(EMU_SPECS, **kw)
+    cached = FTRLTableBatchedEmbeddingBags(EMU_SPECS, **kw)
+    cached.load_state_dict(plain.state_dict())
+    cached.cache = RowCache([r for r, _ in EMU_SPECS], [d for _, d in EMU_SPECS], EMU_FMAP,
+                            cached._table_w_offset, torch.float32, 0.2, 1, CacheAlgorithm.LRU, False, 0.0,
+                            False, torch.device("cpu"), layout=cached.row_layout)
+    cached.cache.reset_states(0.1)
+    return plain, cached
+
+
+def _emu_step(m, rng, k):
+    bags = 3 * len(EMU_FMAP)
+    lengths = rng.integers(1, 6, bags)
+    idx = np.concatenate([rng.integers(0, EMU_SPECS[EMU_FMAP[b // 3]][0], n) for b, n in enumerate(lengths)])
+    out = m(torch.tensor(idx, dtype=torch.int64), torch.tensor(np.concatenate([[0], np.cumsum(lengths)])))
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(k)))
+    return out.detach()
+
+
+def _assert_tbes_bitwise(a, b, what):
+    for x, y in zip(a.split_optimizer_states(), b.split_optimizer_states()):
+        assert torch.equal(bits(x[0]), bits(y[0])) and torch.equal(bits(x[1]), bits(y[1])), f"{what}: states"
+    for t in range(len(a.embedding_specs)):
+        assert torch.equal(bits(a.derived_weights(t)), bits(b.derived_weights(t))), f"{what}: weights"
+
+
+@pytest.mark.parametrize("weights,accumulator,state_dtype", [
+    ("stored", "rowwise", torch.bfloat16), ("derived", "elementwise", torch.bfloat16),
+    ("derived", "rowwise", torch.float32)])
+def test_interp_cached_tbe_trains_reads_writes_and_resets_like_uncached(interp, monkeypatch, weights,
+                                                                        accumulator, state_dtype):
+    """A whole cached TBE (RowCache, the state-cache moves, the TBE's cached flow) on FBGEMM's
+    emulated cache ops, against the same layout uncached: outputs bit for bit over steps that evict
+    written rows; then weights read through a written cache, a row write (``load_weights``) and a
+    reset (``reset_embedding_weight_momentum``) followed by training, and the tables bit for bit."""
+    import cache_ops_emulation
+    cache_ops_emulation.install(monkeypatch)
+    plain, cached = _emulated_pair(weights, accumulator, state_dtype)
+    assert cached.cache.lxu_cache_weights.shape[1] == (0 if weights == "derived" else 8)
+    rngs = [np.random.default_rng(3), np.random.default_rng(3)]
+    for k in range(3):
+        assert torch.equal(bits(_emu_step(cached, rngs[0], k)), bits(_emu_step(plain, rngs[1], k))), f"step {k}"
+    assert cached.cache.written and cache_ops_emulation.COUNTS["evicted"] > 10   # written rows went back
+    for t in range(len(EMU_SPECS)):   # read through the written cache
+        assert torch.equal(bits(cached.derived_weights(t)), bits(plain.derived_weights(t)))
+    for m, rng in zip((cached, plain), rngs):
+        _emu_step(m, rng, 10)                          # the cache written again
+    # Rows held by the cache now (keys: table 0 rows, then table 1 rows from 60), and one that is not.
+    keys = sorted(cached.cache.lxu_cache_state.view(-1).tolist())
+    rows0 = [k for k in keys if 0 <= k < 60][:4] + [next(r for r in range(60) if r not in keys)]
+    rows1 = [k - 60 for k in keys if k >= 60][:3] + [next(r for r in range(40) if r + 60 not in keys)]
+    assert len(rows0) == 5 and len(rows1) == 4
+    w = torch.rand(5, EMU_SPECS[0][1]) * 0.02 - 0.01
+    for m, rng in zip((cached, plain), rngs):
+        m.load_weights(0, w, row_ids=torch.tensor(rows0))
+        _emu_step(m, rng, 11)
+        m.reset_embedding_weight_momentum(torch.tensor(rows1), torch.tensor([0, 4]),
+                                          torch.tensor([1], dtype=torch.int32), torch.tensor([0], dtype=torch.int32))
+        _emu_step(m, rng, 12)
+    _assert_tbes_bitwise(cached, plain, f"{weights}/{accumulator}/{state_dtype}")
+
+
 @pytest.mark.parametrize("kernel", ["fill", "follow"])
 def test_interp_state_cache_moves_a_rowwise_accum_with_its_row(interp, kernel):
     """Row-wise ``accum`` (one value per row at its row key, cached at ``cn[slot, 0]``): a slot that

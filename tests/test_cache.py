@@ -447,14 +447,15 @@ def nccl_world_of_one():
     dist.destroy_process_group()
 
 
-def _dmp(tables, kernels, cache_params=None):
+def _dmp(tables, kernels, cache_params=None, **fused_params):
     import torchrec_ftrl
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.planner import Topology
     from torchrec.distributed.planner.types import ParameterConstraints
     from torchrec_ftrl.fbgemm_enums import EmbOptimType
 
-    sharders = torchrec_ftrl.sharders({"optimizer": EmbOptimType.FTRL, **KNOBS, "cache_load_factor": 0.05})
+    sharders = torchrec_ftrl.sharders({"optimizer": EmbOptimType.FTRL, **KNOBS, "cache_load_factor": 0.05,
+                                       **fused_params})
     torch.manual_seed(0)
     model = _EBCModel(tables)
     cons = {t.name: ParameterConstraints(sharding_types=["table_wise"], compute_kernels=[k],

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from conftest import bits, cuda, interpreter_parent, needs_cuda, run_interpreter_suite
+from test_cache import nccl_world_of_one  # noqa: F401  (the fixture)
 
 pytest.importorskip("triton")
 
@@ -297,6 +298,29 @@ def test_row_cache_holds_the_layouts_arrays(weights, accumulator):
 # ------------------------------------------------------------------ CUDA: FBGEMM's cache ops
 CUDA_SPECS = [(6000, 64), (1500, 32)]
 CUDA_FMAP = [0, 1, 0]
+
+
+@cuda
+def test_cuda_dmp_lean_layout_on_fused_uvm_caching_trains_like_fused(nccl_world_of_one):
+    """TorchRec's DMP, one GPU: two tables with derived weights and a row-wise bf16 ``accum``
+    (``fused_params``) planned on ``fused_uvm_caching`` (5% of the rows cached) against the same
+    model on ``fused``, 8 Zipf steps: TorchRec's state_dict (weights) and the fused optimizer's
+    states bit for bit."""
+    import torchrec
+    from test_cache import _assert_dmp_bitwise, _dmp, _kjt_batches
+    names, rows = ["a", "b"], [5000, 3000]
+    tables = [torchrec.EmbeddingBagConfig(name=n, feature_names=[n], num_embeddings=r, embedding_dim=32)
+              for n, r in zip(names, rows)]
+    layout = dict(ftrl_weights="derived", ftrl_accumulator="rowwise", ftrl_initial_accumulator_value=0.1,
+                  optimizer_state_dtypes={"accum": SparseType.BF16, "linear": SparseType.BF16})
+    ref = _dmp(tables, ["fused"] * 2, **layout)
+    cached = _dmp(tables, ["fused_uvm_caching"] * 2, **layout)
+    _assert_dmp_bitwise(cached, ref)   # the same initialisation (same seed): z and n bit for bit
+    for batch in _kjt_batches(names, rows, 8):
+        batch = batch.to(torch.device("cuda"))
+        for model in (ref, cached):
+            model(batch)[0].backward()
+    _assert_dmp_bitwise(cached, ref)
 
 
 def _tbe(location, weights, accumulator, states, **kw):

@@ -229,6 +229,24 @@ def test_interp_cached_tbe_trains_reads_writes_and_resets_like_uncached(interp, 
     _assert_tbes_bitwise(cached, plain, f"{weights}/{accumulator}/{state_dtype}")
 
 
+@pytest.mark.parametrize("weights,accumulator", LAYOUTS)
+def test_per_sample_weight_gradient_reads_cached_rows(weights, accumulator):
+    """The gradient of trainable per-sample weights (``per_sample_weight_grad``, PyTorch code shared
+    by the Triton backend) reads a cached row's weight in the cache: the weight cache's, or ``prox``
+    of the cached ``linear`` and ``accum``; bit for bit the gradient of the same tables uncached."""
+    case = Case(weights, accumulator, psw=True, seed=6)
+    geo = Tables(case.specs)
+    m = batch_maker(case, "cpu")
+    start = start_arrays(case, geo, "cpu")
+    cache = HandCache(case, geo, copy_arrays(start), seed=7)
+    indices, offsets, psw = random_batch(case, np.random.default_rng(6), "cpu")
+    batch = m._make_batch(indices, offsets, psw, None)
+    grad = torch.randn(batch.out_numel, generator=torch.Generator().manual_seed(6))
+    got = triton_backend.per_sample_weight_grad(cache.arrays, cache.batch(batch), None, grad, m.hyperparams)
+    want = triton_backend.per_sample_weight_grad(start, batch, None, grad, m.hyperparams)
+    assert got.abs().sum() > 0 and torch.equal(bits(got), bits(want))
+
+
 @pytest.mark.parametrize("kernel", ["fill", "follow"])
 def test_interp_state_cache_moves_a_rowwise_accum_with_its_row(interp, kernel):
     """Row-wise ``accum`` (one value per row at its row key, cached at ``cn[slot, 0]``): a slot that

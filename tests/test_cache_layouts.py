@@ -124,12 +124,12 @@ def _assert_same_bits(a: TableArrays, b: TableArrays, what: str) -> None:
 @pytest.mark.parametrize("state_dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("weights,accumulator", LAYOUTS)
 def test_interp_cached_layout_trains_like_uncached(interp, weights, accumulator, state_dtype):
-    """Three steps (hot rows: long runs cut into pieces and combined; per-sample weights, MEAN) of
+    """Two steps (hot rows: long runs cut into pieces and combined; per-sample weights, MEAN) of
     the cached path and of the same layout uncached from the same logical start: outputs and the
     logical tables bit for bit equal, the updated rows against the float64 oracle, and the
     unified-memory copies of cached rows never touched."""
     from torchrec_ftrl.fbgemm_enums import PoolingMode
-    case = Case(weights, accumulator, state_dtype, pooling=PoolingMode.MEAN, psw=True, hot=True, seed=4)
+    case = Case(weights, accumulator, state_dtype, pooling=PoolingMode.MEAN, psw=True, hot=True, seed=4, steps=2)
     geo = Tables(case.specs)
     m = batch_maker(case, "cpu")
     hp = m.hyperparams

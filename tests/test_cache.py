@@ -158,7 +158,7 @@ def test_interp_state_cache_follows_slot_changes(interp):
     after = torch.tensor([3, 8, 0, -1, 2, -1])        # 1: 6 -> 8, 2: empty -> 0, 3: 11 -> empty
     acc0, lin0, cache0 = accum.clone(), linear.clone(), cache.clone()
     state_cache_follow_kernel[(3,)](before, after, accum, linear, cache[0], cache[1], row_table,
-                                    w_off, dims, row_base, 6, S, SLOTS=2, BLOCK_D=8)
+                                    w_off, dims, row_base, 6, S, SLOTS=2, BLOCK_D=8, ROWWISE=False)
 
     def flat(row):
         t = int(row_table[row])
@@ -472,14 +472,15 @@ def nccl_world_of_one():
     dist.destroy_process_group()
 
 
-def _dmp(tables, kernels, cache_params=None):
+def _dmp(tables, kernels, cache_params=None, **fused_params):
     import torchrec_ftrl
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.planner import Topology
     from torchrec.distributed.planner.types import ParameterConstraints
     from torchrec_ftrl.fbgemm_enums import EmbOptimType
 
-    sharders = torchrec_ftrl.sharders({"optimizer": EmbOptimType.FTRL, **KNOBS, "cache_load_factor": 0.05})
+    sharders = torchrec_ftrl.sharders({"optimizer": EmbOptimType.FTRL, **KNOBS, "cache_load_factor": 0.05,
+                                       **fused_params})
     torch.manual_seed(0)
     model = _EBCModel(tables)
     cons = {t.name: ParameterConstraints(sharding_types=["table_wise"], compute_kernels=[k],
@@ -585,7 +586,7 @@ def test_interp_state_cache_fill_moves_each_inserted_slot_once(interp):
     after = torch.tensor([1, 2, 1, 0, -1], dtype=torch.int32)
     acc0, lin0, cache0 = accum.clone(), linear.clone(), cache.clone()
     state_cache_fill_kernel[(5,)](keys, after, snapshot, claim, 7, accum, linear, cache[0], cache[1],
-                                  row_table, w_off, dims, row_base, 5, S, BLOCK_D=8)
+                                  row_table, w_off, dims, row_base, 5, S, BLOCK_D=8, ROWWISE=False)
 
     def flat(row):
         t = int(row_table[row])

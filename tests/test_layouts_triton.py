@@ -479,9 +479,12 @@ def test_interp_derived_equals_stored_from_zero(interp, accumulator, pooling, ps
 
 @pytest.mark.parametrize("weights,accumulator", [("derived", "elementwise"), ("stored", "rowwise"),
                                                  ("derived", "rowwise")])
-def test_lean_layout_refused_with_a_cached_batch(weights, accumulator):
-    """The cached placement runs the stored / element-wise layout only: a lean layout with a cached
-    batch raises ValueError naming the layout, before any kernel runs or any state changes."""
+def test_layout_outside_the_cached_capabilities_refused_with_a_cached_batch(monkeypatch, weights, accumulator):
+    """The refusal of a cached batch follows the capability data: with ``cached_layouts`` narrowed to
+    the stored / element-wise layout, a lean layout with a cached batch raises ValueError naming the
+    layout, before any kernel runs or any state changes."""
+    monkeypatch.setattr(triton_backend, "CAPABILITIES", dataclasses.replace(
+        triton_backend.CAPABILITIES, cached_layouts=frozenset({("stored", "elementwise")})))
     case = Case(weights, accumulator)
     geo = Tables(case.specs)
     arrays = start_arrays(case, geo, "cpu")
@@ -552,21 +555,6 @@ def test_cuda_derived_equals_stored_from_zero(accumulator, pooling, psw):
 def test_cuda_tbe_module_layout(weights, accumulator, state_dtype):
     check_case(Case(weights, accumulator, state_dtype, specs=CUDA_SPECS, fmap=CUDA_FMAP, pooling=PoolingMode.MEAN,
                     psw=True, hot=True, B=64, max_len=12, nan_step=1, seed=8), "cuda", through_module=True)
-
-
-@cuda
-@needs_cuda
-@pytest.mark.parametrize("weights,accumulator", [("derived", "elementwise"), ("stored", "rowwise"),
-                                                 ("derived", "rowwise")])
-def test_cuda_cached_placement_refuses_lean_layouts(weights, accumulator):
-    """MANAGED_CACHING (fused_uvm_caching) with the Triton backend: the stored / element-wise layout
-    only (``CAPABILITIES.cached_layouts``); a lean layout is refused at construction."""
-    from torchrec_ftrl.fbgemm_enums import ComputeDevice, EmbeddingLocation
-    with pytest.raises(ValueError, match=f"triton backend under MANAGED_CACHING implements .*; got "
-                                         f"ftrl_weights='{weights}', ftrl_accumulator='{accumulator}'"):
-        FTRLTableBatchedEmbeddingBags([(1000, 64, EmbeddingLocation.MANAGED_CACHING, ComputeDevice.CUDA)],
-                                      device="cuda", backend="triton", ftrl_weights=weights,
-                                      ftrl_accumulator=accumulator, **KNOBS)
 
 
 @cuda

@@ -221,6 +221,24 @@ def test_fp16_weights_shrink_table_and_cache():
         (rows, dim, 80_000 * (10 * dim + 32) + 4 * rows + io, rows * dim * 10)]
 
 
+BF16_STATES = {"accum": SparseType.BF16, "linear": SparseType.BF16}
+
+
+@pytest.mark.parametrize("layout,row_bytes", [
+    (dict(ftrl_weights="derived", optimizer_state_dtypes=BF16_STATES), 96 * 2 + 96 * 2),          # z, n bf16
+    (dict(ftrl_weights="derived", ftrl_accumulator="rowwise"), 96 * 4 + 4),                       # z, one n
+    (dict(ftrl_accumulator="rowwise", optimizer_state_dtypes=BF16_STATES), 96 * 4 + 96 * 2 + 2),  # w, z, one n
+])
+def test_lean_layouts_are_cached_with_their_own_rows(layout, row_bytes):
+    """fused_uvm_caching holds every row layout: the cache rows (HBM) and the table (DDR) count the
+    layout's arrays, written out here per layout (D = 96, fp32 weights)."""
+    rows, dim = 1_000_003, 96
+    cons = {"big": ParameterConstraints(sharding_types=["table_wise"], compute_kernels=["fused_uvm_caching"])}
+    got = _storages(_one_table(rows, dim), torchrec_ftrl.sharders(dict(FTRL_FUSED, **layout)), cons)
+    hbm = 200_000 * (row_bytes + 32) + 4 * rows
+    assert got == {("table_wise", "fused_uvm_caching"): [(rows, dim, hbm + _tw_io_bytes(dim), rows * row_bytes)]}
+
+
 @pytest.mark.parametrize("where", ["constraint", "fused_params"])
 @pytest.mark.parametrize("algorithm", [CacheAlgorithm.LRU, CacheAlgorithm.LFU])
 def test_cache_load_factor_and_algorithm_size_the_cache(where, algorithm):

@@ -1,6 +1,6 @@
 """The HBM row cache of the UVM-caching placement (``fused_uvm_caching``), built on FBGEMM's cache ops.
 
-FBGEMM's ops keep the weights: ``linearize_cache_indices`` (row keys), ``lru_cache_populate`` /
+FBGEMM's ops keep the weights and the slots' bookkeeping: ``linearize_cache_indices`` (row keys), ``lru_cache_populate`` /
 ``lfu_cache_populate`` (insert the batch's missing rows into ``lxu_cache_weights``, writing evicted
 rows back to unified memory), ``lxu_cache_lookup`` (each index's cache slot, -1 where a row could
 not be cached), ``lxu_cache_flush`` and ``lxu_cache_locking_counter_decrement``. The FTRL states
@@ -11,6 +11,13 @@ S]`` each in its state's dtype, fp32 or bf16, the weight cache's row stride ``S`
 moves half the bytes, and a cached row is moved as stored, bit for bit); a flush writes every cached
 row's states back. So a cached row's weight
 and both states are updated in HBM and reach unified memory on eviction or :meth:`RowCache.flush`.
+
+A slot holds exactly the arrays of the table's row layout (:class:`~torchrec_ftrl.row_layout.RowLayout`):
+a row-wise ``accum`` is one value per slot (``lxu_cache_accum`` ``[slots, 1]``), and a derived-weights
+table has no weight cache (``lxu_cache_weights`` ``[slots, 0]``): FBGEMM's populate is given rows of
+zero width (``D_offsets`` all 0), so it places and evicts rows and copies nothing, and the Triton
+kernels move ``linear`` and ``accum``. (FBGEMM 1.6's cache ops copy fp32 / fp16 rows only, so a bf16
+``linear`` could not be its "weights".)
 
 Every table of a cached TBE is cached (a TBE holds tables of one placement; ``torchrec_ftrl.sharders()``
 plans accordingly), so the linear cache index of ``index`` in table ``t`` is ``row_base[t] + index``,
@@ -57,7 +64,10 @@ class RowCache(nn.Module):
         device: the CUDA device.
         state_dtypes: ``{"accum": dtype, "linear": dtype}`` (fp32 / bf16; any spelling
             :func:`torchrec_ftrl.state_dtype.parse_state_dtypes` takes), the dtypes of the flat
-            state buffers and so of the state caches; None: fp32.
+            state buffers and so of the state caches; None: fp32. Ignored with ``layout``.
+        layout: the tables' :class:`~torchrec_ftrl.row_layout.RowLayout` (derived weights: no weight
+            cache; row-wise ``accum``: one value per slot); None: stored weights, element-wise
+            ``accum``, ``state_dtypes``.
 
     Raises:
         ValueError: a dim not a multiple of 4, a bad ``load_factor`` / ``cache_sets`` /
@@ -68,16 +78,18 @@ class RowCache(nn.Module):
                  table_w_offset: torch.Tensor, weights_dtype: torch.dtype, load_factor: float,
                  cache_sets: int, algorithm: CacheAlgorithm, lock_lines: bool,
                  reserved_memory: float, gather_stats: bool, device: torch.device,
-                 state_dtypes=None) -> None:
+                 state_dtypes=None, layout: Optional[RowLayout] = None) -> None:
         super().__init__()
-        state_dtypes = parse_state_dtypes(state_dtypes, "RowCache(state_dtypes=...)")
+        if layout is None:
+            state_dtypes = parse_state_dtypes(state_dtypes, "RowCache(state_dtypes=...)")
+            layout = RowLayout(accum_dtype=state_dtypes["accum"], linear_dtype=state_dtypes["linear"])
+        state_dtypes = layout.state_dtypes
         check_cache_dims(dims)
         algorithm = check_cache_options(load_factor, cache_sets,
                                         algorithm, lock_lines)
         total = int(sum(rows))
         max_d = int(max(dims))
         slots = cache_slots(total, load_factor, cache_sets)
-        layout = RowLayout(accum_dtype=state_dtypes["accum"], linear_dtype=state_dtypes["linear"])
         slot_bytes = layout.bytes_per_row(max_d, torch.empty(0, dtype=weights_dtype).element_size())
         if device.type == "cuda" and cache_sets == 0:   # FBGEMM shrinks only a computed size
             free = (torch.cuda.get_device_properties(device).total_memory
@@ -93,7 +105,12 @@ class RowCache(nn.Module):
         self.gather_stats = bool(gather_stats)
         self.total_rows = total
         self.max_D = max_d
+        self.stored_weights = layout.weights == "stored"
+        self.rowwise = layout.accumulator == "rowwise"
         self.timestep = 1
+        # True while the cache may hold rows updated since its last flush (set by the TBE after a
+        # cached update): reads of the unified-memory copies flush first.
+        self.written = False
         # Bumped by every change of which row a slot holds (populate, invalidate, reset): slots
         # looked up at one generation are still the rows' slots while it lasts.
         self.generation = 0
@@ -109,13 +126,21 @@ class RowCache(nn.Module):
             torch.arange(len(rows), dtype=torch.int32, device=device),
             torch.tensor([int(r) for r in rows], device=device), output_size=total))
         buf("weights_offsets", table_w_offset.clone())
-        buf("D_offsets", torch.tensor([0] + [int(sum(dims[:t + 1])) for t in range(len(dims))],
+        # The rows' widths as FBGEMM's ops see them: 0 without a weight cache (nothing to copy).
+        fbgemm_dims = dims if self.stored_weights else [0] * len(dims)
+        buf("D_offsets", torch.tensor([0] + [int(sum(fbgemm_dims[:t + 1])) for t in range(len(dims))],
                                       dtype=torch.int32, device=device))
         buf("table_dim", torch.tensor([int(d) for d in dims], **i64))
         buf("lxu_cache_state", torch.full((sets, CACHE_ASSOC), -1, **i64))
-        buf("lxu_cache_weights", torch.zeros(slots, max_d, dtype=weights_dtype, device=device))
+        # Derived weights: an fp32 cache of zero-width rows, and a one-element fp32 stand-in for the
+        # weights FBGEMM's ops take (fp32 / fp16 rows only; with zero-width rows nothing is read or
+        # written).
+        weights_cols, weights_dtype = (max_d, weights_dtype) if self.stored_weights else (0, torch.float32)
+        buf("lxu_cache_weights", torch.zeros(slots, weights_cols, dtype=weights_dtype, device=device))
+        buf("no_weights", torch.zeros(0 if self.stored_weights else 1, device=device))
         # The state caches, beside the weight cache (same row stride), each in its state's dtype.
-        buf("lxu_cache_accum", torch.zeros(slots, max_d, dtype=state_dtypes["accum"], device=device))
+        buf("lxu_cache_accum", torch.zeros(slots, layout.state_columns("accum", max_d),
+                                           dtype=state_dtypes["accum"], device=device))
         buf("lxu_cache_linear", torch.zeros(slots, max_d, dtype=state_dtypes["linear"], device=device))
         buf("lxu_state", torch.zeros((total + 1,) if algorithm == CacheAlgorithm.LFU
                                      else (sets, CACHE_ASSOC), **i64))
@@ -137,6 +162,17 @@ class RowCache(nn.Module):
     @property
     def slots(self) -> int:
         return self.lxu_cache_weights.shape[0]
+
+    @property
+    def row_stride(self) -> int:
+        """Elements between consecutive slots of the ``[slots, D]`` caches (``lxu_cache_linear``,
+        and ``lxu_cache_weights`` where the weights are stored)."""
+        return self.lxu_cache_linear.stride(0)
+
+    def _fbgemm_weights(self, weights: torch.Tensor) -> torch.Tensor:
+        """What FBGEMM's ops take as the tables' weights: ``weights``, or the zero-width stand-in of a
+        derived-weights table."""
+        return weights if self.stored_weights else self.no_weights
 
     def linearize(self, indices: torch.Tensor, offsets: torch.Tensor,
                   bags_per_feature: Optional[Sequence[int]] = None) -> torch.Tensor:
@@ -161,14 +197,14 @@ class RowCache(nn.Module):
         self.lxu_cache_snapshot.copy_(self.lxu_cache_state.view(-1))
         if self.algorithm == CacheAlgorithm.LRU:
             torch.ops.fbgemm.lru_cache_populate(
-                weights, self.table_hash_size_cumsum, self.total_rows, self.cache_index_table_map,
+                self._fbgemm_weights(weights), self.table_hash_size_cumsum, self.total_rows, self.cache_index_table_map,
                 self.weights_offsets, self.D_offsets, linear, self.lxu_cache_state,
                 self.lxu_cache_weights, self.timestep, self.lxu_state, False, self.gather_stats,
                 self.local_uvm_cache_stats, self.lock_lines,
                 self.lxu_cache_locking_counter if self.lock_lines else None)
         else:
             torch.ops.fbgemm.lfu_cache_populate(
-                weights, self.table_hash_size_cumsum, self.total_rows, self.cache_index_table_map,
+                self._fbgemm_weights(weights), self.table_hash_size_cumsum, self.total_rows, self.cache_index_table_map,
                 self.weights_offsets, self.D_offsets, linear, self.lxu_cache_state,
                 self.lxu_cache_weights, self.lxu_state, False)
         self.timestep += 1
@@ -182,8 +218,8 @@ class RowCache(nn.Module):
                 linear, after, self.lxu_cache_snapshot, self.lxu_cache_claim, self._stamp,
                 accum, linear_state, self.lxu_cache_accum, self.lxu_cache_linear,
                 self.cache_index_table_map, self.weights_offsets, self.table_dim,
-                self.table_hash_size_cumsum, n, self.lxu_cache_accum.stride(0), BLOCK_D=block_d,
-                num_warps=fill_warps(block_d))
+                self.table_hash_size_cumsum, n, self.row_stride, BLOCK_D=block_d,
+                ROWWISE=self.rowwise, num_warps=fill_warps(block_d))
         return after
 
     def lookup(self, linear: torch.Tensor, count: bool = True) -> torch.Tensor:
@@ -205,10 +241,12 @@ class RowCache(nn.Module):
 
     def flush(self, weights: torch.Tensor, accum: torch.Tensor, linear_state: torch.Tensor) -> None:
         """Write every cached row (weight and states) back to the flat buffers; the cache keeps them."""
-        torch.ops.fbgemm.lxu_cache_flush(
-            weights, self.table_hash_size_cumsum, self.cache_index_table_map, self.weights_offsets,
-            self.D_offsets, int(self.D_offsets[-1]), self.lxu_cache_state, self.lxu_cache_weights,
-            False)
+        self.written = False
+        if self.stored_weights:
+            torch.ops.fbgemm.lxu_cache_flush(
+                weights, self.table_hash_size_cumsum, self.cache_index_table_map, self.weights_offsets,
+                self.D_offsets, int(self.D_offsets[-1]), self.lxu_cache_state, self.lxu_cache_weights,
+                False)
         self._follow(self.lxu_cache_state, torch.full_like(self.lxu_cache_state, -1), accum,
                      linear_state)
 
@@ -219,6 +257,7 @@ class RowCache(nn.Module):
         self.lxu_state.zero_()
         self.lxu_cache_locking_counter.zero_()
         self.timestep = 1
+        self.written = False
         self.generation += 1
 
     def invalidate(self, linear: torch.Tensor) -> None:
@@ -240,8 +279,8 @@ class RowCache(nn.Module):
         block_d = 1 << max(0, self.max_D - 1).bit_length()
         per, warps = follow_config(block_d)
         slots = before.numel()
-        stride = self.lxu_cache_accum.stride(0)
         direct(state_cache_follow_kernel)[(-(-slots // per),)](
             before, after, accum, linear_state, self.lxu_cache_accum, self.lxu_cache_linear,
             self.cache_index_table_map, self.weights_offsets, self.table_dim,
-            self.table_hash_size_cumsum, slots, stride, SLOTS=per, BLOCK_D=block_d, num_warps=warps)
+            self.table_hash_size_cumsum, slots, self.row_stride, SLOTS=per, BLOCK_D=block_d,
+            ROWWISE=self.rowwise, num_warps=warps)

@@ -9,8 +9,10 @@
   cache of whole rows: FBGEMM's weight cache (``lxu_cache_weights``, ``[slots, max_D]`` in the cache
   precision) managed by FBGEMM's cache ops (``linearize_cache_indices``, ``lru_cache_populate`` /
   ``lfu_cache_populate``, ``lxu_cache_lookup``, ``lxu_cache_flush``), and beside it a state cache
-  (``accum`` and ``linear``, ``[slots, max_D]`` each in its state's dtype, fp32 or bf16) that
-  follows every slot FBGEMM fills or evicts. A cached row's weight and both states are updated in the cache and written back when
+  (``accum`` and ``linear``, ``[slots, max_D]`` each in its state's dtype, fp32 or bf16; a row-wise
+  ``accum`` ``[slots, 1]``) that follows every slot FBGEMM fills or evicts. A slot holds the arrays
+  of the row layout only: with derived weights there is no weight cache (FBGEMM's ops place and
+  evict rows of zero width, and the state cache moves ``linear`` and ``accum``). A cached row's weight and both states are updated in the cache and written back when
   evicted or flushed; a lookup the cache could not take (a batch with more unique rows than a cache
   set holds) reads and updates the unified-memory row in place.
 

@@ -33,9 +33,9 @@ ACCUMULATORS = ("elementwise", "rowwise")
 # (weights, accumulator) pairs the TBE kernels of every backend implement (HBM and host placements;
 # each backend declares its own, and those under MANAGED_CACHING, in its Capabilities).
 KERNEL_LAYOUTS = frozenset({(w, a) for w in WEIGHTS for a in ACCUMULATORS})
-# Those the MANAGED_CACHING (fused_uvm_caching) HBM cache holds (torchrec_ftrl.cache.RowCache: a weight
-# row and element-wise states per slot).
-CACHED_LAYOUTS = frozenset({("stored", "elementwise")})
+# Those the MANAGED_CACHING (fused_uvm_caching) HBM cache holds (torchrec_ftrl.cache.RowCache: each
+# slot holds the layout's arrays of one row, no weight where derived, one accum value where row-wise).
+CACHED_LAYOUTS = KERNEL_LAYOUTS
 
 
 @dataclasses.dataclass(frozen=True)

@@ -166,8 +166,10 @@ class FTRLTableBatchedEmbeddingBags(BatchMixin, CachedLookupMixin, TableAPIMixin
             Derived weights: no weight buffer (``weights_dev`` is empty); every lookup computes
             ``w = prox(linear, accum)`` (McMahan et al. 2013, Algorithm 1), so a learning-rate or
             knob change applies to every row's weight at once. A row-wise ``accum`` holds one n per
-            row (``accum_dev`` ``[total rows]``). ``MANAGED_CACHING`` takes the default layout only;
-            a layout the backend does not implement raises ``ValueError``.
+            row (``accum_dev`` ``[total rows]``). Under ``MANAGED_CACHING`` a cache slot holds the
+            layout's arrays of one row (no weight where derived, one ``accum`` value where
+            row-wise; :mod:`torchrec_ftrl.cache`). A layout the backend does not implement (its
+            ``Capabilities``) raises ``ValueError``.
 
     Forward (``indices``, ``offsets`` int32/int64 1-D, FBGEMM layout, feature-major bags):
         returns ``[B, sum(D_f)]`` for SUM/MEAN, ``[N, D]`` for NONE, or FBGEMM's flat VBE output
@@ -301,7 +303,7 @@ class FTRLTableBatchedEmbeddingBags(BatchMixin, CachedLookupMixin, TableAPIMixin
                 [r for r, _ in rows_dims], [d for _, d in rows_dims], feature_table_map,
                 self._table_w_offset, _PRECISIONS[self.weights_precision], cache_load_factor, cache_sets, cache_algorithm,
                 prefetch_pipeline, cache_reserved_memory, gather_uvm_cache_stats, device,
-                state_dtypes=self._state_dtypes)
+                layout=self.row_layout)
             self.cache.reset_states(self._hp.initial_accumulator_value)
             self.register_state_dict_pre_hook(_flush_before_state_dict)
             self.register_load_state_dict_post_hook(_empty_cache_after_load)

@@ -69,6 +69,7 @@ class CachedLookupMixin:
     def _after_cached_update(self, keys: torch.Tensor, locked: list, generation: int) -> None:
         """After a cached batch's update: release its lines, and make the prefetch stream wait for
         the update (a later prefetch must not copy a row into the cache while it is updated)."""
+        self.cache.written = True
         self._release(locked)
         if self._prefetch_stream is not None:
             self._prefetch_stream.wait_stream(torch.cuda.current_stream())

@@ -58,7 +58,9 @@ class TableAPIMixin:
         """fp32 ``[len(rows), D]`` (``rows``: int64 row ids or a slice; default every row) weights
         ``prox(linear, accum)`` of table ``t`` with the knobs of now
         (:func:`torchrec_ftrl.rule.ftrl_prox`): the weights the kernels use with derived weights. For a table that stores weights they equal the stored
-        ones wherever training wrote them (bitwise for fp32 weights and states)."""
+        ones wherever training wrote them (bitwise for fp32 weights and states). Under
+        ``MANAGED_CACHING`` the HBM cache is flushed first if an update wrote it since."""
+        self._flush_written()
         rows = slice(None) if rows is None else rows
         return ftrl_prox(self._table_view(self.linear_dev, t)[rows], self._accum_rows(t, rows),
                          self._hp).float()
@@ -114,6 +116,11 @@ class TableAPIMixin:
         if self.cache is not None:
             self.cache.reset_states(self._hp.initial_accumulator_value)
 
+    def _flush_written(self) -> None:
+        """:meth:`flush` when the HBM cache holds rows updated since its last flush."""
+        if self.cache is not None and self.cache.written:
+            self.flush()
+
     def flush(self) -> None:
         """Write the HBM cache's rows (weights and states) back to unified memory; they stay cached.
         A no-op for the other placements."""
@@ -151,7 +158,9 @@ class TableAPIMixin:
         row ids ``row_ids``, ``[k]``) to ``weights`` (``[k, D]``, any float dtype; default the whole
         table).
 
-        A stored-weights table copies them. A derived-weights table keeps ``accum`` and sets
+        Under ``MANAGED_CACHING`` the HBM cache is written back first and emptied after (the cached
+        copies of the rows written are stale). A stored-weights table copies them. A
+        derived-weights table keeps ``accum`` and sets
         ``linear`` to the z with ``prox(z, accum) = w`` (:func:`torchrec_ftrl.rule.ftrl_encode`):
         exact up to rounding where ``q(accum) > 0`` (``accum > 0``, ``ftrl_beta > 0`` or an L2 term;
         with ``ftrl_l1_reg > 0`` a weight small beside ``l1 / q`` keeps fewer bits, and a bf16
@@ -175,11 +184,13 @@ class TableAPIMixin:
                 device=self.weights_dev.device, dtype=self.weights_dev.dtype)
             self.reset_cache_states()
             return
+        self._flush_written()   # the cached rows' accum, and linear for only_changed
         dropped = 0
         for start in range(0, weights.shape[0], CHUNK_ROWS):   # temporaries of one chunk of rows at a time
             sel = (rows_written[start:start + CHUNK_ROWS] if row_ids is not None
                    else slice(row_start + start, min(rows_written.stop, row_start + start + CHUNK_ROWS)))
             dropped += self._encode_rows(t, sel, weights[start:start + CHUNK_ROWS], only_changed)
+        self.reset_cache_states()   # the cached copies of the rows written are stale
         if dropped and warn:
             warn_dropped_weights(dropped, self.table_names[t])
 

@@ -4,7 +4,8 @@ Weights and both FTRL states live in flat 1-D buffers, table after table, row-ma
 element ``table_w_offset[t] + r * table_dim[t] + d`` is row ``r``, column ``d`` of table ``t``.
 With the UVM-caching placement (:mod:`torchrec_ftrl.placement`) an HBM cache holds some rows:
 ``cache_locations[i]`` is the slot of index ``i``'s row (-1: read and update the flat buffers), whose
-weight is ``cache_weights[slot, :D]`` and whose states are ``cache_states[0 or 1][slot, :D]``.
+weight is ``cache_weights[slot, :D]`` and whose states are ``cache_states[0 or 1][slot, :D]`` (a
+row-wise ``accum`` at ``cache_states[0][slot, 0]``; derived weights have no weight cache).
 ``accum`` and ``linear`` (and their caches) are fp32 or bf16 (:mod:`torchrec_ftrl.state_dtype`).
 The row layout (:class:`torchrec_ftrl.row_layout.RowLayout`) decides which arrays exist
 (:class:`TableArrays`): with derived weights there is no weight buffer and every kernel reads a row's
@@ -56,9 +57,10 @@ class TableArrays:
         return self.weights is None
 
     @property
-    def stored_elementwise(self) -> bool:
-        """True for the layout with a weight buffer and an element-wise ``accum``."""
-        return self.weights is not None and not self.rowwise
+    def layout_key(self) -> tuple[str, str]:
+        """``(ftrl_weights, ftrl_accumulator)`` of these arrays, as
+        :data:`torchrec_ftrl.row_layout.KERNEL_LAYOUTS` lists layouts."""
+        return ("derived" if self.derived else "stored", "rowwise" if self.rowwise else "elementwise")
 
 
 @dataclasses.dataclass
@@ -87,10 +89,11 @@ class TBEBatch:
             (whose ``fuses_bounds_check`` asked for it) repairs the offsets, reads an index outside
             ``[0, rows)`` as row 0 and adds the number of such repairs here, once per forward.
         cache_locations: int32 ``[N]`` cache slot of each index's row (-1: not cached), or None.
-        cache_weights: ``[slots, S]`` weight cache in the weights' dtype (``S >= max_D``), or None.
+        cache_weights: ``[slots, S]`` weight cache in the weights' dtype (``S >= max_D``; ``[slots,
+            0]`` for derived weights), or None.
         cache_states: the accum and linear caches, ``cache_states[0]`` / ``cache_states[1]``, each
-            ``[slots, S]`` (same row stride ``S``) in its state's dtype: a ``[2, slots, S]`` tensor
-            or a pair of tensors; or None.
+            ``[slots, S]`` (same row stride ``S``; a row-wise accum ``[slots, 1]``) in its state's
+            dtype: a ``[2, slots, S]`` tensor or a pair of tensors; or None.
         step: int64 ``[1]``, the optimizer step the update's stochastic rounding of bf16 states
             hashes (the TBE's ``iter`` buffer itself, read by the update before its increment), or
             None (then the states must be fp32).

@@ -94,8 +94,20 @@ def per_sample_weight_grad(arrays: TableArrays, batch: TBEBatch, ctx: Any, grad_
         hit = loc >= 0
         valid = (torch.arange(batch.max_D, device=w.device)
                  < batch.table_dim[batch.index_table()[hit]].unsqueeze(1))
-        w[hit] = batch.cache_weights[loc[hit], :batch.max_D].float() * valid
+        w[hit] = _cached_weight_rows(arrays, batch, loc[hit], hp) * valid
     return (g * w).sum(1)
+
+
+def _cached_weight_rows(arrays: TableArrays, batch: TBEBatch, slots: torch.Tensor,
+                        hp: FTRLHyperparams) -> torch.Tensor:
+    """fp32 ``[k, max_D]`` weight rows the cache holds at ``slots`` (int64 ``[k]``): the weight
+    cache's, or for derived weights ``prox`` of the cached ``linear`` and ``accum`` (one value per
+    slot when row-wise)."""
+    if not arrays.derived:
+        return batch.cache_weights[slots, :batch.max_D].float()
+    accum_cache, linear_cache = batch.cache_states[0], batch.cache_states[1]
+    n = accum_cache[slots, :1 if arrays.rowwise else batch.max_D]
+    return ftrl_prox(linear_cache[slots, :batch.max_D], n, hp).float()
 
 
 def backward_update_(arrays: TableArrays, batch: TBEBatch, ctx: Any, grad_out: torch.Tensor,

@@ -13,7 +13,8 @@
 * ``torch.ops.torchrec_ftrl.triton_tbe_backward_update_cached_``: the same for a batch whose rows may
   sit in the UVM-caching placement's HBM cache (:mod:`torchrec_ftrl.cache`; mutates the weight and
   state caches ``cache_accum`` / ``cache_linear`` too, each in its state's dtype). The forward op reads such a batch's rows from the cache where they have a slot.
-  The stored / element-wise layout only.
+  Every row layout: a derived-weights table's cache holds ``linear`` and ``accum`` only, a
+  row-wise ``accum`` one value per slot.
 * ``torch.ops.torchrec_ftrl.triton_tbe_linearize``: the training forward's linearize pass (row keys,
   gradient offsets, factors, tables; with the fused WARNING check also the offsets repair), mutates
   ``warn``.
@@ -50,7 +51,7 @@ from .triton_backward import (linearize_kernel, offsets_repair_kernel,
                               segment_update_kernel)
 from .triton_forward import forward_config, tbe_forward_kernel
 
-# Every row layout uncached; the cached placement the stored / element-wise one.
+# Every row layout, uncached and under the cached placement.
 CAPABILITIES = Capabilities(cached_placement=True, graph_capture=True, repairs_offsets=True,
                             layouts=KERNEL_LAYOUTS, cached_layouts=CACHED_LAYOUTS)
 
@@ -212,11 +213,14 @@ def _forward_impl(weights: Optional[torch.Tensor], linear: torch.Tensor, accum: 
                   per_sample_weights: Optional[torch.Tensor], pooling_mode: int, out_numel: int,
                   max_D: int, out_dtype: torch.dtype, vec: int, even_d: bool,
                   cache_locations: Optional[torch.Tensor],
-                  cache_weights: Optional[torch.Tensor], lr: float, neg_p: float, l1: float,
+                  cache_weights: Optional[torch.Tensor], cache_accum: Optional[torch.Tensor],
+                  cache_linear: Optional[torch.Tensor], lr: float, neg_p: float, l1: float,
                   l2_eff: float, beta: float) -> torch.Tensor:
     """The pooled lookup of :func:`.triton_forward.tbe_forward_kernel`. ``weights`` None: derived
     weights, ``prox(linear, accum)`` with the knobs ``lr`` .. ``beta`` (:meth:`kernel_scalars` order);
-    ``rowwise``: ``accum`` holds one value per row."""
+    ``rowwise``: ``accum`` holds one value per row. A cached batch (``cache_locations``) reads its
+    cached rows from ``cache_weights``, or for derived weights from ``cache_linear`` and
+    ``cache_accum``."""
     out = torch.empty(out_numel, dtype=out_dtype, device=linear.device)
     num_bags = offsets.numel() - 1
     if num_bags <= 0 or out_numel == 0:
@@ -230,12 +234,15 @@ def _forward_impl(weights: Optional[torch.Tensor], linear: torch.Tensor, accum: 
     psw = per_sample_weights if has_psw else out
     use_keys = keys is not None
     cached = cache_locations is not None and cache_weights is not None
-    w = linear if derived else weights     # derived: a read-only placeholder, never dereferenced
+    # derived: the linear buffer and its cache stand where the weights and their cache are
+    w = linear if derived else weights
+    cw = (cache_linear if derived else cache_weights) if cached else w
+    cn = cache_accum if cached and derived else cw   # read by a derived lookup only
     _k(tbe_forward_kernel)[(_cdiv(num_bags, bags),)](
         w, out, keys if use_keys else indices, offsets, bag_feature, bag_out_offset,
         feature_table, table_w_offset, table_dim, table_rows, row_base, psw, warn,
-        cache_locations if cached else offsets, cache_weights if cached else w, linear, accum,
-        num_bags, max_D, cache_weights.stride(0) if cached else 0, lr, l1, l2_eff, beta, neg_p,
+        cache_locations if cached else offsets, cw, cn, linear, accum,
+        num_bags, max_D, cw.stride(0) if cached else 0, lr, l1, l2_eff, beta, neg_p,
         POOL=pooling_mode, HAS_PSW=has_psw, CHECK=check and not use_keys, KEYS=use_keys, BAGS=bags,
         UNROLL=unroll, BLOCK_D=BLOCK_D, VEC=vec, EVEN_D=even_d, WEVICT=evict,
         CACHED=cached, DERIVED=derived, ROWWISE=derived and rowwise, POW_HALF=neg_p == 0.5,
@@ -332,8 +339,8 @@ def _backward_impl(weights: Optional[torch.Tensor], accum: torch.Tensor, linear:
                       rowwise=rowwise)
 
 
-def _backward_cached_impl(weights: torch.Tensor, accum: torch.Tensor, linear: torch.Tensor,
-                          nonfinite_rows: torch.Tensor, cache_weights: torch.Tensor,
+def _backward_cached_impl(weights: Optional[torch.Tensor], accum: torch.Tensor, linear: torch.Tensor,
+                          nonfinite_rows: torch.Tensor, rowwise: bool, cache_weights: torch.Tensor,
                           cache_accum: torch.Tensor, cache_linear: torch.Tensor,
                           cache_locations: torch.Tensor,
                           grad: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,
@@ -347,13 +354,14 @@ def _backward_cached_impl(weights: torch.Tensor, accum: torch.Tensor, linear: to
                           lr: float, neg_p: float, l1: float, l2_eff: float, beta: float,
                           shrink2: float, step: torch.Tensor) -> None:
     """:func:`_backward_impl` of a batch whose rows may sit in the HBM cache (``cache_locations``
-    int32 ``[N]``, the weight cache ``[slots, S]`` and the state caches ``[slots, S]`` each, one row
+    int32 ``[N]``, the weight cache ``[slots, S]`` (``[slots, 0]``, unused, for derived weights) and
+    the state caches ``[slots, S]`` each (``cache_accum`` ``[slots, 1]`` when ``rowwise``), one row
     stride ``S``, in the dtypes of ``accum`` / ``linear``)."""
     _backward_kernels(weights, accum, linear, nonfinite_rows, grad, indices, offsets, bag_feature,
                       bag_out_offset, feature_table, table_w_offset, table_dim, table_rows, row_base,
                       check, lin_key, lin_gofs, lin_scale, lin_tid, per_sample_weights, pooling_mode,
                       max_D, total_rows, vec, even_d, lr, neg_p, l1, l2_eff, beta, shrink2, step,
-                      cache_locations, cache_weights, (cache_accum, cache_linear))
+                      cache_locations, cache_weights, (cache_accum, cache_linear), rowwise)
 
 
 def _backward_kernels(weights, accum, linear, nonfinite_rows, grad, indices, offsets, bag_feature,
@@ -413,13 +421,14 @@ def _backward_kernels(weights, accum, linear, nonfinite_rows, grad, indices, off
     has_shrink = shrink2 != 0.0
     libdev = isinstance(segment_update_kernel, JITFunction)
     update = _k(segment_update_kernel)
-    # The caches: weights [slots, S], states [2, slots, S] (accum, linear), one row stride S. Uncached,
-    # a read-only placeholder: passing a mutated tensor twice would alias it under torch.compile.
+    # The caches: weights [slots, S], accum [slots, S] ([slots, 1] row-wise), linear [slots, S], one
+    # row stride S. Uncached, a read-only placeholder: passing a mutated tensor twice would alias
+    # it under torch.compile.
     cw, cn, cz = (cache_weights, cache_states[0], cache_states[1]) if cached else (grad, grad, grad)
-    cache_stride = cw.stride(0) if cached else 0
+    cache_stride = cz.stride(0) if cached else 0
     n_bf16, z_bf16 = accum.dtype == torch.bfloat16, linear.dtype == torch.bfloat16
     if derived:
-        weights = grad     # read-only placeholder, never dereferenced
+        weights = cw = grad     # read-only placeholders, never dereferenced
     update[(_cdiv(bound, G),)](
         seg, count, sorted_key, sgofs, sscale, stid, sloc, grad, weights, accum, linear, cw, cn, cz,
         table_w_offset, table_dim, row_base, part, nonfinite_rows, step,
@@ -519,6 +528,7 @@ def _lookup(arrays: TableArrays, batch: TBEBatch, offsets: torch.Tensor, out_dty
                  batch.table_dim, batch.table_rows, batch.table_row_base, warn, check, keys,
                  batch.per_sample_weights, int(batch.pooling_mode), int(batch.out_numel),
                  int(batch.max_D), out_dtype, vec, even_d, batch.cache_locations, batch.cache_weights,
+                 *(batch.cache_states if batch.cache_states is not None else (None, None)),
                  lr, neg_p, l1, l2_eff, beta)
 
 
@@ -530,16 +540,15 @@ def _checked_offsets(batch: TBEBatch, warn: Optional[torch.Tensor]) -> torch.Ten
 
 
 def _check_layout(arrays: TableArrays, batch: TBEBatch) -> None:
-    """Return when the kernels implement ``arrays``' row layout for ``batch``'s placement: every
-    layout uncached, the stored / element-wise one only for a cached batch (``CAPABILITIES``).
+    """Return when the kernels implement ``arrays``' row layout for a ``batch`` of the cached
+    placement (``CAPABILITIES.cached_layouts``; uncached, every layout).
 
     Raises:
-        ValueError: a derived-weights or row-wise-accum layout with a cached batch
+        ValueError: a layout outside ``CAPABILITIES.cached_layouts`` with a cached batch
             (``batch.cache_locations`` set, the ``fused_uvm_caching`` placement).
     """
-    if batch.cache_locations is not None and not arrays.stored_elementwise:
-        layout = (("derived" if arrays.derived else "stored"),
-                  ("rowwise" if arrays.rowwise else "elementwise"))
+    layout = arrays.layout_key
+    if batch.cache_locations is not None and layout not in CAPABILITIES.cached_layouts:
         raise ValueError(f"the Triton FTRL kernels run the cached placement (fused_uvm_caching) with "
                          f"layouts {sorted(CAPABILITIES.cached_layouts)} only, got "
                          f"ftrl_weights={layout[0]!r}, ftrl_accumulator={layout[1]!r}")
@@ -553,7 +562,8 @@ def forward(arrays: TableArrays, batch: TBEBatch, out_dtype: torch.dtype,
     (``arrays.weights`` None) are ``prox(linear, accum)`` with ``hp``, computed per looked-up element.
 
     Raises:
-        ValueError: a layout other than stored / element-wise with a cached batch (:func:`_check_layout`).
+        ValueError: a layout outside ``CAPABILITIES.cached_layouts`` with a cached batch
+            (:func:`_check_layout`).
     """
     _check_layout(arrays, batch)
     counter = _warn_counter(batch)
@@ -595,11 +605,11 @@ def backward_update_(arrays: TableArrays, batch: TBEBatch, ctx: Optional[TritonC
     ``batch.step`` (int64 ``[1]``, read on the device). Every row layout of ``arrays``: derived
     weights (the old weight ``prox(linear, accum)``; only ``accum`` and ``linear`` are written), a
     row-wise ``accum`` (``[total_rows]``: ``n += mean_d(g_d^2)`` once per row, a bf16 one rounded
-    with column 0), uncached; a cached batch takes the stored / element-wise layout only.
+    with column 0), uncached and cached.
 
     Raises:
-        ValueError: a bf16 state and ``batch.step`` None; a layout other than stored / element-wise
-            with a cached batch.
+        ValueError: a bf16 state and ``batch.step`` None; a layout outside
+            ``CAPABILITIES.cached_layouts`` with a cached batch.
     """
     _check_layout(arrays, batch)
     weights, accum, linear = arrays.weights, arrays.accum, arrays.linear
@@ -628,7 +638,7 @@ def backward_update_(arrays: TableArrays, batch: TBEBatch, ctx: Optional[TritonC
               *args)
     else:
         _call(_backward_cached_op, _backward_cached_impl, weights, accum, linear, nonfinite_rows,
-              batch.cache_weights, batch.cache_states[0], batch.cache_states[1],
+              arrays.rowwise, batch.cache_weights, batch.cache_states[0], batch.cache_states[1],
               batch.cache_locations, *args)
 
 

@@ -63,7 +63,8 @@ weight is ``prox(z, n)`` of the loaded state, and only ``n`` and ``z`` are store
 ``n`` grows by the mean of ``g^2`` over the row, :func:`torchrec_ftrl.rule.ftrl_rule_rowwise`; a
 row is one tile, so the mean is one ``tl.sum`` over its columns, taken where the row's full
 gradient sum is: in the update kernel for a whole run, in the combine kernel for a run cut into
-pieces). The cached placement (``CACHED``) takes the stored / element-wise layout only.
+pieces). The cached placement (``CACHED``) takes every layout: a cached row's states (and stored
+weight) are read and written in the HBM caches, a row-wise ``n`` at one value per slot.
 """
 
 from __future__ import annotations
@@ -271,11 +272,17 @@ def row_pointers(w_ptr, n_ptr, z_ptr, roff, key, cw_ptr, cn_ptr, cz_ptr, loc, ca
                  CACHED: tl.constexpr, ROWWISE: tl.constexpr):
     """Pointer blocks ``[R, BLOCK_D]`` to the weight, accum and linear of the rows at element offsets
     ``roff`` ``[R]`` of the three flat buffers; with ``ROWWISE`` the accum pointers are ``[R]``, at
-    the row keys ``key`` (one value per row). With ``CACHED`` (element-wise accum only), a row whose
-    cache slot ``loc`` ``[R]`` is >= 0 is addressed in the HBM caches instead (weight, accum, linear
-    caches ``cw``, ``cn``, ``cz``, row ``slot`` at ``slot * cache_stride``)."""
+    the row keys ``key`` (one value per row). With ``CACHED``, a row whose cache slot ``loc`` ``[R]``
+    is >= 0 is addressed in the HBM caches instead (weight, accum, linear caches ``cw``, ``cn``,
+    ``cz``, row ``slot`` at ``slot * cache_stride``; a ``ROWWISE`` accum at ``cn[slot]``)."""
     offs = roff[:, None] + cols[None, :]
-    if CACHED:
+    if CACHED and ROWWISE:
+        hit = loc >= 0
+        coffs = (loc.to(tl.int64) * cache_stride)[:, None] + cols[None, :]
+        return (tl.where(hit[:, None], cw_ptr + coffs, w_ptr + offs),
+                tl.where(hit, cn_ptr + loc.to(tl.int64), n_ptr + key.to(tl.int64)),
+                tl.where(hit[:, None], cz_ptr + coffs, z_ptr + offs))
+    elif CACHED:
         hit = (loc >= 0)[:, None]
         coffs = (loc.to(tl.int64) * cache_stride)[:, None] + cols[None, :]
         return (tl.where(hit, cw_ptr + coffs, w_ptr + offs), tl.where(hit, cn_ptr + coffs, n_ptr + offs),

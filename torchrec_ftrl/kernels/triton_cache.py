@@ -1,8 +1,10 @@
 """Triton kernels of the UVM-caching placement's state cache (:mod:`torchrec_ftrl.cache`).
 
-FBGEMM's cache ops move a cached row's weight between unified memory and ``lxu_cache_weights``; the
-FTRL states of the row must move with it. Rows are FBGEMM linear cache indices (``row_base[table] +
-index``; -1 marks an empty slot).
+FBGEMM's cache ops move a cached row's weight between unified memory and ``lxu_cache_weights`` (a
+derived-weights table has none: FBGEMM keeps its slots' bookkeeping only); the FTRL states of the
+row must move with it. Rows are FBGEMM linear cache indices (``row_base[table] + index``; -1 marks an
+empty slot), which are also the row keys of a row-wise ``accum`` (``[total_rows]``, one value per
+row; its cache ``[slots, 1]``: ``ROWWISE``).
 
 * :func:`state_cache_fill_kernel` runs after a populate: for every index that has a slot after the
   populate that held another row before it (a miss), the slot's owner (the first index to claim it
@@ -35,21 +37,29 @@ def _row_offset(row_table_ptr, table_w_offset_ptr, table_dim_ptr, row_base_ptr, 
 
 @triton.jit
 def _move_states(row_table_ptr, table_w_offset_ptr, table_dim_ptr, row_base_ptr, accum_ptr,
-                 linear_ptr, cn_ptr, cz_ptr, slot, old, new, cache_stride, BLOCK_D: tl.constexpr):
+                 linear_ptr, cn_ptr, cz_ptr, slot, old, new, cache_stride, BLOCK_D: tl.constexpr,
+                 ROWWISE: tl.constexpr):
     """Slot ``slot``: the states of row ``old`` (if >= 0) back to the flat buffers, then row
     ``new``'s (if >= 0) into the slot. One row at a time, 1-D over D (a 2-D ``[slots, D]`` form
-    does not compile with Triton 3.6)."""
+    does not compile with Triton 3.6). ``ROWWISE``: ``accum`` is one value per row at the row key,
+    cached at ``cn[slot]``."""
     cols = tl.arange(0, BLOCK_D)
     crow = slot * cache_stride + cols
     if old >= 0:
         off, dim = _row_offset(row_table_ptr, table_w_offset_ptr, table_dim_ptr, row_base_ptr, old)
         cm = cols < dim
-        tl.store(accum_ptr + off + cols, tl.load(cn_ptr + crow, mask=cm), mask=cm)
+        if ROWWISE:
+            tl.store(accum_ptr + old, tl.load(cn_ptr + slot))
+        else:
+            tl.store(accum_ptr + off + cols, tl.load(cn_ptr + crow, mask=cm), mask=cm)
         tl.store(linear_ptr + off + cols, tl.load(cz_ptr + crow, mask=cm), mask=cm)
     if new >= 0:
         off, dim = _row_offset(row_table_ptr, table_w_offset_ptr, table_dim_ptr, row_base_ptr, new)
         cm = cols < dim
-        tl.store(cn_ptr + crow, tl.load(accum_ptr + off + cols, mask=cm), mask=cm)
+        if ROWWISE:
+            tl.store(cn_ptr + slot, tl.load(accum_ptr + new))
+        else:
+            tl.store(cn_ptr + crow, tl.load(accum_ptr + off + cols, mask=cm), mask=cm)
         tl.store(cz_ptr + crow, tl.load(linear_ptr + off + cols, mask=cm), mask=cm)
 
 
@@ -57,7 +67,7 @@ def _move_states(row_table_ptr, table_w_offset_ptr, table_dim_ptr, row_base_ptr,
 def state_cache_fill_kernel(
     key_ptr, after_ptr, snapshot_ptr, claim_ptr, stamp, accum_ptr, linear_ptr, cn_ptr, cz_ptr,
     row_table_ptr, table_w_offset_ptr, table_dim_ptr, row_base_ptr, num_indices, cache_stride,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, ROWWISE: tl.constexpr,
 ):
     """Index ``i`` (one per program): if its row ``key[i]`` has slot ``s = after[i] >= 0`` after
     the populate and the slot held another row before it (``snapshot[s] != key[i]``: the row
@@ -75,18 +85,18 @@ def state_cache_fill_kernel(
                 if tl.atomic_xchg(claim_ptr + slot, stamp) != stamp:
                     _move_states(row_table_ptr, table_w_offset_ptr, table_dim_ptr, row_base_ptr,
                                  accum_ptr, linear_ptr, cn_ptr, cz_ptr, slot, old, key,
-                                 cache_stride, BLOCK_D)
+                                 cache_stride, BLOCK_D, ROWWISE)
 
 
 @triton.jit
 def state_cache_follow_kernel(
     old_ptr, new_ptr, accum_ptr, linear_ptr, cn_ptr, cz_ptr, row_table_ptr, table_w_offset_ptr,
     table_dim_ptr, row_base_ptr, slots, cache_stride,
-    SLOTS: tl.constexpr, BLOCK_D: tl.constexpr,
+    SLOTS: tl.constexpr, BLOCK_D: tl.constexpr, ROWWISE: tl.constexpr,
 ):
     """For slots ``s`` in this program's ``SLOTS``: if ``old[s] != new[s]``, store the cached states
-    ``cn[s]``, ``cz[s]`` (row stride ``cache_stride``) to row ``old[s]`` of ``accum`` / ``linear`` when
-    ``old[s] >= 0``, then load row ``new[s]``'s states into the slot when ``new[s] >= 0``.
+    ``cn[s]``, ``cz[s]`` (row stride ``cache_stride``; ``cn[s]`` one value with ``ROWWISE``) to row
+    ``old[s]`` of ``accum`` / ``linear`` when ``old[s] >= 0``, then load row ``new[s]``'s states into the slot when ``new[s] >= 0``.
     ``row_table`` (int32 ``[rows]``): table of each linear row; ``table_*`` / ``row_base``: the
     :mod:`.layout` arrays."""
     first = tl.program_id(0).to(tl.int64) * SLOTS
@@ -98,7 +108,7 @@ def state_cache_follow_kernel(
             if old != new:
                 _move_states(row_table_ptr, table_w_offset_ptr, table_dim_ptr, row_base_ptr,
                              accum_ptr, linear_ptr, cn_ptr, cz_ptr, s, old, new, cache_stride,
-                             BLOCK_D)
+                             BLOCK_D, ROWWISE)
 
 
 def follow_config(block_d: int) -> tuple[int, int]:

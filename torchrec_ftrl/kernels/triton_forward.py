@@ -21,7 +21,9 @@ with (so a derived table reads the bits a stored table holds for the same fp32 s
 then unused. With ``ROWWISE`` too, ``accum`` holds one ``n`` per row, at the row key
 ``row_base[table] + index``, loaded once per looked-up row, and the row's ``lr / q`` is computed once
 (:func:`.triton_prox.ftrl_row_rate`, :func:`.triton_prox.ftrl_prox_rowwise`, as the update does).
-Not with ``CACHED``.
+With ``CACHED`` and ``DERIVED``, ``w_ptr`` / ``cache_ptr`` are the ``linear`` buffer and its cache
+and ``cache_n_ptr`` the ``accum`` cache (row stride ``cache_stride``; one value per slot with
+``ROWWISE``): a row held by the cache reads ``z`` and ``n`` there.
 
 Layout contract: :mod:`torchrec_ftrl.kernels.layout`.
 """
@@ -60,7 +62,7 @@ def load_bags(offsets_ptr, bag_feature_ptr, feature_table_ptr, num_bags, BAGS: t
 def tbe_forward_kernel(
     w_ptr, out_ptr, indices_ptr, offsets_ptr, bag_feature_ptr, bag_out_ptr, feature_table_ptr,
     table_w_offset_ptr, table_dim_ptr, table_rows_ptr, row_base_ptr, psw_ptr, warn_ptr,
-    loc_ptr, cache_ptr, z_ptr, n_ptr, num_bags, out_row_stride, cache_stride,
+    loc_ptr, cache_ptr, cache_n_ptr, z_ptr, n_ptr, num_bags, out_row_stride, cache_stride,
     lr, l1, l2_eff, beta, neg_p,
     POOL: tl.constexpr, HAS_PSW: tl.constexpr, CHECK: tl.constexpr, KEYS: tl.constexpr,
     BAGS: tl.constexpr, UNROLL: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -121,17 +123,30 @@ def tbe_forward_kernel(
             rowp = w_ptr + roff
         if DERIVED:
             offs = roff[:, :, None] + cols[None, None, :]
-            z = tl.load(z_ptr + offs, mask=m3, other=0.0, eviction_policy=WEVICT).to(tl.float32)
+            if CACHED:  # rowp: the z row, in the cache or in unified memory
+                z = tl.load(rowp[:, :, None] + cols[None, None, :], mask=m3, other=0.0,
+                            eviction_policy=WEVICT).to(tl.float32)
+            else:
+                z = tl.load(z_ptr + offs, mask=m3, other=0.0, eviction_policy=WEVICT).to(tl.float32)
             if ROWWISE:  # one n per row, at its row key
                 if KEYS:
                     nkey = idx.to(tl.int64)
                 else:
                     nkey = rbase[:, None] + idx
-                n = tl.load(n_ptr + nkey, mask=lmask, other=0.0).to(tl.float32)
+                if CACHED:
+                    nptr = tl.where(loc >= 0, cache_n_ptr + loc.to(tl.int64), n_ptr + nkey)
+                else:
+                    nptr = n_ptr + nkey
+                n = tl.load(nptr, mask=lmask, other=0.0).to(tl.float32)
                 rate = ftrl_row_rate(ftrl_power(n, neg_p, POW_HALF, LIBDEVICE_POW), lr, l2_eff, beta)
                 rows = ftrl_prox_rowwise(z, rate[:, :, None], l1)
             else:
-                n = tl.load(n_ptr + offs, mask=m3, other=0.0, eviction_policy=WEVICT).to(tl.float32)
+                if CACHED:
+                    nrow = tl.where(loc >= 0, cache_n_ptr + loc.to(tl.int64) * cache_stride, n_ptr + roff)
+                    nptr = nrow[:, :, None] + cols[None, None, :]
+                else:
+                    nptr = n_ptr + offs
+                n = tl.load(nptr, mask=m3, other=0.0, eviction_policy=WEVICT).to(tl.float32)
                 pn = ftrl_power(n, neg_p, POW_HALF, LIBDEVICE_POW)
                 rows = ftrl_prox(z, pn, lr, l1, l2_eff, beta)
         else:

@@ -51,3 +51,47 @@ def make_batch(labels: np.ndarray, dense: np.ndarray, ids: np.ndarray, keys: Seq
     return Batch(dense_features=torch.from_numpy(dense),
                  sparse_features=kjt,
                  labels=torch.from_numpy(labels.astype(np.float32)))
+
+
+def make_multi_hot_batch(labels: np.ndarray, dense: np.ndarray, values: np.ndarray,
+                         multi_hot: Sequence[int], keys: Sequence[str]):
+    """Build a ``torchrec.datasets.utils.Batch`` whose bags of feature ``f`` hold ``multi_hot[f]`` ids
+    each (the KJT of TorchRec's ``MultiHotCriteoIterDataPipe._np_arrays_to_batch``, ids in int64).
+
+    Args:
+        labels: ``[B]`` 0/1. dense: ``[B, n_dense]`` float (already transformed).
+        values: ``[B * sum(multi_hot)]`` int64 row ids, key-major: feature 0's ``[B, multi_hot[0]]``
+            bags flattened, then feature 1's, ...
+        multi_hot: ids per bag of each feature. keys: the feature names.
+
+    Returns:
+        ``Batch`` whose ``sparse_features`` KJT has int64 ``values`` (``values`` itself), int32
+        ``lengths`` ``[F * B]``, stride ``B``, and ``length_per_key`` / ``offset_per_key`` set.
+
+    Raises:
+        ValueError: shapes that disagree (naming them).
+    """
+    from torchrec.datasets.utils import Batch
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    labels = np.asarray(labels)
+    dense = np.asarray(dense, dtype=np.float32)
+    values = np.asarray(values, dtype=np.int64)
+    b = labels.shape[0]
+    per_key = [b * int(h) for h in multi_hot]
+    if dense.ndim != 2 or dense.shape[0] != b or values.shape != (sum(per_key),) \
+            or len(multi_hot) != len(keys):
+        raise ValueError(f"make_multi_hot_batch shapes disagree: labels {labels.shape}, dense "
+                         f"{dense.shape}, values {values.shape}, multi_hot {list(multi_hot)}, "
+                         f"{len(keys)} keys")
+    kjt = KeyedJaggedTensor(
+        keys=list(keys),
+        values=torch.from_numpy(values),
+        lengths=torch.from_numpy(np.repeat(np.asarray(multi_hot, dtype=np.int32), b)),
+        stride=b,
+        length_per_key=per_key,
+        offset_per_key=np.concatenate([[0], np.cumsum(per_key, dtype=np.int64)]).tolist(),
+    )
+    return Batch(dense_features=torch.from_numpy(dense),
+                 sparse_features=kjt,
+                 labels=torch.from_numpy(labels.astype(np.float32)))

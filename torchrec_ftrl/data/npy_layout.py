@@ -73,6 +73,10 @@ class Triplet:
     def num_sparse(self) -> int:
         return int(self.sparse.shape[1])
 
+    def path_of(self, kind: str) -> str:
+        """The file of ``kind`` (``"dense"``, ``"sparse"`` or ``"labels"``)."""
+        return getattr(self, kind).path
+
 
 def array_path(folder: str, prefix: str, kind: str) -> str:
     """``folder/PREFIX_{dense,sparse,labels}.npy``."""
@@ -124,10 +128,10 @@ def find_prefixes(folder: str) -> List[str]:
     if not prefixes:
         raise FileNotFoundError(f"{folder}: no PREFIX_dense.npy / PREFIX_sparse.npy / "
                                 f"PREFIX_labels.npy files (empty binary data folder)")
-    return sorted(prefixes, key=_natural_key)
+    return sorted(prefixes, key=natural_key)
 
 
-def _natural_key(s: str) -> list:
+def natural_key(s: str) -> list:
     return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"(\d+)", s) if p]
 
 
@@ -148,26 +152,40 @@ def check_triplet(folder: str, prefix: str) -> Triplet:
                                 f"(present: {', '.join(present) or 'none'})")
     info = {k: read_header(paths[k]) for k in ARRAYS}
     d, s, lab = info["dense"], info["sparse"], info["labels"]
-    if d.dtype not in DENSE_DTYPES:
-        raise BinaryLayoutError(f"{d.path}: dtype {d.dtype}, expected float32 (log-transformed "
-                                f"dense features, as BinaryCriteoUtils.tsv_to_npys writes)")
-    if s.dtype not in SPARSE_DTYPES:
-        raise BinaryLayoutError(f"{s.path}: dtype {s.dtype}, expected int64 (or int32/uint32) "
-                                f"categorical values")
-    if not (np.issubdtype(lab.dtype, np.integer) or lab.dtype == np.bool_):
-        raise BinaryLayoutError(f"{lab.path}: dtype {lab.dtype}, expected an integer dtype (int32) "
-                                f"of 0/1 labels")
-    for a, what in ((d, "[n, num_dense]"), (s, "[n, num_sparse]"), (lab, "[n, 1]")):
-        if len(a.shape) != 2:
-            raise BinaryLayoutError(f"{a.path}: shape {a.shape}, expected 2-D {what}")
-    if lab.shape[1] != 1:
-        raise BinaryLayoutError(f"{lab.path}: shape {lab.shape}, expected [n, 1]")
-    if s.shape[1] < 1:
-        raise BinaryLayoutError(f"{s.path}: shape {s.shape}, expected at least one categorical column")
+    check_dense_labels(d, lab)
+    check_sparse(s, "[n, num_sparse]", "categorical column")
     if not d.rows == s.rows == lab.rows:
         raise BinaryLayoutError(f"{os.path.join(folder, prefix)}_*.npy: row counts differ: dense "
                                 f"{d.rows}, sparse {s.rows}, labels {lab.rows}")
     return Triplet(prefix, d, s, lab)
+
+
+def check_dense_labels(d: NpyInfo, lab: NpyInfo) -> None:
+    """The dtype and shape checks of a triplet's dense (float32 ``[n, D]``) and labels (integer
+    ``[n, 1]``) arrays. Raises: BinaryLayoutError naming the file."""
+    if d.dtype not in DENSE_DTYPES:
+        raise BinaryLayoutError(f"{d.path}: dtype {d.dtype}, expected float32 (log-transformed "
+                                f"dense features, as BinaryCriteoUtils.tsv_to_npys writes)")
+    if not (np.issubdtype(lab.dtype, np.integer) or lab.dtype == np.bool_):
+        raise BinaryLayoutError(f"{lab.path}: dtype {lab.dtype}, expected an integer dtype (int32) "
+                                f"of 0/1 labels")
+    for a, what in ((d, "[n, num_dense]"), (lab, "[n, 1]")):
+        if len(a.shape) != 2:
+            raise BinaryLayoutError(f"{a.path}: shape {a.shape}, expected 2-D {what}")
+    if lab.shape[1] != 1:
+        raise BinaryLayoutError(f"{lab.path}: shape {lab.shape}, expected [n, 1]")
+
+
+def check_sparse(s: NpyInfo, shape: str, column: str) -> None:
+    """The dtype (int64, int32 or uint32) and shape (2-D ``shape``, at least one ``column``) checks
+    of a sparse array. Raises: BinaryLayoutError naming the file."""
+    if s.dtype not in SPARSE_DTYPES:
+        raise BinaryLayoutError(f"{s.path}: dtype {s.dtype}, expected int64 (or int32/uint32) "
+                                f"categorical values")
+    if len(s.shape) != 2:
+        raise BinaryLayoutError(f"{s.path}: shape {s.shape}, expected 2-D {shape}")
+    if s.shape[1] < 1:
+        raise BinaryLayoutError(f"{s.path}: shape {s.shape}, expected at least one {column}")
 
 
 def load_layout(folder: str) -> List[Triplet]:

@@ -176,40 +176,32 @@ def test_which_layout_a_folder_gives(onehot, multihot, tmp_path, capsys):
 
 
 def test_bad_multi_hot_folders_name_the_file(multihot, tmp_path):
-    def copy(name):
-        dst = tmp_path / name
+    def copy(name, day=None, edit=None, save=np.savez):
+        """A copy of the folder whose ``day``'s npz members are rewritten by ``edit`` with ``save``."""
+        dst = str(tmp_path / name)
         shutil.copytree(multihot, dst)
-        return str(dst)
+        if edit is not None:
+            path = os.path.join(dst, f"day_{day}_sparse_multi_hot.npz")
+            members = dict(np.load(path))
+            edit(members)
+            save(path, **members)
+        return dst
+
+    def source(folder):
+        return MultiHotBinarySource(folder, ROWS, Split.parse("every:10"))
 
     no_dense = copy("no_dense")
     os.remove(os.path.join(no_dense, "day_3_dense.npy"))
     with pytest.raises(FileNotFoundError, match=r"day_3_dense\.npy: missing array .*--copy_labels_and_dense"):
-        MultiHotBinarySource(no_dense, ROWS, Split.parse("every:10"))
-
-    compressed = copy("compressed")
-    path = os.path.join(compressed, "day_5_sparse_multi_hot.npz")
-    members = dict(np.load(path))
-    np.savez_compressed(path, **members)
+        source(no_dense)
     with pytest.raises(BinaryLayoutError, match=r"day_5_sparse_multi_hot\.npz: member 0\.npy is compressed"):
-        MultiHotBinarySource(compressed, ROWS, Split.parse("every:10"))
-
-    sizes = copy("sizes")
-    path = os.path.join(sizes, "day_7_sparse_multi_hot.npz")
-    members = dict(np.load(path))
-    members["4"] = members["4"][:, :2]
-    np.savez(path, **members)
+        source(copy("compressed", 5, lambda m: None, np.savez_compressed))
     with pytest.raises(BinaryLayoutError, match=r"day_7_sparse_multi_hot\.npz: multi-hot sizes 3,2,1,2,2,"):
-        MultiHotBinarySource(sizes, ROWS, Split.parse("every:10"))
-
-    negative = copy("negative")
-    path = os.path.join(negative, "day_0_sparse_multi_hot.npz")
-    members = dict(np.load(path))
-    members["20"][4, 7] = -5
-    np.savez(path, **members)
-    src = MultiHotBinarySource(negative, ROWS, Split.parse("every:10"))
+        source(copy("sizes", 7, lambda m: m.update({"4": m["4"][:, :2]})))
+    negative = source(copy("negative", 0, lambda m: m["20"].__setitem__((4, 7), -5)))
     with pytest.raises(BinaryLayoutError, match=r"day_0_sparse_multi_hot\.npz: row 4: negative id -5 "
                                                 r"of feature 20 \(member 20\.npy\)"):
-        src.train_batch(0, 1, 8, 0)
+        negative.train_batch(0, 1, 8, 0)
 
 
 def _example_dir():

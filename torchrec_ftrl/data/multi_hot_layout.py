@@ -27,8 +27,8 @@ from typing import List, Tuple
 
 import numpy as np
 
-from .npy_layout import (BinaryLayoutError, NpyInfo, array_path, check_dense_labels, check_sparse,
-                         natural_key, read_header)
+from .npy_layout import (BinaryLayoutError, NpyInfo, Triplet, array_path, check_agreement,
+                         check_dense_labels, check_sparse, natural_key, read_header)
 
 SPARSE_SUFFIX = "_sparse_multi_hot.npz"
 _MULTI_HOT = re.compile(r"^(?P<prefix>.+)" + re.escape(SPARSE_SUFFIX) + r"$")
@@ -37,22 +37,11 @@ _LOCAL_HEADER = struct.Struct("<4s22xHH")   # signature, ..., file name length, 
 
 
 @dataclasses.dataclass(frozen=True)
-class MultiHotTriplet:
+class MultiHotTriplet(Triplet):
     """One checked triplet: ``prefix``, ``dense`` / ``labels`` (:class:`NpyInfo`), ``sparse``: one
     :class:`NpyInfo` per feature (its ``path`` the ``.npz``, its ``offset`` the member's data in it)."""
 
-    prefix: str
-    dense: NpyInfo
     sparse: Tuple[NpyInfo, ...]
-    labels: NpyInfo
-
-    @property
-    def rows(self) -> int:
-        return self.labels.rows
-
-    @property
-    def num_dense(self) -> int:
-        return int(self.dense.shape[1])
 
     @property
     def num_sparse(self) -> int:
@@ -182,16 +171,6 @@ def load_layout(folder: str) -> List[MultiHotTriplet]:
     if not prefixes:
         raise FileNotFoundError(f"{folder}: no PREFIX{SPARSE_SUFFIX} file")
     triplets = [check_triplet(folder, p) for p in prefixes]
-    first = triplets[0]
-    for t in triplets[1:]:
-        if t.num_dense != first.num_dense:
-            raise BinaryLayoutError(f"{t.dense.path}: {t.num_dense} dense columns, but "
-                                    f"{first.dense.path} has {first.num_dense}")
-        if t.multi_hot != first.multi_hot:
-            raise BinaryLayoutError(f"{t.path_of('sparse')}: multi-hot sizes {_csv(t.multi_hot)}, but "
-                                    f"{first.path_of('sparse')} has {_csv(first.multi_hot)}")
+    check_agreement(triplets, lambda t: t.multi_hot,
+                    lambda sizes: f"multi-hot sizes {','.join(map(str, sizes))}")
     return triplets
-
-
-def _csv(sizes) -> str:
-    return ",".join(map(str, sizes))

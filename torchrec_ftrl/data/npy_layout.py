@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -197,15 +197,25 @@ def load_layout(folder: str) -> List[Triplet]:
             also columns that differ between triplets (naming the first file that differs).
     """
     triplets = [check_triplet(folder, p) for p in find_prefixes(folder)]
+    check_agreement(triplets, lambda t: t.num_sparse, lambda n: f"{n} categorical columns")
+    return triplets
+
+
+def check_agreement(triplets: Sequence[Triplet], sparse: Callable[[Triplet], object],
+                    describe: Callable[[object], str]) -> None:
+    """Every triplet has the first one's dense columns and ``sparse(t)``.
+
+    Raises:
+        BinaryLayoutError: naming the first file that differs, ``"{file}: {describe(its value)}, but
+            {the first triplet's file} has {describe(its value)}"`` (dense: ``N dense columns``).
+    """
     first = triplets[0]
     for t in triplets[1:]:
-        if t.num_dense != first.num_dense:
-            raise BinaryLayoutError(f"{t.dense.path}: {t.num_dense} dense columns, but "
-                                    f"{first.dense.path} has {first.num_dense}")
-        if t.num_sparse != first.num_sparse:
-            raise BinaryLayoutError(f"{t.sparse.path}: {t.num_sparse} categorical columns, but "
-                                    f"{first.sparse.path} has {first.num_sparse}")
-    return triplets
+        for kind, key, what in (("dense", lambda u: u.num_dense, lambda n: f"{n} dense columns"),
+                                ("sparse", sparse, describe)):
+            if key(t) != key(first):
+                raise BinaryLayoutError(f"{t.path_of(kind)}: {what(key(t))}, but "
+                                        f"{first.path_of(kind)} has {what(key(first))}")
 
 
 def complete_triplet(folder: str, prefix: str) -> Optional[Triplet]:

@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 
 from conftest import REPO, run_job
-from torchrec_ftrl.data import BinaryLayoutError, BinarySource, Split, train_loader
-from torchrec_ftrl.data.multi_hot_source import MultiHotBinarySource
+from torchrec_ftrl.data import (BinaryLayoutError, BinarySource, MultiHotBinarySource, Split,
+                                train_loader)
 from torchrec_ftrl.job import cli, validate
 from torchrec_ftrl.job.errors import JobConfigError
 from torchrec_ftrl.job.presets import MLPERF_DCNV2_MULTI_HOT, MLPERF_DCNV2_ROWS

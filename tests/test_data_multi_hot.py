@@ -139,7 +139,7 @@ def test_sizes_that_differ_are_refused_in_one_line(onehot, tmp_path):
     materialise(onehot, other, ROWS, [2] * 26)
     p = run_job(["--preset", "mlperf-dcnv2", "--data", other, "--num-embeddings", NE_FLAG,
                  "--output-dir", str(tmp_path / "out")])
-    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert p.returncode == 2 and "Traceback" not in p.stderr and not (tmp_path / "out").exists()
     last = p.stderr.strip().splitlines()[-1]
     assert last == (f"train_ctr: error: --data {other} holds multi-hot sizes {','.join(['2'] * 26)} "
                     f"({other}/day_0_sparse_multi_hot.npz), but --multi-hot-sizes is "

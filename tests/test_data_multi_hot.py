@@ -192,11 +192,14 @@ def test_bad_multi_hot_folders_name_the_file(multihot, tmp_path):
 
     no_dense = copy("no_dense")
     os.remove(os.path.join(no_dense, "day_3_dense.npy"))
-    with pytest.raises(FileNotFoundError, match=r"day_3_dense\.npy: missing array .*--copy_labels_and_dense"):
+    with pytest.raises(FileNotFoundError,
+                       match=r"day_3_dense\.npy: missing array .*--copy_labels_and_dense"):
         source(no_dense)
-    with pytest.raises(BinaryLayoutError, match=r"day_5_sparse_multi_hot\.npz: member 0\.npy is compressed"):
+    with pytest.raises(BinaryLayoutError,
+                       match=r"day_5_sparse_multi_hot\.npz: member 0\.npy is compressed"):
         source(copy("compressed", 5, lambda m: None, np.savez_compressed))
-    with pytest.raises(BinaryLayoutError, match=r"day_7_sparse_multi_hot\.npz: multi-hot sizes 3,2,1,2,2,"):
+    with pytest.raises(BinaryLayoutError,
+                       match=r"day_7_sparse_multi_hot\.npz: multi-hot sizes 3,2,1,2,2,"):
         source(copy("sizes", 7, lambda m: m.update({"4": m["4"][:, :2]})))
     negative = source(copy("negative", 0, lambda m: m["20"].__setitem__((4, 7), -5)))
     with pytest.raises(BinaryLayoutError, match=r"day_0_sparse_multi_hot\.npz: row 4: negative id -5 "

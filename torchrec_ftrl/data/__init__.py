@@ -26,6 +26,6 @@ from .synthetic import SyntheticCTR
 __all__ = [
     "AVAZU_SPEC", "BinaryLayoutError", "BinarySource", "BinaryStats", "CRITEO_SPEC", "PRESETS",
     "CTRFileReader", "ColumnSpec", "FileSource", "MalformedRowError", "MultiHotBinarySource",
-    "NoUsableRowsError", "ReadStats", "Row", "RowChunk", "Split", "SyntheticCTR", "SyntheticSource", "get_spec", "hex_id", "log_transform",
-    "make_batch", "string_id", "train_loader",
+    "NoUsableRowsError", "ReadStats", "Row", "RowChunk", "Split", "SyntheticCTR", "SyntheticSource",
+    "get_spec", "hex_id", "log_transform", "make_batch", "string_id", "train_loader",
 ]

@@ -151,7 +151,8 @@ def check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if a.multi_hot_sizes is not None:
         from .validate import multi_hot_folder
 
-        if (a.data is None and a.synthetic == "criteo") or (a.data is not None and not multi_hot_folder(a)):
+        drawn = a.data is None and a.synthetic != "criteo"
+        if not (drawn or multi_hot_folder(a)):
             p.error(f"--multi-hot-sizes needs --synthetic uniform or zipf (no --data) or a --data "
                     f"folder in TorchRec's materialised multi-hot layout (PREFIX_sparse_multi_hot.npz), "
                     f"got --multi-hot-sizes {a.multi_hot_sizes}")

@@ -6,8 +6,8 @@ import argparse
 import math
 import os
 
-from torchrec_ftrl.data import (BinarySource, CTRFileReader, FileSource, Split, SyntheticCTR,
-                                SyntheticSource, get_spec)
+from torchrec_ftrl.data import (BinarySource, CTRFileReader, FileSource, MultiHotBinarySource, Split,
+                                SyntheticCTR, SyntheticSource, get_spec)
 from .errors import JobConfigError
 from .validate import reads_multi_hot
 from .zch import RAW_ID_SPACE
@@ -62,8 +62,6 @@ def _multi_hot_source(args: argparse.Namespace, ne_arg, split: Split):
         JobConfigError: ``--zch`` (the folder's ids are already taken modulo its tables' sizes, not
             raw), or multi-hot sizes that differ (naming both and where each comes from).
     """
-    from torchrec_ftrl.data.multi_hot_source import MultiHotBinarySource
-
     folder = args.data[0]
     if args.zch:
         raise JobConfigError(f"--zch needs raw ids, but --data {folder} holds materialised multi-hot "
@@ -73,7 +71,8 @@ def _multi_hot_source(args: argparse.Namespace, ne_arg, split: Split):
     want = args.multi_hot_list
     if want is not None and tuple(want * src.triplets[0].num_sparse if len(want) == 1
                                   else want) != src.multi_hot:
-        given = "" if args.multi_hot_origin == "--multi-hot-sizes" else f" (from {args.multi_hot_origin})"
+        origin = getattr(args, "multi_hot_origin", "--multi-hot-sizes")
+        given = "" if origin == "--multi-hot-sizes" else f" (from {origin})"
         raise JobConfigError(
             f"--data {folder} holds multi-hot sizes {','.join(map(str, src.multi_hot))} "
             f"({src.triplets[0].path_of('sparse')}), but --multi-hot-sizes is "

@@ -48,7 +48,7 @@ def reads_multi_hot(args: argparse.Namespace) -> bool:
     (``--multi-hot-sizes`` or a preset's): then the one-hot layout, as for any binary folder."""
     from torchrec_ftrl.data.multi_hot_layout import has_one_hot_sparse
 
-    return multi_hot_folder(args) and (args.multi_hot_sizes is not None
+    return multi_hot_folder(args) and (getattr(args, "multi_hot_sizes", None) is not None
                                        or not has_one_hot_sparse(args.data[0]))
 
 

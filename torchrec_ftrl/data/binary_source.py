@@ -111,14 +111,14 @@ class BinarySource:
             raise ValueError(f"dense must be one of {DENSE_MODES}, got {dense!r}")
         self.dense_mode = dense
         self.folder = os.fspath(folder)
-        self.triplets: List[Triplet] = load_layout(self.folder)
+        self.triplets: List[Triplet] = self._load_layout(self.folder)
         first = self.triplets[0]
         self.dense_names = tuple(f"I{i + 1}" for i in range(first.num_dense))
         self.categorical_names = tuple(f"C{i + 1}" for i in range(first.num_sparse))
         try:
             ne = _normalize_num_embeddings(num_embeddings, first.num_sparse)
         except ValueError as e:
-            raise BinaryLayoutError(f"{first.sparse.path}: {e}") from None
+            raise BinaryLayoutError(f"{first.path_of('sparse')}: {e}") from None
         self._ne = np.asarray(ne, dtype=np.int64)
         rows = [t.rows for t in self.triplets]
         self._starts = np.cumsum([0] + rows, dtype=np.int64)  # [files + 1] first global row of each
@@ -132,6 +132,8 @@ class BinarySource:
         self._arrays: Optional[List[Tuple[np.ndarray, np.ndarray, np.ndarray]]] = None
         self._zero_code: List[Optional[int]] = [None] * len(self.triplets)
         self.epoch = 0
+
+    _load_layout = staticmethod(load_layout)   # folder -> checked triplets
 
     # ----------------------------------------------------------------- the FileSource interface
 
@@ -218,8 +220,13 @@ class BinarySource:
         """``(labels, dense, sparse)`` memory maps per triplet (opened at first use, so that a
         source can be built and checked without mapping anything)."""
         if self._arrays is None:
-            self._arrays = [(_mmap(t.labels), _mmap(t.dense), _mmap(t.sparse)) for t in self.triplets]
+            self._arrays = [(_mmap(t.labels), _mmap(t.dense), self._mmap_sparse(t))
+                            for t in self.triplets]
         return self._arrays
+
+    @staticmethod
+    def _mmap_sparse(t: Triplet):
+        return _mmap(t.sparse)
 
     def arrays(self, rows: np.ndarray) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(labels [B] int64, dense [B, D] float32, ids [B, F] int64 (-1 = missing))`` of the global
@@ -232,31 +239,49 @@ class BinarySource:
         """
         rows = np.asarray(rows, dtype=np.int64)
         b = rows.shape[0]
-        first = self.triplets[0]
         labels = np.empty((b, 1), dtype=np.int64)
-        dense = np.empty((b, first.num_dense), dtype=np.float32)
-        raw = np.empty((b, first.num_sparse), dtype=np.int64)
-        arrays = self._mapped()
+        dense = np.empty((b, self.triplets[0].num_dense), dtype=np.float32)
         file_of = np.searchsorted(self._starts, rows, side="right") - 1
-        consecutive = np.diff(rows) == 1
-        bounds = [0, *(np.flatnonzero(file_of[1:] != file_of[:-1]) + 1).tolist(), b]
-        for lo, hi in zip(bounds[:-1], bounds[1:]):  # one segment per run of rows in one file
-            f = int(file_of[lo])
-            local = rows[lo:hi] - self._starts[f]
-            if consecutive[lo:hi - 1].all():  # one slice copy per array
-                local = slice(int(local[0]), int(local[0]) + hi - lo)
-            lab_mm, dense_mm, sparse_mm = arrays[f]
+        segments = self._segments(rows, file_of)
+        for lo, hi, f, local in segments:
+            lab_mm, dense_mm, _ = self._mapped()[f]
             labels[lo:hi] = lab_mm[local]
             dense[lo:hi] = dense_mm[local]
-            raw[lo:hi] = sparse_mm[local]
+        raw = self._read_sparse(segments, b)
         labels = labels.reshape(b)
         self._check_values(rows, file_of, labels, dense, raw)
         if self.dense_mode == "text":
-            for lo, hi in zip(bounds[:-1], bounds[1:]):
-                dense[lo:hi] = self._text_dense(dense[lo:hi], self.zero_code(int(file_of[lo])))
+            for lo, hi, f, _ in segments:
+                dense[lo:hi] = self._text_dense(dense[lo:hi], self.zero_code(f))
+        return labels, dense, self._ids(raw)
+
+    def _segments(self, rows: np.ndarray, file_of: np.ndarray) -> List[tuple]:
+        """``[(lo, hi, f, local)]``: one per run ``rows[lo:hi]`` of rows in triplet ``f``; ``local``
+        their rows in that triplet (a slice when consecutive, so one slice copy per array)."""
+        b = rows.shape[0]
+        consecutive = np.diff(rows) == 1
+        bounds = [0, *(np.flatnonzero(file_of[1:] != file_of[:-1]) + 1).tolist(), b]
+        out = []
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            f = int(file_of[lo])
+            local = rows[lo:hi] - self._starts[f]
+            if consecutive[lo:hi - 1].all():
+                local = slice(int(local[0]), int(local[0]) + hi - lo)
+            out.append((lo, hi, f, local))
+        return out
+
+    def _read_sparse(self, segments: List[tuple], b: int) -> np.ndarray:
+        """The stored categorical values ``[b, F]`` int64 of the rows of ``segments``."""
+        raw = np.empty((b, self.triplets[0].num_sparse), dtype=np.int64)
+        for lo, hi, f, local in segments:
+            raw[lo:hi] = self._mapped()[f][2][local]
+        return raw
+
+    def _ids(self, raw: np.ndarray) -> np.ndarray:
+        """Row ids ``[B, F]`` (``-1`` = missing) of the stored values (module docstring)."""
         ids = raw % self._ne
         ids[raw == 0] = -1
-        return labels, dense, ids
+        return ids
 
     def zero_code(self, f: int) -> int:
         """``c = 2 - m`` of triplet ``f``: the integer ``round(exp(d))`` that ``x = 0`` is stored as
@@ -298,14 +323,17 @@ class BinarySource:
             out[big] = np.log1p(x[big].astype(np.float64))
         return out
 
-    def _check_values(self, rows, file_of, labels, dense, raw) -> None:
-        bad = (labels != 0) & (labels != 1)
-        if bad.any():
-            self._raise_at(rows, file_of, bad, "labels", lambda i: f"label {labels[i]}, expected 0 or 1")
+    def _check_sparse(self, rows, file_of, raw) -> None:
         bad = (raw < 0).any(axis=1)
         if bad.any():
             self._raise_at(rows, file_of, bad, "sparse",
                            lambda i: f"negative categorical value {int(raw[i][raw[i] < 0][0])}")
+
+    def _check_values(self, rows, file_of, labels, dense, raw) -> None:
+        bad = (labels != 0) & (labels != 1)
+        if bad.any():
+            self._raise_at(rows, file_of, bad, "labels", lambda i: f"label {labels[i]}, expected 0 or 1")
+        self._check_sparse(rows, file_of, raw)
         if not np.isfinite(dense).all():
             bad = ~np.isfinite(dense).all(axis=1)
             self._raise_at(rows, file_of, bad, "dense", lambda i: "non-finite dense value")
@@ -319,8 +347,7 @@ class BinarySource:
     def _raise_at(self, rows, file_of, bad, kind, what) -> None:
         i = int(np.argmax(bad))
         f = int(file_of[i])
-        t = self.triplets[f]
-        path = getattr(t, kind).path
+        path = self.triplets[f].path_of(kind)
         raise BinaryLayoutError(f"{path}: row {int(rows[i] - self._starts[f])}: {what(i)}")
 
     def _batch(self, rows: np.ndarray):

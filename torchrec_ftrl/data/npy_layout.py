@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -72,6 +72,10 @@ class Triplet:
     @property
     def num_sparse(self) -> int:
         return int(self.sparse.shape[1])
+
+    def path_of(self, kind: str) -> str:
+        """The file of ``kind`` (``"dense"``, ``"sparse"`` or ``"labels"``)."""
+        return getattr(self, kind).path
 
 
 def array_path(folder: str, prefix: str, kind: str) -> str:
@@ -124,10 +128,10 @@ def find_prefixes(folder: str) -> List[str]:
     if not prefixes:
         raise FileNotFoundError(f"{folder}: no PREFIX_dense.npy / PREFIX_sparse.npy / "
                                 f"PREFIX_labels.npy files (empty binary data folder)")
-    return sorted(prefixes, key=_natural_key)
+    return sorted(prefixes, key=natural_key)
 
 
-def _natural_key(s: str) -> list:
+def natural_key(s: str) -> list:
     return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"(\d+)", s) if p]
 
 
@@ -148,26 +152,40 @@ def check_triplet(folder: str, prefix: str) -> Triplet:
                                 f"(present: {', '.join(present) or 'none'})")
     info = {k: read_header(paths[k]) for k in ARRAYS}
     d, s, lab = info["dense"], info["sparse"], info["labels"]
-    if d.dtype not in DENSE_DTYPES:
-        raise BinaryLayoutError(f"{d.path}: dtype {d.dtype}, expected float32 (log-transformed "
-                                f"dense features, as BinaryCriteoUtils.tsv_to_npys writes)")
-    if s.dtype not in SPARSE_DTYPES:
-        raise BinaryLayoutError(f"{s.path}: dtype {s.dtype}, expected int64 (or int32/uint32) "
-                                f"categorical values")
-    if not (np.issubdtype(lab.dtype, np.integer) or lab.dtype == np.bool_):
-        raise BinaryLayoutError(f"{lab.path}: dtype {lab.dtype}, expected an integer dtype (int32) "
-                                f"of 0/1 labels")
-    for a, what in ((d, "[n, num_dense]"), (s, "[n, num_sparse]"), (lab, "[n, 1]")):
-        if len(a.shape) != 2:
-            raise BinaryLayoutError(f"{a.path}: shape {a.shape}, expected 2-D {what}")
-    if lab.shape[1] != 1:
-        raise BinaryLayoutError(f"{lab.path}: shape {lab.shape}, expected [n, 1]")
-    if s.shape[1] < 1:
-        raise BinaryLayoutError(f"{s.path}: shape {s.shape}, expected at least one categorical column")
+    check_dense_labels(d, lab)
+    check_sparse(s, "[n, num_sparse]", "categorical column")
     if not d.rows == s.rows == lab.rows:
         raise BinaryLayoutError(f"{os.path.join(folder, prefix)}_*.npy: row counts differ: dense "
                                 f"{d.rows}, sparse {s.rows}, labels {lab.rows}")
     return Triplet(prefix, d, s, lab)
+
+
+def check_dense_labels(d: NpyInfo, lab: NpyInfo) -> None:
+    """The dtype and shape checks of a triplet's dense (float32 ``[n, D]``) and labels (integer
+    ``[n, 1]``) arrays. Raises: BinaryLayoutError naming the file."""
+    if d.dtype not in DENSE_DTYPES:
+        raise BinaryLayoutError(f"{d.path}: dtype {d.dtype}, expected float32 (log-transformed "
+                                f"dense features, as BinaryCriteoUtils.tsv_to_npys writes)")
+    if not (np.issubdtype(lab.dtype, np.integer) or lab.dtype == np.bool_):
+        raise BinaryLayoutError(f"{lab.path}: dtype {lab.dtype}, expected an integer dtype (int32) "
+                                f"of 0/1 labels")
+    for a, what in ((d, "[n, num_dense]"), (lab, "[n, 1]")):
+        if len(a.shape) != 2:
+            raise BinaryLayoutError(f"{a.path}: shape {a.shape}, expected 2-D {what}")
+    if lab.shape[1] != 1:
+        raise BinaryLayoutError(f"{lab.path}: shape {lab.shape}, expected [n, 1]")
+
+
+def check_sparse(s: NpyInfo, shape: str, column: str) -> None:
+    """The dtype (int64, int32 or uint32) and shape (2-D ``shape``, at least one ``column``) checks
+    of a sparse array. Raises: BinaryLayoutError naming the file."""
+    if s.dtype not in SPARSE_DTYPES:
+        raise BinaryLayoutError(f"{s.path}: dtype {s.dtype}, expected int64 (or int32/uint32) "
+                                f"categorical values")
+    if len(s.shape) != 2:
+        raise BinaryLayoutError(f"{s.path}: shape {s.shape}, expected 2-D {shape}")
+    if s.shape[1] < 1:
+        raise BinaryLayoutError(f"{s.path}: shape {s.shape}, expected at least one {column}")
 
 
 def load_layout(folder: str) -> List[Triplet]:
@@ -179,15 +197,25 @@ def load_layout(folder: str) -> List[Triplet]:
             also columns that differ between triplets (naming the first file that differs).
     """
     triplets = [check_triplet(folder, p) for p in find_prefixes(folder)]
+    check_agreement(triplets, lambda t: t.num_sparse, lambda n: f"{n} categorical columns")
+    return triplets
+
+
+def check_agreement(triplets: Sequence[Triplet], sparse: Callable[[Triplet], object],
+                    describe: Callable[[object], str]) -> None:
+    """Every triplet has the first one's dense columns and ``sparse(t)``.
+
+    Raises:
+        BinaryLayoutError: naming the first file that differs, ``"{file}: {describe(its value)}, but
+            {the first triplet's file} has {describe(its value)}"`` (dense: ``N dense columns``).
+    """
     first = triplets[0]
     for t in triplets[1:]:
-        if t.num_dense != first.num_dense:
-            raise BinaryLayoutError(f"{t.dense.path}: {t.num_dense} dense columns, but "
-                                    f"{first.dense.path} has {first.num_dense}")
-        if t.num_sparse != first.num_sparse:
-            raise BinaryLayoutError(f"{t.sparse.path}: {t.num_sparse} categorical columns, but "
-                                    f"{first.sparse.path} has {first.num_sparse}")
-    return triplets
+        for kind, key, what in (("dense", lambda u: u.num_dense, lambda n: f"{n} dense columns"),
+                                ("sparse", sparse, describe)):
+            if key(t) != key(first):
+                raise BinaryLayoutError(f"{t.path_of(kind)}: {what(key(t))}, but "
+                                        f"{first.path_of(kind)} has {what(key(first))}")
 
 
 def complete_triplet(folder: str, prefix: str) -> Optional[Triplet]:

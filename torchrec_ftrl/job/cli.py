@@ -50,8 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--data", nargs="+", default=None, metavar="PATH",
                    help="delimited CTR log file(s), or one folder in TorchRec's binary Criteo layout "
                         "(PREFIX_dense.npy / PREFIX_sparse.npy / PREFIX_labels.npy triplets, e.g. from "
-                        "python -m torchrec_ftrl.data.preprocess); default: the embedded synthetic "
-                        "Criteo-like generator")
+                        "python -m torchrec_ftrl.data.preprocess), or its materialised multi-hot "
+                        "layout (PREFIX_sparse_multi_hot.npz in place of PREFIX_sparse.npy, from the "
+                        "DLRM example's materialize_synthetic_multihot_dataset.py); default: the "
+                        "embedded synthetic Criteo-like generator")
     d.add_argument("--binary-dense", choices=("text", "stored"), default="text",
                    help="binary folder: 'text' feeds log(1 + max(x, 0)) of the integer features, as "
                         "for text files; 'stored' feeds TorchRec's stored log(x - min + 2) unchanged")

@@ -58,7 +58,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                         "per feature: uniform over a table's rows as TorchRec's RandomRecDataset "
                         "draws them, or Zipf(--zipf-alpha))")
     g.add_argument("--multi-hot-sizes", default=None, metavar="LIST",
-                   help="--synthetic uniform/zipf: ids per bag, one int or one per table (default 1)")
+                   help="--synthetic uniform/zipf: ids per bag, one int or one per table (default 1); "
+                        "a --data folder in TorchRec's materialised multi-hot layout: the sizes it "
+                        "must hold (default: its own)")
     g.add_argument("--zipf-alpha", type=float, default=1.05, help="--synthetic zipf: exponent (> 0)")
     g.add_argument("--dcn-layers", type=int, default=0,
                    help="0: DLRM's dot interaction; N > 0: TorchRec's DLRM_DCN with N low-rank cross "
@@ -100,17 +102,26 @@ def explicit_dests(build_parser: Callable[[], argparse.ArgumentParser],
 
 
 def apply_preset(a: argparse.Namespace, explicit: set) -> None:
-    """Set the values of ``a.preset`` (if any) on ``a`` for every flag not in ``explicit``; with
-    ``--data`` or ``--synthetic criteo`` the input is one-hot, so the preset's ``--synthetic`` and
-    ``--multi-hot-sizes`` are left out."""
+    """Set the values of ``a.preset`` (if any) on ``a`` for every flag not in ``explicit``, and
+    ``a.multi_hot_origin`` (the flag that set ``--multi-hot-sizes``). With ``--data`` or
+    ``--synthetic criteo`` the preset's ``--synthetic`` is left out, and so are its
+    ``--multi-hot-sizes`` unless ``--data`` is a materialised multi-hot folder (whose sizes the job
+    then checks against them)."""
+    a.multi_hot_origin = "--multi-hot-sizes"
     if a.preset is None:
         return
-    # Input read from --data, or the host generator asked for: the preset's multi-hot input is not.
+    from .validate import multi_hot_folder
+
+    # Input read from --data, or the host generator asked for: the preset's drawn input is not.
     own_input = a.data is not None or "synthetic" in explicit and a.synthetic == "criteo"
+    one_hot_input = own_input and not multi_hot_folder(a)
     for dest, value in PRESETS[a.preset].items():
-        if dest in explicit or (own_input and dest in ("multi_hot_sizes", "synthetic")):
+        if dest in explicit or (own_input and dest == "synthetic") or (
+                one_hot_input and dest == "multi_hot_sizes"):
             continue
         setattr(a, dest, value)
+        if dest == "multi_hot_sizes":
+            a.multi_hot_origin = f"--preset {a.preset}"
 
 
 def check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
@@ -138,9 +149,13 @@ def check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         p.error(f"--zipf-alpha must be a number > 0, got {a.zipf_alpha}")
     a.multi_hot_list = None
     if a.multi_hot_sizes is not None:
-        if a.data is not None or a.synthetic == "criteo":
-            p.error(f"--multi-hot-sizes needs --synthetic uniform or zipf and no --data, got "
-                    f"--multi-hot-sizes {a.multi_hot_sizes}")
+        from .validate import multi_hot_folder
+
+        drawn = a.data is None and a.synthetic != "criteo"
+        if not (drawn or multi_hot_folder(a)):
+            p.error(f"--multi-hot-sizes needs --synthetic uniform or zipf (no --data) or a --data "
+                    f"folder in TorchRec's materialised multi-hot layout (PREFIX_sparse_multi_hot.npz), "
+                    f"got --multi-hot-sizes {a.multi_hot_sizes}")
         try:
             sizes = [int(x) for x in a.multi_hot_sizes.split(",")]
         except ValueError:

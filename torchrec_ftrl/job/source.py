@@ -6,8 +6,10 @@ import argparse
 import math
 import os
 
-from torchrec_ftrl.data import (BinarySource, CTRFileReader, FileSource, Split, SyntheticCTR,
-                                SyntheticSource, get_spec)
+from torchrec_ftrl.data import (BinarySource, CTRFileReader, FileSource, MultiHotBinarySource, Split,
+                                SyntheticCTR, SyntheticSource, get_spec)
+from .errors import JobConfigError
+from .validate import reads_multi_hot
 from .zch import RAW_ID_SPACE
 
 DEFAULT_SYNTHETIC_TABLES = 26   # Criteo's categorical features
@@ -17,7 +19,8 @@ def make_source(args: argparse.Namespace, device=None):
     """Returns ``(source, description dict)``: no ``--data``: the synthetic generator (``--synthetic
     uniform`` / ``zipf``: :class:`DeviceSyntheticSource` on ``device``, default CPU); one folder:
     :class:`BinarySource` (TorchRec's binary Criteo layout, dense values per ``--binary-dense``;
-    ``--data-format`` and ``--strict`` do not apply); files: :class:`FileSource` over a
+    ``--data-format`` and ``--strict`` do not apply), or :class:`MultiHotBinarySource` for its
+    materialised multi-hot layout (``validate.reads_multi_hot``); files: :class:`FileSource` over a
     :class:`CTRFileReader`. With ``--zch`` every source yields raw ids in ``[0, RAW_ID_SPACE)``
     (:mod:`.zch`) instead of ids modulo ``--num-embeddings``.
 
@@ -25,7 +28,8 @@ def make_source(args: argparse.Namespace, device=None):
         FileNotFoundError: a ``--data`` path that does not exist, or a binary folder with no
             triplet or a triplet missing an array.
         ValueError: a bad column spec, split, or table-size list; a bad binary layout
-            (``BinaryLayoutError``, naming the file).
+            (``BinaryLayoutError``, naming the file); ``JobConfigError`` from
+            :func:`_multi_hot_source`.
     """
     ne = args.num_embeddings_list
     # --zch: raw ids (the tables' slots are --num-embeddings; TorchRec's MC modules map ids to them).
@@ -37,6 +41,8 @@ def make_source(args: argparse.Namespace, device=None):
         return SyntheticSource(gen, val_batches=args.val_batches), {
             "kind": "synthetic", "seed": args.seed, "vocab": args.synthetic_vocab}
     split = Split.parse(args.split)
+    if reads_multi_hot(args):
+        return _multi_hot_source(args, ne_arg, split)
     if len(args.data) == 1 and os.path.isdir(args.data[0]):
         src = BinarySource(args.data[0], ne_arg, split, max_val_rows=args.max_val_rows,
                            dense=args.binary_dense)
@@ -46,6 +52,34 @@ def make_source(args: argparse.Namespace, device=None):
     reader = CTRFileReader(args.data, spec, ne_arg, strict=args.strict)
     src = FileSource(reader, split, max_val_rows=args.max_val_rows)
     return src, {"kind": "file", "paths": list(args.data), "format": args.data_format, "split": args.split}
+
+
+def _multi_hot_source(args: argparse.Namespace, ne_arg, split: Split):
+    """:class:`MultiHotBinarySource` for a ``--data`` folder in TorchRec's materialised multi-hot
+    layout, its multi-hot sizes checked against ``--multi-hot-sizes`` (or the preset's) when given.
+
+    Raises:
+        JobConfigError: ``--zch`` (the folder's ids are already taken modulo its tables' sizes, not
+            raw), or multi-hot sizes that differ (naming both and where each comes from).
+    """
+    folder = args.data[0]
+    if args.zch:
+        raise JobConfigError(f"--zch needs raw ids, but --data {folder} holds materialised multi-hot "
+                             f"ids, already taken modulo the table sizes they were made for")
+    src = MultiHotBinarySource(folder, ne_arg, split, max_val_rows=args.max_val_rows,
+                               dense=args.binary_dense)
+    want = args.multi_hot_list
+    if want is not None and tuple(want * src.triplets[0].num_sparse if len(want) == 1
+                                  else want) != src.multi_hot:
+        origin = getattr(args, "multi_hot_origin", "--multi-hot-sizes")
+        given = "" if origin == "--multi-hot-sizes" else f" (from {origin})"
+        raise JobConfigError(
+            f"--data {folder} holds multi-hot sizes {','.join(map(str, src.multi_hot))} "
+            f"({src.triplets[0].path_of('sparse')}), but --multi-hot-sizes is "
+            f"{args.multi_hot_sizes}{given}")
+    return src, {"kind": "binary-multi-hot", "path": folder, "dense": args.binary_dense,
+                 "prefixes": [t.prefix for t in src.triplets], "split": args.split,
+                 "multi_hot": list(src.multi_hot)}
 
 
 def _device_source(args: argparse.Namespace, device):

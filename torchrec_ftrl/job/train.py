@@ -193,8 +193,8 @@ def _run(args, env, fused_params, source, data_desc, rank0) -> dict:
     warmup_s, warmed = None, 0
     if kernel_warmup.enabled(args.kernel_warmup, args.sparse_optimizer, env.device):
         t = time.perf_counter()
-        warmed = kernel_warmup.warm_up(dmp, args.batch_size * env.world_size, args.multi_hot_list,
-                                       args.seed)
+        warmed = kernel_warmup.warm_up(dmp, args.batch_size * env.world_size,
+                                       getattr(source, "multi_hot", args.multi_hot_list), args.seed)
         warmup_s = time.perf_counter() - t
     if rank0:
         opt_name = args.sparse_optimizer

@@ -34,6 +34,24 @@ def data_kind(args: argparse.Namespace) -> str:
     return BINARY if len(args.data) == 1 and os.path.isdir(args.data[0]) else TEXT
 
 
+def multi_hot_folder(args: argparse.Namespace) -> bool:
+    """Whether ``--data`` is one folder holding TorchRec's materialised multi-hot layout
+    (``PREFIX_sparse_multi_hot.npz``, :mod:`torchrec_ftrl.data.multi_hot_layout`)."""
+    from torchrec_ftrl.data.multi_hot_layout import is_multi_hot
+
+    return data_kind(args) == BINARY and is_multi_hot(args.data[0])
+
+
+def reads_multi_hot(args: argparse.Namespace) -> bool:
+    """Whether the job reads ``--data``'s multi-hot layout: a multi-hot folder, unless it also holds
+    the one-hot ``PREFIX_sparse.npy`` (materialised in place) and no multi-hot sizes are asked for
+    (``--multi-hot-sizes`` or a preset's): then the one-hot layout, as for any binary folder."""
+    from torchrec_ftrl.data.multi_hot_layout import has_one_hot_sparse
+
+    return multi_hot_folder(args) and (getattr(args, "multi_hot_sizes", None) is not None
+                                       or not has_one_hot_sparse(args.data[0]))
+
+
 # The flags that apply to some runs only: flag -> (whether it applies, what it needs). A value other
 # than the default where the flag does not apply is refused, never ignored.
 APPLIES_WHEN: dict = {
@@ -195,7 +213,7 @@ def build_source(args: argparse.Namespace):
                              f"(give one size, or one per column)")
     try:
         return make_source(args)
-    except (FileNotFoundError, MalformedRowError, NoUsableRowsError):
+    except (FileNotFoundError, MalformedRowError, NoUsableRowsError, JobConfigError):
         raise
     except ValueError as e:
         flags = {SYNTHETIC: f"--num-embeddings {args.num_embeddings}",

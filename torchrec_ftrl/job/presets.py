@@ -35,6 +35,7 @@ PRESETS = {
         "dcn_layers": 3,
         "dcn_rank": 512,
         "batch_size": 65536,
+        "dense_lr": 0.005,
     },
 }
 SYNTHETIC = ("criteo", "uniform", "zipf")

@@ -41,6 +41,9 @@ How:
   means the model counts bytes that did not cross the link; such a row is flagged.
 * ``--profile``: the kernel-time breakdown of a few steady steps of ours and ours_bf16 (Zipf,
   load factor 0.2, or the first one given).
+* ``--methods`` also takes ours in the lean row layouts (``LEAN_METHODS``: derived weights,
+  element-wise or row-wise ``accum``, fp32 or bf16 state): an inserted or evicted row moves the
+  layout's stored arrays, and the forward reads ``z`` and ``n`` of an uncached miss.
 
 Writes ``DIR/uvm_caching.json`` and ``DIR/uvm_caching.md`` after every row (a run cut short keeps
 what it measured); ``--time-budget`` stops starting new measurements after that many seconds.
@@ -65,6 +68,9 @@ from torchrec_ftrl.state_dtype import parse_state_dtypes, state_bytes_per_elemen
 
 METHODS = ("ours", "ours_bf16", "fbgemm_rowwise_adagrad", "fbgemm_adam", "ours_hbm")
 CACHED_METHODS = METHODS[:4]
+# Ours in the lean row layouts (bench_tbe_cuda.LAYOUT_METHODS' names), cached; only with --methods.
+LEAN_METHODS = ("ours_derived_elementwise_fp32", "ours_derived_elementwise_bf16", "ours_derived_rowwise_fp32",
+                "ours_derived_rowwise_bf16")
 LABELS = {"ours": "torchrec_ftrl FTRL", "ours_bf16": "torchrec_ftrl FTRL, bf16 state",
           "fbgemm_rowwise_adagrad": "FBGEMM EXACT_ROWWISE_ADAGRAD", "fbgemm_adam": "FBGEMM ADAM",
           "ours_hbm": "torchrec_ftrl FTRL, all in HBM (DEVICE)"}
@@ -94,15 +100,28 @@ STATS = ("num_calls", "num_requested_indices", "num_unique_indices", "num_unique
 
 def row_bytes(method, D, weight_bytes=4):
     """Bytes an inserted (or evicted) row moves: the weight and the cached optimizer state
-    (D=128 fp32 weights: ours 1,536 B with fp32 state, 1,024 B with bf16 state; FBGEMM 512 B)."""
+    (D=128 fp32 weights: ours 1,536 B with fp32 state, 1,024 B with bf16 state; FBGEMM 512 B); a
+    lean layout's stored arrays (``RowLayout.bytes_per_row``: derived weights, no weight)."""
+    if method in LEAN_METHODS:
+        return _layout(method).bytes_per_row(D, weight_bytes)
     return D * (weight_bytes + CACHED_STATE_BYTES[method])
+
+
+def forward_row_bytes(method, D, weight_bytes=4):
+    """Bytes the forward reads of a row: its weight, or with derived weights its ``z`` and ``n``."""
+    return _layout(method).state_bytes_per_row(D) if method in LEAN_METHODS else D * weight_bytes
+
+
+def _layout(method):
+    from bench_tbe_cuda import LAYOUT_METHODS
+    return LAYOUT_METHODS[method]
 
 
 def uvm_state_bytes(method, D):
     """Bytes of ``method``'s optimizer state per row that stay in unified memory (read and written
     for every unique row of a step), rounded up to whole :data:`SECTOR` s: ADAM 2 x D x 4, row-wise
     Adagrad 4 -> 32, ours 0."""
-    per_element, per_row = UVM_STATE_BYTES[method]
+    per_element, per_row = UVM_STATE_BYTES.get(method, (0, 0))     # lean layouts: all cached
     b = per_element * D + per_row
     return -(-b // SECTOR) * SECTOR
 
@@ -156,7 +175,8 @@ def traffic_bytes(method, D, c, weight_bytes=4):
     unified-memory state of every unique row written."""
     rb = row_bytes(method, D, weight_bytes)
     us = uvm_state_bytes(method, D)
-    parts = dict(insert_in=c["inserted"] * rb, uncached_in=c["uncached"] * (D * weight_bytes + rb),
+    parts = dict(insert_in=c["inserted"] * rb,
+                 uncached_in=c["uncached"] * (forward_row_bytes(method, D, weight_bytes) + rb),
                  state_in=c["unique"] * us, evict_out=c["evicted"] * rb, uncached_out=c["uncached"] * rb,
                  state_out=c["unique"] * us)
     return (parts["insert_in"] + parts["uncached_in"] + parts["state_in"],
@@ -255,10 +275,10 @@ def parse_args(argv=None):
                     help="kernel-time breakdown of steady steps of ours and ours_bf16 (Zipf, load factor 0.2)")
     args = ap.parse_args(argv)
     methods = [m for m in args.methods.split(",") if m]
-    bad = [m for m in methods if m not in METHODS]
+    bad = [m for m in methods if m not in METHODS + LEAN_METHODS]
     if bad or not methods:
-        ap.error(f"--methods: {bad or methods} not in {', '.join(METHODS)}")
-    args.methods = [m for m in METHODS if m in methods]
+        ap.error(f"--methods: {bad or methods} not in {', '.join(METHODS + LEAN_METHODS)}")
+    args.methods = [m for m in METHODS + LEAN_METHODS if m in methods]
     try:
         args.load_factors = [float(x) for x in args.load_factors.split(",") if x]
     except ValueError:
@@ -363,6 +383,8 @@ def build(method, T, E, D, load_factor):
     location = EmbeddingLocation.DEVICE if method == "ours_hbm" else EmbeddingLocation.MANAGED_CACHING
     cache = dict(cache_load_factor=load_factor or 0.2, cache_algorithm=CacheAlgorithm.LRU,
                  gather_uvm_cache_stats=location == EmbeddingLocation.MANAGED_CACHING)
+    if method in LEAN_METHODS:
+        return build_ours(T, E, D, SparseType.FP32, method, location, **cache)
     if method in OURS_STATE_DTYPES:
         return build_ours(T, E, D, SparseType.FP32, "ours_bf16" if method == "ours_bf16" else "ours",
                           location, **cache)
@@ -484,7 +506,7 @@ def main(argv=None) -> None:
     profile_lf = 0.2 if 0.2 in args.load_factors else args.load_factors[0]
     # The all-in-HBM reference first (one build, quick), then every cached method per load factor.
     configs = [(None, "ours_hbm")] if "ours_hbm" in args.methods else []
-    configs += [(lf, m) for lf in args.load_factors for m in args.methods if m in CACHED_METHODS]
+    configs += [(lf, m) for lf in args.load_factors for m in args.methods if m in CACHED_METHODS + LEAN_METHODS]
     for lf, method in configs:
         if args.time_budget and time.perf_counter() - t_start > args.time_budget:
             for dist in args.dists:
@@ -507,7 +529,7 @@ def main(argv=None) -> None:
                     log(dict(method=method, dist=dist, load_factor=lf, skipped="skipped: --time-budget"))
                     continue
                 try:
-                    prof = args.profile and method in ("ours", "ours_bf16") and dist == "zipf" and lf == profile_lf
+                    prof = args.profile and method in ("ours", "ours_bf16") + LEAN_METHODS and dist == "zipf" and lf == profile_lf
                     row = measure(m, method, lf, stream_of(dist), args, prof)
                     row["build_s"] = build_s
                 except Exception as exc:  # noqa: BLE001

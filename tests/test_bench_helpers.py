@@ -198,6 +198,13 @@ def test_uvm_caching_row_bytes(uvm):
     assert uvm.OURS_STATE_DTYPES["ours"] is None and set(uvm.OURS_STATE_DTYPES["ours_bf16"]) == {"accum", "linear"}
     # state left in unified memory per unique row: ADAM m + v = 2 x 128 x 4; row-wise Adagrad 4 B -> one 32 B sector
     assert [uvm.uvm_state_bytes(m, 128) for m in uvm.CACHED_METHODS] == [0, 0, 32, 1024]
+    # lean layouts: derived weights (no weight row), z and n in fp32 / bf16, n per element or per row
+    assert [uvm.row_bytes(m, 128) for m in uvm.LEAN_METHODS] == [1024, 512, 516, 258]
+    assert [uvm.forward_row_bytes(m, 128) for m in uvm.LEAN_METHODS] == [1024, 512, 516, 258]
+    assert [uvm.uvm_state_bytes(m, 128) for m in uvm.LEAN_METHODS] == [0, 0, 0, 0]
+    c = dict(inserted=10, uncached=2, unique=20, evicted=4)
+    b_in, b_out, _ = uvm.traffic_bytes("ours_derived_rowwise_fp32", 128, c)
+    assert (b_in, b_out) == (10 * 516 + 2 * (516 + 516), 4 * 516 + 2 * 516)
     assert uvm.uvm_state_bytes("fbgemm_adam", 4) == 32 and uvm.uvm_state_bytes("fbgemm_adam", 12) == 96
 
 

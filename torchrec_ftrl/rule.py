@@ -5,14 +5,8 @@ Used by the dense optimizer (:mod:`torchrec_ftrl.optim`) and the TBE's PyTorch b
 ``kernels/csrc/ftrl_tbe_cpu.cpp`` and ``ftrl_update_store`` in ``kernels/triton_backward.py``, which
 take their scalars from :meth:`~torchrec_ftrl.hyperparams.FTRLHyperparams.kernel_scalars`.
 
-Per element, with w the weight, n = accum, z = linear, g the gradient summed over duplicates::
-
-    n_new = n + g^2                                    # raw g, never the shrunk one
-    sigma = (n_new^(-p) - n^(-p)) / lr
-    z     = z + (g + 2 s w) - sigma w                  # old w
-    q     = (beta + n_new^(-p)) / lr + L2              # L2 = 2*l2 (tensorflow) or l2 (mcmahan)
-    w     = (l1 sign(z) - z) / q  if |z| > l1  else 0  # exactly 0.0
-    n     = n_new
+Per element, with w the weight, n = accum, z = linear, g the gradient summed over duplicates, the
+rule of :class:`torchrec_ftrl.FTRL`'s docstring and ``docs/ftrl.md`` (:func:`ftrl_rule`).
 
 The weight is a function of the state: after every update ``w == prox(z, n)``, with
 ``prox(z, n) = (l1 sign(z) - z) / q(n) if |z| > l1 else 0`` and ``q(n) = (beta + n^(-p)) / lr + L2``

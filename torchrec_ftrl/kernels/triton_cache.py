@@ -46,21 +46,32 @@ def _move_states(row_table_ptr, table_w_offset_ptr, table_dim_ptr, row_base_ptr,
     cols = tl.arange(0, BLOCK_D)
     crow = slot * cache_stride + cols
     if old >= 0:
-        off, dim = _row_offset(row_table_ptr, table_w_offset_ptr, table_dim_ptr, row_base_ptr, old)
-        cm = cols < dim
-        if ROWWISE:
-            tl.store(accum_ptr + old, tl.load(cn_ptr + slot))
-        else:
-            tl.store(accum_ptr + off + cols, tl.load(cn_ptr + crow, mask=cm), mask=cm)
-        tl.store(linear_ptr + off + cols, tl.load(cz_ptr + crow, mask=cm), mask=cm)
+        _copy_row(row_table_ptr, table_w_offset_ptr, table_dim_ptr, row_base_ptr, accum_ptr,
+                  linear_ptr, cn_ptr, cz_ptr, slot, crow, old, cols, False, ROWWISE)
     if new >= 0:
-        off, dim = _row_offset(row_table_ptr, table_w_offset_ptr, table_dim_ptr, row_base_ptr, new)
-        cm = cols < dim
-        if ROWWISE:
-            tl.store(cn_ptr + slot, tl.load(accum_ptr + new))
-        else:
-            tl.store(cn_ptr + crow, tl.load(accum_ptr + off + cols, mask=cm), mask=cm)
-        tl.store(cz_ptr + crow, tl.load(linear_ptr + off + cols, mask=cm), mask=cm)
+        _copy_row(row_table_ptr, table_w_offset_ptr, table_dim_ptr, row_base_ptr, accum_ptr,
+                  linear_ptr, cn_ptr, cz_ptr, slot, crow, new, cols, True, ROWWISE)
+
+
+@triton.jit
+def _copy_row(row_table_ptr, table_w_offset_ptr, table_dim_ptr, row_base_ptr, accum_ptr, linear_ptr,
+              cn_ptr, cz_ptr, slot, crow, row, cols, TO_CACHE: tl.constexpr, ROWWISE: tl.constexpr):
+    """Copy linear row ``row``'s ``accum`` and ``linear`` between the flat buffers and cache slot
+    ``slot`` (elements ``crow`` of the state caches): into the slot with ``TO_CACHE``, else out of
+    it."""
+    off, dim = _row_offset(row_table_ptr, table_w_offset_ptr, table_dim_ptr, row_base_ptr, row)
+    cm = cols < dim
+    if ROWWISE:
+        n_flat, n_cache, n_mask = accum_ptr + row, cn_ptr + slot, None
+    else:
+        n_flat, n_cache, n_mask = accum_ptr + off + cols, cn_ptr + crow, cm
+    z_flat, z_cache = linear_ptr + off + cols, cz_ptr + crow
+    if TO_CACHE:
+        tl.store(n_cache, tl.load(n_flat, mask=n_mask), mask=n_mask)
+        tl.store(z_cache, tl.load(z_flat, mask=cm), mask=cm)
+    else:
+        tl.store(n_flat, tl.load(n_cache, mask=n_mask), mask=n_mask)
+        tl.store(z_flat, tl.load(z_cache, mask=cm), mask=cm)
 
 
 @triton.jit(do_not_specialize=["stamp", "num_indices"])

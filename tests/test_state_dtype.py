@@ -467,7 +467,7 @@ def test_interp_state_cache_kernels_move_bf16_rows_bit_for_bit(interp):
     after = torch.tensor([3, 8, 0, -1, 2, -1])
     acc0, lin0, cn0, cz0 = accum.clone(), linear.clone(), cn.clone(), cz.clone()
     state_cache_follow_kernel[(3,)](before, after, accum, linear, cn, cz, row_table, w_off, dims,
-                                    row_base, 6, S, SLOTS=2, BLOCK_D=8)
+                                    row_base, 6, S, SLOTS=2, BLOCK_D=8, ROWWISE=False)
 
     def flat(row):
         t = int(row_table[row])

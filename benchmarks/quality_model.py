@@ -40,7 +40,9 @@ class Variant:
     (``learning_rate``, ``eps``, ...); ``state_dtypes``: FTRL's ``optimizer_state_dtypes`` (e.g.
     ``{"accum": "bf16", "linear": "bf16"}``); ``layout``: further keyword arguments of
     ``FTRLTableBatchedEmbeddingBags`` that choose a storage layout (e.g. ``{"ftrl_weights":
-    "derived"}``); a key the installed TBE does not take is refused (:func:`check_supported`).
+    "derived"}``); a key the installed TBE does not take is refused (:func:`check_supported`);
+    ``zero_init``: FTRL tables start at w = 0 (``init_embedding_weights_uniform(0, 0)``) instead of
+    the TBE's uniform initialisation (which derived weights encode into ``z`` where ``q(n0) > 0``).
     """
 
     name: str
@@ -49,6 +51,7 @@ class Variant:
     state_dtypes: Optional[dict] = None
     layout: dict = field(default_factory=dict)
     description: str = ""
+    zero_init: bool = False
 
 
 def _v(name, optimizer, description, **kw) -> tuple[str, Variant]:
@@ -69,6 +72,11 @@ VARIANTS: dict[str, Variant] = dict([
     _v("ftrl_derived_bf16_z_rowwise_n", "ftrl",
        "FTRL, derived weights, bf16 z, one fp32 accumulator n per row (260 B)",
        layout={"ftrl_weights": "derived", "ftrl_accumulator": "rowwise"}, state_dtypes={"linear": "bf16"}),
+    _v("ftrl_derived_zero_init", "ftrl", "FTRL, derived weights, fp32 state, tables started at w = 0",
+       layout={"ftrl_weights": "derived"}, zero_init=True),
+    _v("ftrl_derived_rowwise_n_zero_init", "ftrl",
+       "FTRL, derived weights, one accumulator n per row, tables started at w = 0",
+       layout={"ftrl_weights": "derived", "ftrl_accumulator": "rowwise"}, zero_init=True),
     _v("rowwise_adagrad", "rowwise_adagrad", "FBGEMM EXACT_ROWWISE_ADAGRAD (context)",
        knobs={"learning_rate": 0.05, "eps": 1e-8}),
     _v("adam", "adam", "FBGEMM ADAM (context; no CPU kernel in FBGEMM)",
@@ -135,9 +143,12 @@ def build_tbe(variant: Variant, sizes: list[int], dim: int, batch_size: int,
     if variant.optimizer == "ftrl":
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
         from torchrec_ftrl import FTRLTableBatchedEmbeddingBags
-        return FTRLTableBatchedEmbeddingBags(
+        tbe = FTRLTableBatchedEmbeddingBags(
             [(v, dim) for v in sizes], device=device, bounds_check_mode=BoundsCheckMode.IGNORE,
             **ftrl_tbe_kwargs(variant, batch_size))
+        if variant.zero_init:
+            tbe.init_embedding_weights_uniform(0.0, 0.0)
+        return tbe
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import (

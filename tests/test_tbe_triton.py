@@ -812,7 +812,8 @@ def test_cuda_ops_under_torch_compile():
                                          b.bag_out_offset, b.feature_table, b.table_w_offset,
                                          b.table_dim, b.table_rows, b.table_row_base,
                                          b.unchecked_counter, True, lin[0], None, 0, b.out_numel,
-                                         b.max_D, torch.float32, vec, even, None, None,  # no cache
+                                         b.max_D, torch.float32, vec, even,
+                                         None, None, None, None,       # no cache
                                          lr, neg_p, l1, l2_eff, beta)
             ops.triton_tbe_backward_update_(
                 w, accum, linear, nonfinite, False, torch.cos(out), b.indices, fixed, b.bag_feature,

@@ -67,8 +67,9 @@ _NOT_FTRL_HOOKS = {
 def _allocate(numel: int, dtype: torch.dtype, device: torch.device, unified: bool,
               host_mapped: bool) -> torch.Tensor:
     """An uninitialised flat buffer on ``device``, or in unified memory (FBGEMM's
-    ``new_unified_tensor``: managed memory, or host-mapped with ``host_mapped``)."""
-    if not unified:
+    ``new_unified_tensor``: managed memory, or host-mapped with ``host_mapped``). An empty buffer
+    (a derived table's weights) is a plain device tensor: CUDA allocates no unified memory of 0 bytes."""
+    if not unified or numel == 0:
         return torch.empty(numel, dtype=dtype, device=device)
     like = torch.zeros(1, dtype=dtype, device=device)
     return torch.ops.fbgemm.new_unified_tensor(like, [numel], host_mapped)

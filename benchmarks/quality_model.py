@@ -41,8 +41,8 @@ class Variant:
     ``{"accum": "bf16", "linear": "bf16"}``); ``layout``: further keyword arguments of
     ``FTRLTableBatchedEmbeddingBags`` that choose a storage layout (e.g. ``{"ftrl_weights":
     "derived"}``); a key the installed TBE does not take is refused (:func:`check_supported`);
-    ``zero_init``: FTRL tables start at w = 0 (``init_embedding_weights_uniform(0, 0)``) instead of
-    the TBE's uniform initialisation (which derived weights encode into ``z`` where ``q(n0) > 0``).
+    ``zero_init``: the tables start at w = 0 instead of :func:`init_weights`' uniform values (which
+    derived weights encode into ``z`` where ``q(n0) > 0``).
     """
 
     name: str
@@ -72,6 +72,8 @@ VARIANTS: dict[str, Variant] = dict([
     _v("ftrl_derived_bf16_z_rowwise_n", "ftrl",
        "FTRL, derived weights, bf16 z, one fp32 accumulator n per row (260 B)",
        layout={"ftrl_weights": "derived", "ftrl_accumulator": "rowwise"}, state_dtypes={"linear": "bf16"}),
+    _v("ftrl_zero_init", "ftrl", "exact FTRL, fp32 state, stored weights, tables started at w = 0",
+       zero_init=True),
     _v("ftrl_derived_zero_init", "ftrl", "FTRL, derived weights, fp32 state, tables started at w = 0",
        layout={"ftrl_weights": "derived"}, zero_init=True),
     _v("ftrl_derived_rowwise_n_zero_init", "ftrl",
@@ -143,12 +145,9 @@ def build_tbe(variant: Variant, sizes: list[int], dim: int, batch_size: int,
     if variant.optimizer == "ftrl":
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
         from torchrec_ftrl import FTRLTableBatchedEmbeddingBags
-        tbe = FTRLTableBatchedEmbeddingBags(
+        return FTRLTableBatchedEmbeddingBags(
             [(v, dim) for v in sizes], device=device, bounds_check_mode=BoundsCheckMode.IGNORE,
             **ftrl_tbe_kwargs(variant, batch_size))
-        if variant.zero_init:
-            tbe.init_embedding_weights_uniform(0.0, 0.0)
-        return tbe
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
@@ -201,13 +200,16 @@ def tbe_input(ids: torch.Tensor, missing: bool = True) -> tuple[torch.Tensor, to
 
 
 @torch.no_grad()
-def init_weights(tbe: nn.Module, sizes: list[int], seed: int, device: torch.device) -> None:
+def init_weights(tbe: nn.Module, sizes: list[int], seed: int, device: torch.device,
+                 zero: bool = False) -> None:
     """Table ``f`` := ``U(-1/sqrt(V_f), 1/sqrt(V_f))`` (TorchRec's default initializer) from a generator
-    seeded with ``seed``: every variant of a seed starts from the same weights."""
+    seeded with ``seed``: every variant of a seed starts from the same weights; ``zero``: 0."""
     g = torch.Generator(device=device).manual_seed(int(seed))
     for f, (w, v) in enumerate(zip(tbe.split_embedding_weights(), sizes)):
         bound = 1.0 / math.sqrt(v)
         values = torch.rand(w.shape, generator=g, device=device) * (2 * bound) - bound
+        if zero:
+            values.zero_()
         if _stores_weights(tbe):
             w.copy_(values)
         else:   # derived weights: encoded into z where q(n) > 0, else the row starts at 0
@@ -301,7 +303,7 @@ def train(variant: Variant, examples: Examples, sizes: list[int], batch_size: in
     """Train ``variant`` on ``examples`` in ``order`` (row indices, a multiple of ``batch_size``) from
     the initial weights of ``seed``. Returns ``(model, {"steps", "train_s"})``."""
     tbe = build_tbe(variant, sizes, cfg.dim, batch_size, device)
-    init_weights(tbe, sizes, seed, device)
+    init_weights(tbe, sizes, seed, device, zero=variant.zero_init)
     torch.manual_seed(seed)
     model = SparseDLRM(tbe, len(sizes), cfg.dim, examples.dense.shape[1], list(cfg.dense_arch),
                        list(cfg.over_arch), device)

@@ -190,7 +190,7 @@ def test_two_seed_study_writes_paired_results(tmp_path):
     assert quality.main(["--teacher", "tiny", "--train-rows", "4096", "--batches", "512",
                          "--seeds", "0", "1", "2", "--variants", "all", "--exclude", "sgd", "ftrl_derived",
                          "ftrl_derived_bf16_zn", "ftrl_derived_rowwise_n", "ftrl_derived_bf16_z_rowwise_n",
-                         "ftrl_derived_zero_init", "ftrl_derived_rowwise_n_zero_init",
+                         "ftrl_zero_init", "ftrl_derived_zero_init", "ftrl_derived_rowwise_n_zero_init",
                          "--time-budget-s", "0", "--threads", "1", "--out", out]) == 0
     with open(out + ".json") as f:
         res = json.load(f)

@@ -111,7 +111,7 @@ def apply_preset(a: argparse.Namespace, explicit: set) -> None:
     a.multi_hot_origin = "--multi-hot-sizes"
     if a.preset is None:
         return
-    from .validate import multi_hot_folder
+    from .data_kind import multi_hot_folder
 
     # Input read from --data, or the host generator asked for: the preset's drawn input is not.
     own_input = a.data is not None or "synthetic" in explicit and a.synthetic == "criteo"
@@ -150,7 +150,7 @@ def check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         p.error(f"--zipf-alpha must be a number > 0, got {a.zipf_alpha}")
     a.multi_hot_list = None
     if a.multi_hot_sizes is not None:
-        from .validate import multi_hot_folder
+        from .data_kind import multi_hot_folder
 
         drawn = a.data is None and a.synthetic != "criteo"
         if not (drawn or multi_hot_folder(a)):

@@ -9,7 +9,7 @@ import os
 from torchrec_ftrl.data import (BinarySource, CTRFileReader, FileSource, MultiHotBinarySource, Split,
                                 SyntheticCTR, SyntheticSource, get_spec)
 from .errors import JobConfigError
-from .validate import reads_multi_hot
+from .data_kind import reads_multi_hot
 from .zch import RAW_ID_SPACE
 
 DEFAULT_SYNTHETIC_TABLES = 26   # Criteo's categorical features
@@ -20,7 +20,7 @@ def make_source(args: argparse.Namespace, device=None):
     uniform`` / ``zipf``: :class:`DeviceSyntheticSource` on ``device``, default CPU); one folder:
     :class:`BinarySource` (TorchRec's binary Criteo layout, dense values per ``--binary-dense``;
     ``--data-format`` and ``--strict`` do not apply), or :class:`MultiHotBinarySource` for its
-    materialised multi-hot layout (``validate.reads_multi_hot``); files: :class:`FileSource` over a
+    materialised multi-hot layout (``data_kind.reads_multi_hot``); files: :class:`FileSource` over a
     :class:`CTRFileReader`. With ``--zch`` every source yields raw ids in ``[0, RAW_ID_SPACE)``
     (:mod:`.zch`) instead of ids modulo ``--num-embeddings``.
 

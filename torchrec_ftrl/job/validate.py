@@ -21,36 +21,8 @@ import math
 import os
 from typing import Callable, Sequence
 
+from .data_kind import BINARY, SYNTHETIC, TEXT, data_kind
 from .errors import JobConfigError
-
-# Data sources: no --data (the synthetic generator), one folder (binary layout), text files.
-SYNTHETIC, BINARY, TEXT = "synthetic", "binary folder", "text files"
-
-
-def data_kind(args: argparse.Namespace) -> str:
-    """``SYNTHETIC`` (no ``--data``), ``BINARY`` (one folder) or ``TEXT`` (files)."""
-    if args.data is None:
-        return SYNTHETIC
-    return BINARY if len(args.data) == 1 and os.path.isdir(args.data[0]) else TEXT
-
-
-def multi_hot_folder(args: argparse.Namespace) -> bool:
-    """Whether ``--data`` is one folder holding TorchRec's materialised multi-hot layout
-    (``PREFIX_sparse_multi_hot.npz``, :mod:`torchrec_ftrl.data.multi_hot_layout`)."""
-    from torchrec_ftrl.data.multi_hot_layout import is_multi_hot
-
-    return data_kind(args) == BINARY and is_multi_hot(args.data[0])
-
-
-def reads_multi_hot(args: argparse.Namespace) -> bool:
-    """Whether the job reads ``--data``'s multi-hot layout: a multi-hot folder, unless it also holds
-    the one-hot ``PREFIX_sparse.npy`` (materialised in place) and no multi-hot sizes are asked for
-    (``--multi-hot-sizes`` or a preset's): then the one-hot layout, as for any binary folder."""
-    from torchrec_ftrl.data.multi_hot_layout import has_one_hot_sparse
-
-    return multi_hot_folder(args) and (getattr(args, "multi_hot_sizes", None) is not None
-                                       or not has_one_hot_sparse(args.data[0]))
-
 
 # The flags that apply to some runs only: flag -> (whether it applies, what it needs). A value other
 # than the default where the flag does not apply is refused, never ignored.

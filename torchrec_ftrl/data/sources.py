@@ -32,12 +32,33 @@ def _check_rank(rank: int, world_size: int, batch_size: int) -> None:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
 
 
-class FileSource:
+class _Schema:
+    """The columns of a source: ``dense_names``, ``categorical_names`` and ``num_embeddings`` of the
+    object in its attribute named ``_schema_of`` (the file reader, or the synthetic generator)."""
+
+    _schema_of = ""
+
+    @property
+    def dense_names(self) -> tuple:
+        return getattr(self, self._schema_of).dense_names
+
+    @property
+    def categorical_names(self) -> tuple:
+        return getattr(self, self._schema_of).categorical_names
+
+    @property
+    def num_embeddings(self) -> list:
+        return list(getattr(self, self._schema_of).num_embeddings)
+
+
+class FileSource(_Schema):
     """Args:
         reader: the :class:`CTRFileReader`.
         split: a :class:`Split` (``none`` leaves validation empty).
         max_val_rows: keep at most this many validation rows (``None`` = all).
     """
+
+    _schema_of = "reader"
 
     def __init__(self, reader: CTRFileReader, split: Split, max_val_rows: Optional[int] = None):
         self.reader = reader
@@ -50,18 +71,6 @@ class FileSource:
     def stats(self):
         """:class:`ReadStats` of the latest complete pass over the files (``None`` before one)."""
         return self.pass_stats
-
-    @property
-    def dense_names(self) -> tuple:
-        return self.reader.dense_names
-
-    @property
-    def categorical_names(self) -> tuple:
-        return self.reader.categorical_names
-
-    @property
-    def num_embeddings(self) -> list:
-        return list(self.reader.num_embeddings)
 
     def _chunks(self, want_validation: bool) -> Iterator[RowChunk]:
         """The training (or validation) rows of one pass, as chunks in row order."""
@@ -151,8 +160,10 @@ def _no_validation_rows(reader: CTRFileReader, split: Split) -> str:
     return f"{files}: the validation split --split {split} is empty; reader: {st.summary()}"
 
 
-class SyntheticSource:
+class SyntheticSource(_Schema):
     """Args: ``gen`` (:class:`SyntheticCTR`), ``val_batches`` (validation batches per rank)."""
+
+    _schema_of = "gen"
 
     def __init__(self, gen: SyntheticCTR, val_batches: int = 4):
         if val_batches < 1:
@@ -160,18 +171,6 @@ class SyntheticSource:
         self.gen = gen
         self.val_batches = val_batches
         self.epoch = 0
-
-    @property
-    def dense_names(self) -> tuple:
-        return self.gen.dense_names
-
-    @property
-    def categorical_names(self) -> tuple:
-        return self.gen.categorical_names
-
-    @property
-    def num_embeddings(self) -> list:
-        return list(self.gen.num_embeddings)
 
     def stats(self):
         return None

@@ -326,7 +326,7 @@ def tune_layouts(args, log) -> dict:
         torch.cuda.empty_cache()
         mod = build_ours(T, E, D, SparseType.FP32, m)
         arr = mod.table_arrays
-        key = triton_backend.layout_key(arr.weights is None, arr.rowwise, arr.accum, arr.linear)
+        key = triton_backend.tuning_key(arr.weights is None, arr.rowwise, arr.accum, arr.linear)
         step = tbe_step(mod, grad)
         own = triton_backend.TUNING["layouts"].setdefault(key, {})
         sweep = []

@@ -96,7 +96,7 @@ def _nearest(table: dict, size: int):
     return table[min(table, key=lambda b: (abs(math.log2(b) - math.log2(size)), b))]
 
 
-def layout_key(derived: bool, rowwise: bool, accum: torch.Tensor, linear: torch.Tensor) -> str:
+def tuning_key(derived: bool, rowwise: bool, accum: torch.Tensor, linear: torch.Tensor) -> str:
     """The key of a row layout in ``TUNING["layouts"]``, e.g. ``"derived/rowwise/fp32/bf16"``."""
     name = {torch.float32: "fp32", torch.bfloat16: "bf16"}
     return (f"{'derived' if derived else 'stored'}/{'rowwise' if rowwise else 'elementwise'}/"
@@ -111,7 +111,7 @@ def _layout_tuning(key: str, entry: str):
 def _forward_tuning(block_d: int, weight_bytes: int, key: str = "") -> tuple[int, int, str]:
     """``(tile, unroll, eviction policy)`` of the forward for rows of ``block_d`` weights of
     ``weight_bytes`` bytes (4 for derived weights: their stored twin holds fp32 weights), in the row
-    layout ``key`` (:func:`layout_key`). ``unroll`` (the indices of a bag summed together, so the
+    layout ``key`` (:func:`tuning_key`). ``unroll`` (the indices of a bag summed together, so the
     order of the pooled sum) is always the stored table's; a layout's own entry sets the tile and
     the eviction only, so every layout pools in the same order as its stored twin."""
     tile, unroll, evict = _nearest(TUNING["fwd"], block_d * weight_bytes)
@@ -230,7 +230,7 @@ def _forward_impl(weights: Optional[torch.Tensor], linear: torch.Tensor, accum: 
     BLOCK_D = _block_d(max_D)
     derived = weights is None
     tile, unroll, evict = _forward_tuning(BLOCK_D, 4 if derived else weights.element_size(),
-                                          layout_key(derived, rowwise, accum, linear))
+                                          tuning_key(derived, rowwise, accum, linear))
     bags, unroll, warps = forward_config(BLOCK_D, tile, unroll)
     has_psw = _has_scale(per_sample_weights, pooling_mode)[0]
     psw = per_sample_weights if has_psw else out
@@ -416,7 +416,7 @@ def _backward_kernels(weights, accum, linear, nonfinite_rows, grad, indices, off
     nmult = _cdiv(N, SEG) - 1            # multiples m * SEG, m >= 1, inside [0, N)
     part = torch.empty(max(1, 2 * (nmult + 1)) * BLOCK_D, dtype=torch.float32, device=dev)
     bound = N if total_rows < 0 else min(N, total_rows + N // SEG)
-    tile, rows, cap = _update_tuning(BLOCK_D, layout_key(derived, rowwise, accum, linear),
+    tile, rows, cap = _update_tuning(BLOCK_D, tuning_key(derived, rowwise, accum, linear),
                                      derived or rowwise)
     G, R, warps = segment_config(BLOCK_D, tile, rows)
     pow_half = neg_p == 0.5

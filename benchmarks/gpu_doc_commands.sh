@@ -22,7 +22,7 @@ run_block() {  # NAME LOG: runs stdin under bash from the repository root
   echo "| $name | $rc | $((SECONDS - t0)) | $(tail -n 3 "$log" | tr '\n|' '  ' | cut -c1-300) |" >> "$REPORT"
 }
 
-run_block 'docs/performance.md:312 (python gpu)' "$OUT/doc_01.log" <<'DOCEOF'
+run_block 'docs/performance.md:325 (python gpu)' "$OUT/doc_01.log" <<'DOCEOF'
 python - <<'PYEOF'
 import torch, torchrec_ftrl
 
@@ -57,7 +57,7 @@ run_block 'docs/performance.md:14 (bash gpu)' "$OUT/doc_03.log" <<'DOCEOF'
 python3 benchmarks/bench_tbe_cuda.py --warmup 10 --profile --out bench_tbe_cuda_out
 DOCEOF
 
-run_block 'docs/quality.md:195 (bash gpu)' "$OUT/doc_04.log" <<'DOCEOF'
+run_block 'docs/quality.md:197 (bash gpu)' "$OUT/doc_04.log" <<'DOCEOF'
 source .gpu/setup.sh && PYTHONPATH=$PWD:$PYTHONPATH timeout 330 python3 benchmarks/quality.py --device cuda --datasets teacher --teacher large --exclude sgd --batches 8192 65536 --seeds 0 1 2 3 4 5 6 7 --time-budget-s 180 --out $OUT/quality_teacher_large_h200
 DOCEOF
 
@@ -89,7 +89,7 @@ python benchmarks/zch_vs_modulo.py --data ../shared/data/criteo/criteo_dac_combi
     --epochs 5 --sizes 1000 10000 --seeds 0 1 2 --out zch_criteo_cpu
 DOCEOF
 
-run_block 'docs/performance.md:411 (bash long)' "$OUT/doc_11.log" <<'DOCEOF'
+run_block 'docs/performance.md:424 (bash long)' "$OUT/doc_11.log" <<'DOCEOF'
 python benchmarks/bench_tbe_cpu.py --threads 2 --iters 20
 DOCEOF
 

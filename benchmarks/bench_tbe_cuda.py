@@ -303,23 +303,35 @@ def tune_forward(T, E, B, L, batches_by_dist, log):
 
 
 # --tune-layouts: the launch settings swept per lean row layout (segment_update_kernel's elements per
-# step; then the forward's (elements per step, eviction)), one group after the other; the gradient
-# rows and indices per bag in flight are the stored table's (triton_backend.TUNING's comment).
+# step; then the forward's (elements per step, eviction)), one group after the other. The indices per
+# bag in flight are the stored table's; the gradient rows in flight of a row-wise accum are swept
+# with the elements per step (TUNING["rows"], shared by the layout's stored twin; the element-wise
+# layouts keep the stored table's), see triton_backend.TUNING's comment.
 LAYOUT_SEG_GRID = ((4096,), (1024,), (2048,), (8192,))
+LAYOUT_ROWS_GRID = (4, 2, 1)
 LAYOUT_FWD_GRID = ((1024, ""), (512, ""), (2048, ""), (4096, ""), (512, "evict_last"))
 TUNE_LAYOUT_METHODS = ("ours_derived_elementwise_fp32", "ours_derived_elementwise_bf16",
                        "ours_derived_rowwise_fp32", "ours_derived_rowwise_bf16")
 
 
+def _layout_grid(rowwise: bool) -> list:
+    """``(group, setting)`` pairs swept for one layout: ``("seg_launch", (tile,))`` or, row-wise,
+    ``("seg_launch", ((tile,), rows))``, then ``("fwd", (tile, eviction))``."""
+    seg = ([(cfg, rows) for rows in LAYOUT_ROWS_GRID for cfg in LAYOUT_SEG_GRID] if rowwise
+           else list(LAYOUT_SEG_GRID))
+    return [("seg_launch", cfg) for cfg in seg] + [("fwd", cfg) for cfg in LAYOUT_FWD_GRID]
+
+
 def tune_layouts(args, log) -> dict:
-    """Sweep of the lean layouts' own launch entries (``TUNING["layouts"]``) on the production shape
-    T8 x 2M x 128 fp32, B=16384, L=20: step time (CUDA events, median), uniform + Zipf(1.05) ids
-    summed. Keeps each layout's fastest entries in ``TUNING`` (so a ``--layouts`` run after it in the
-    same process measures them) and returns ``{layout key: {"fwd": ..., "seg_launch": ...,
-    "sweep": [...]}}``."""
+    """Sweep of the lean layouts' own launch entries (``TUNING["layouts"]``, and ``TUNING["rows"]``
+    for a row-wise accum) on the production shape T8 x 2M x 128 fp32, B=16384, L=20: step time
+    (CUDA events, median), uniform + Zipf(1.05) ids summed. Keeps each layout's fastest entries in
+    ``TUNING`` (so a ``--layouts`` run after it in the same process measures them) and returns
+    ``{layout key: {"fwd": ..., "seg_launch": ..., "rows": ..., "sweep": [...]}}``."""
     T, E, D, B, L = 8, 2_000_000, 128, 16384, 20
     lists = [production_batches(T, E, B, L, None, 2, seed=0), production_batches(T, E, B, L, 1.05, 2, seed=1)]
     grad = torch.randn(B, T * D, device="cuda")
+    tuning = triton_backend.TUNING
     chosen = {}
     for m in [m for m in args.method_list if m in TUNE_LAYOUT_METHODS] or TUNE_LAYOUT_METHODS:
         gc.collect()
@@ -327,29 +339,37 @@ def tune_layouts(args, log) -> dict:
         mod = build_ours(T, E, D, SparseType.FP32, m)
         arr = mod.table_arrays
         key = triton_backend.tuning_key(arr.weights is None, arr.rowwise, arr.accum, arr.linear)
+        twin = key.split("/", 1)[1]
         step = tbe_step(mod, grad)
-        own = triton_backend.TUNING["layouts"].setdefault(key, {})
-        sweep = []
+        own = tuning["layouts"].setdefault(key, {})
+        sweep, best = [], {}
 
-        def step_ms():
+        def step_ms(step=step):
             return sum(time_steps(step, bl, 2, 8) for bl in lists)
 
+        def apply(group, cfg, rowwise=arr.rowwise):
+            if group == "seg_launch" and rowwise:
+                cfg, tuning["rows"][twin] = cfg
+            own[group] = cfg
+
         step_ms()   # compile + first timing after building a module: discarded
-        for group, grid in (("seg_launch", LAYOUT_SEG_GRID), ("fwd", LAYOUT_FWD_GRID)):
-            res = []
-            for cfg in grid:
-                own[group] = cfg
-                try:
-                    ms = step_ms()
-                except Exception as exc:  # noqa: BLE001 - e.g. out of resources: reported, skipped
-                    log(f"  {key} {group}={cfg}: FAILED {type(exc).__name__}: {str(exc)[:120]}")
-                    continue
-                res.append((ms, cfg))
-                sweep.append(dict(group=group, cfg=list(cfg), ms=ms))
-                log(f"  {key} {group}={cfg}: uniform+zipf steps {ms:.3f} ms")
-            own[group] = min(res)[1]
-        chosen[key] = dict(fwd=list(own["fwd"]), seg_launch=list(own["seg_launch"]), sweep=sweep)
-        log(f"  chosen {key}: fwd {own['fwd']}, seg_launch {own['seg_launch']}")
+        for group, cfg in _layout_grid(arr.rowwise):
+            if group == "fwd" and "seg_launch" in best:
+                apply("seg_launch", best.pop("seg_launch")[1])
+            apply(group, cfg)
+            try:
+                ms = step_ms()
+            except Exception as exc:  # noqa: BLE001 - e.g. out of resources: reported, skipped
+                log(f"  {key} {group}={cfg}: FAILED {type(exc).__name__}: {str(exc)[:120]}")
+                continue
+            best[group] = min(best.get(group, (ms, cfg)), (ms, cfg), key=lambda r: r[0])
+            sweep.append(dict(group=group, cfg=list(cfg), ms=ms))
+            log(f"  {key} {group}={cfg}: uniform+zipf steps {ms:.3f} ms")
+        apply("fwd", best["fwd"][1])
+        chosen[key] = dict(fwd=list(own["fwd"]), seg_launch=list(own["seg_launch"]),
+                           rows=tuning["rows"].get(twin), sweep=sweep)
+        log(f"  chosen {key}: fwd {own['fwd']}, seg_launch {own['seg_launch']}, "
+            f"rows {tuning['rows'].get(twin)}")
         del mod, step, arr
     return chosen
 
@@ -1084,6 +1104,7 @@ def main() -> None:
             json.dump(chosen, f, indent=1)
         print("TUNING['layouts'] = " + repr({k: {g: tuple(v[g]) for g in ("fwd", "seg_launch")}
                                               for k, v in chosen.items()}), flush=True)
+        print("TUNING['rows'] = " + repr(triton_backend.TUNING["rows"]), flush=True)
     if args.layouts:
         run_layouts(args)
         return

@@ -13,13 +13,17 @@ launch = pytest.importorskip("torchrec_ftrl.kernels.launch")
 
 
 class _Compiled:
-    """Stands in for a ``CompiledKernel``: records each ``run``."""
+    """Stands in for a ``CompiledKernel``: records each public launch ``compiled[grid](*args)`` and
+    each direct ``run``."""
 
     def __init__(self):
-        self.function, self.packed_metadata, self.runs = "fn", "meta", []
+        self.function, self.packed_metadata, self.runs, self.launches = "fn", "meta", [], []
 
     def run(self, *args):
         self.runs.append(args)
+
+    def __getitem__(self, grid):
+        return lambda *args: self.launches.append((grid, args))
 
 
 class _Kernel:
@@ -60,8 +64,18 @@ def test_second_launch_of_a_specialisation_skips_the_jit_and_passes_every_argume
     dl[(5, 2)](x, 117, 48, 1.5, BLOCK=64)       # n is not specialised; m stays % 16 == 0, != 1
     assert len(k.jit_calls) == 1
     compiled = k.jit_calls[0][3]
-    # grid padded to 3-D, the raw stream, no launch metadata or hooks, then the arguments in
+    # Triton's public launch of the compiled kernel: the grid padded to 3-D, then the arguments in
     # signature order with the constexpr tail (keywords, then defaults)
+    assert compiled.launches == [((5, 2, 1), (x, 117, 48, 1.5, 64, 7))] and compiled.runs == []
+
+
+def test_private_run_passes_the_raw_stream_and_no_hooks(launcher, monkeypatch):
+    k, dl = launcher
+    monkeypatch.setattr(launch, "PRIVATE_RUN", True)
+    x = torch.zeros(8)
+    dl[(3,)](x, 100, 32, 0.5, BLOCK=64)
+    dl[(5, 2)](x, 117, 48, 1.5, BLOCK=64)
+    compiled = k.jit_calls[0][3]
     assert compiled.runs == [(5, 2, 1, 1234, "fn", "meta", None, None, None, x, 117, 48, 1.5, 64, 7)]
 
 
@@ -96,15 +110,6 @@ def test_unkeyed_argument_kinds_and_callable_grids_always_take_the_jit(launcher)
         dl[(1,)](torch.zeros(4), 5, 32, "not a kernel argument kind", BLOCK=64)
         dl[lambda meta: (1,)](torch.zeros(4), 5, 32, 0.5, BLOCK=64)
     assert len(k.jit_calls) == 4
-
-
-def test_launch_hooks_take_the_jit(launcher, monkeypatch):
-    from triton import knobs
-    k, dl = launcher
-    dl[(1,)](torch.zeros(4), 5, 32, 0.5, BLOCK=64)
-    monkeypatch.setattr(knobs.runtime.launch_enter_hook, "calls", [lambda *a: None])
-    dl[(1,)](torch.zeros(4), 5, 32, 0.5, BLOCK=64)
-    assert len(k.jit_calls) == 2 and k.jit_calls[0][3].runs == []
 
 
 def test_disabled_or_interpreted_kernels_are_returned_unchanged(monkeypatch):

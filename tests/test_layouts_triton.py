@@ -477,6 +477,14 @@ def test_interp_derived_equals_stored_from_zero(interp, accumulator, pooling, ps
     check_derived_bitwise(Case("derived", accumulator, pooling=pooling, psw=psw, hot=True, max_len=8), interp)
 
 
+@pytest.mark.parametrize("rows", [1, 2])
+def test_interp_rowwise_rows_entry_shared_with_the_stored_twin(interp, monkeypatch, rows):
+    """``TUNING["rows"]`` (gradient rows in flight, so a row's summation order) of a row-wise accum
+    applies to a derived table and its stored twin alike: still bit for bit equal, hot rows."""
+    monkeypatch.setitem(triton_backend.TUNING, "rows", {"rowwise/fp32/fp32": rows})
+    check_derived_bitwise(Case("derived", "rowwise", hot=True, max_len=8), interp)
+
+
 @pytest.mark.parametrize("weights,accumulator", [("derived", "elementwise"), ("stored", "rowwise"),
                                                  ("derived", "rowwise")])
 def test_layout_outside_the_cached_capabilities_refused_with_a_cached_batch(monkeypatch, weights, accumulator):

@@ -1,15 +1,14 @@
 """Direct launches of compiled Triton kernels, for the eager training step's host budget.
 
 ``kernel[grid](*args, **meta)`` on a ``triton.JITFunction`` binds the arguments, specialises each
-one, renders the launch options to a string for its cache key, checks the kernel's globals, builds
-launch metadata for the profiling hooks and reads the current device and stream, on every call.
-:class:`DirectLauncher` does that work once per specialisation: it keys the compiled kernel by the
-facts Triton specialises on (each tensor's dtype and 16-byte alignment, each integer's value class,
-the constexpr and option keyword values, the device) and launches it through its compiled launcher
-(``CompiledKernel.run``, the same C entry point ``JITFunction.run`` ends in). A key never seen, a
-launch with profiling hooks installed (``triton.knobs.runtime.launch_enter_hook`` /
-``launch_exit_hook``) and an argument of another kind go through ``JITFunction.run`` itself, which
-compiles, caches and launches as usual.
+one, renders the launch options to a string for its cache key, checks the kernel's globals and reads
+the current device, on every call. :class:`DirectLauncher` does that work once per specialisation:
+it keys the compiled kernel (the ``CompiledKernel`` that ``JITFunction.run`` returns) by the facts
+Triton specialises on (each tensor's dtype and 16-byte alignment, each integer's value class, the
+constexpr and option keyword values, the device) and launches it with Triton's public launch of a
+compiled kernel, ``compiled[grid](*args)`` (which passes Triton's launch hooks and the current
+stream as ``JITFunction.run`` does). A key never seen, a callable grid and an argument of another
+kind go through ``JITFunction.run`` itself, which compiles, caches and launches as usual.
 
 Triton's specialisation rules (``triton.runtime.jit.create_function_from_signature``, Triton 3.x):
 a tensor is specialised on its dtype and on ``data_ptr() % 16 == 0`` (not with
@@ -24,7 +23,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from triton import knobs
 from triton.runtime.jit import JITFunction
 
 _I32 = 2 ** 31
@@ -75,10 +73,8 @@ class DirectLauncher:
         return tuple(key)
 
     def _launch(self, grid, args: tuple, meta: dict) -> None:
-        runtime = knobs.runtime
-        hooked = runtime.launch_enter_hook.calls or runtime.launch_exit_hook.calls
         device = torch.cuda.current_device()
-        key = None if hooked or callable(grid) else self._key(device, args, meta)
+        key = None if callable(grid) else self._key(device, args, meta)
         entry = self._compiled.get(key) if key is not None else None
         if entry is None:
             compiled = self.kernel[grid](*args, **meta)
@@ -90,12 +86,12 @@ class DirectLauncher:
                 self._compiled[key] = (compiled, tail)
             return
         compiled, tail = entry
-        grid = tuple(grid)
-        g1 = grid[1] if len(grid) > 1 else 1
-        g2 = grid[2] if len(grid) > 2 else 1
-        stream = _raw_stream(device)
-        compiled.run(grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata, None,
-                     None, None, *args, *tail)
+        grid = tuple(grid) + (1,) * (3 - len(grid))
+        if PRIVATE_RUN:
+            compiled.run(*grid, _raw_stream(device), compiled.function, compiled.packed_metadata,
+                         None, None, None, *args, *tail)
+        else:
+            compiled[grid](*args, *tail)
 
 
 def _raw_stream(device: int) -> int:
@@ -105,6 +101,7 @@ def _raw_stream(device: int) -> int:
 
 _launchers: dict = {}
 ENABLED = True   # False: every launch goes through JITFunction.run (benchmarks compare the two)
+PRIVATE_RUN = False   # True: CompiledKernel.run called directly, no hooks (bench_host compares)
 
 
 def direct(kernel: Any) -> Any:

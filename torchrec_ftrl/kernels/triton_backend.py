@@ -70,9 +70,13 @@ CAPABILITIES = Capabilities(cached_placement=True, graph_capture=True, repairs_o
 # * layouts: per row layout other than the stored / element-wise one, keyed
 #   "{weights}/{accumulator}/{accum dtype}/{linear dtype}" (e.g. "derived/rowwise/fp32/bf16"), its
 #   own "fwd" (elements per step, eviction) and "seg_launch" (elements per step[, register cap])
-#   entries, for every D; a layout not listed uses the tables above. The indices per bag and the
-#   gradient rows in flight stay those of the tables above (they set the order of the pooled and
-#   the gradient sums), so a derived table keeps the bits of its stored twin.
+#   entries, for every D; a layout not listed uses the tables above. The indices per bag stay
+#   those of "fwd" (they set the order of the pooled sum), so a derived table keeps the bits of its
+#   stored twin.
+# * rows: per "{accumulator}/{accum dtype}/{linear dtype}" (the layout key without its weights),
+#   the gradient rows per segment in flight of segment_update_kernel, in place of seg_launch's, for
+#   every D. They set the order of a row's gradient sum, so the entry is shared by a derived table
+#   and its stored twin, which keep the same bits.
 # * combine_cp / combine_nb: cut candidates per combine program / pieces added per step.
 # * linearize: (bags per program, indices per bag in flight, warps) of linearize_kernel.
 # * block: positions per tile of segment_mark_kernel; repair_block: bags per program of the eval
@@ -87,6 +91,7 @@ TUNING = {"fwd": {256: (1024, 4, ""), 512: (1024, 4, ""), 1024: (1024, 4, "")},
           "layouts": {"derived/elementwise/bf16/bf16": {"fwd": (512, "")},
                       "derived/rowwise/fp32/fp32": {"fwd": (512, ""), "seg_launch": (1024,)},
                       "derived/rowwise/bf16/bf16": {"fwd": (512, ""), "seg_launch": (2048,)}},
+          "rows": {},
           "combine_cp": 16, "combine_nb": 64, "linearize": (64, 8, 4), "block": 1024,
           "repair_block": 1024, "lookback": 32}
 
@@ -125,11 +130,13 @@ def _forward_tuning(block_d: int, weight_bytes: int, key: str = "") -> tuple[int
 def _update_tuning(block_d: int, key: str, lean: bool) -> tuple[int, int, Optional[int]]:
     """``(tile, rows, register cap)`` of :func:`.triton_backward.segment_update_kernel` for
     ``block_d`` in the row layout ``key``. ``rows`` (gradient rows summed together, so the order of a
-    row's gradient sum) is always the stored table's; a layout's own entry ``(tile[, cap])`` sets the
-    tile and the cap only. The stored table's cap applies to the stored / element-wise layout only
-    (``lean``: any other)."""
+    row's gradient sum) is ``TUNING["rows"]``'s for the layout's accumulator and dtypes, else the
+    stored / element-wise table's: the same for a derived table and its stored twin. A layout's own
+    entry ``(tile[, cap])`` sets the tile and the cap. The stored table's cap applies to the stored /
+    element-wise layout only (``lean``: any other)."""
     launch = _nearest(TUNING["seg_launch"], block_d)
-    tile, rows = int(launch[0]), int(launch[1])
+    tile = int(launch[0])
+    rows = int(TUNING["rows"].get(key.split("/", 1)[-1], launch[1]))
     rows = max(1, min(rows, max(1, tile // block_d)))   # as segment_config clamps it
     own = _layout_tuning(key, "seg_launch")
     if own is not None:

@@ -56,7 +56,8 @@ from torch.autograd.profiler import record_function
 OPTIMIZERS = ("ftrl", "ftrl_bf16", "rowwise_adagrad", "adam", "sgd")
 # Ours in the lean row layouts (docs/row-layouts.md): fused_params beside the FTRL knobs; --optimizers
 # takes their names.
-LEAN = {"ftrl_derived_bf16": {"ftrl_weights": "derived", "state_dtype": "bf16"},            # 512 B at D=128
+LEAN = {"ftrl_derived": {"ftrl_weights": "derived"},                                        # 1,024 B
+        "ftrl_derived_bf16": {"ftrl_weights": "derived", "state_dtype": "bf16"},            # 512 B at D=128
         "ftrl_derived_rowwise": {"ftrl_weights": "derived", "ftrl_accumulator": "rowwise"},  # 516 B
         "ftrl_derived_rowwise_bf16z": {"ftrl_weights": "derived", "ftrl_accumulator": "rowwise",
                                        "optimizer_state_dtypes": {"linear": "bf16"}}}         # 260 B

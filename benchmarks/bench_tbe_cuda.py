@@ -333,7 +333,8 @@ def tune_layouts(args, log) -> dict:
     grad = torch.randn(B, T * D, device="cuda")
     tuning = triton_backend.TUNING
     chosen = {}
-    for m in [m for m in args.method_list if m in TUNE_LAYOUT_METHODS] or TUNE_LAYOUT_METHODS:
+    wanted = args.tune_methods.split(",") if args.tune_methods else args.method_list
+    for m in [m for m in wanted if m in TUNE_LAYOUT_METHODS] or TUNE_LAYOUT_METHODS:
         gc.collect()
         torch.cuda.empty_cache()
         mod = build_ours(T, E, D, SparseType.FP32, m)
@@ -1077,6 +1078,9 @@ def main() -> None:
     ap.add_argument("--tune-layouts", action="store_true",
                     help="sweep the lean layouts' launch entries (TUNING['layouts']) on the production "
                          "shape first, write DIR/tune_layouts.json; with --layouts, then measure with them")
+    ap.add_argument("--tune-methods", default=None,
+                    help=f"--tune-layouts: the layouts swept (comma list of {','.join(TUNE_LAYOUT_METHODS)}; "
+                         "default: those among --methods, else all)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     production = args.suite == "production"

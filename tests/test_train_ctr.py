@@ -486,3 +486,26 @@ def test_zch_with_rowwise_adagrad_needs_cuda(tmp_path):
                  "--output-dir", str(tmp_path)])
     assert p.returncode == 2
     assert "--zch with --sparse-optimizer rowwise_adagrad needs --device cuda" in p.stderr
+
+
+def test_derived_weights_start_at_zero(tmp_path):
+    """--ftrl-weights derived: the tables start at w = 0 (z = 0), so a row no batch looked up is
+    still exactly zero in the checkpoint, while trained rows are not (no L1, so any gradient moves
+    a weight; the stored layout keeps TorchRec's uniform start in its untouched rows)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torchrec_ftrl.data import SyntheticCTR
+
+    _run([*SMALL, "--steps", "4", "--ftrl-weights", "derived", "--ftrl-l1", "0", "--checkpoint-every", "4",
+          "--checkpoint-dir", str(tmp_path / "ckpt"), "--output-dir", str(tmp_path / "out")])
+    dcp_to_torch_save(str(tmp_path / "ckpt" / "step_00000004"), str(tmp_path / "plain.pt"))
+    sd = torch.load(tmp_path / "plain.pt", weights_only=False)["model"]
+    gen = SyntheticCTR(2000, seed=0, vocab=2000)
+    ids = torch.cat([torch.from_numpy(gen.arrays("train", i, 128)[2]) for i in range(4)])
+    for j in (0, 12, 25):
+        w = sd[f"sparse_arch.embedding_bag_collection.embedding_bags.t_C{j + 1}.weight"]
+        touched = torch.zeros(2000, dtype=torch.bool)
+        col = ids[:, j]
+        touched[col[col >= 0]] = True
+        assert 0 < int(touched.sum()) < 2000
+        assert int((w[~touched] != 0).sum()) == 0
+        assert int((w[touched] != 0).sum()) > 0

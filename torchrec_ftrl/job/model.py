@@ -51,13 +51,16 @@ class CTRTrainDCN(_CTRForward, DLRM_DCN):
 
 def build_dlrm(feature_names: Sequence[str], num_embeddings: Sequence[int], embedding_dim: int,
                num_dense: int, dense_arch: Sequence[int], over_arch: Sequence[int],
-               dense_device: torch.device, dcn: Optional[tuple[int, int]] = None) -> nn.Module:
+               dense_device: torch.device, dcn: Optional[tuple[int, int]] = None,
+               zero_init: bool = False) -> nn.Module:
     """Unsharded ``CTRTrain`` (a TorchRec ``DLRM``), or with ``dcn = (num_layers, low_rank_dim)``
     ``CTRTrainDCN`` (TorchRec's ``DLRM_DCN``): ``EmbeddingBagCollection`` on the meta device
     (DMP materialises it), one sum-pooled table ``t_{feature}`` per feature, bottom MLP
     ``dense_arch + [embedding_dim]`` over ``max(num_dense, 1)`` inputs, top MLP ``over_arch + [1]``.
     Forward: ``Batch -> (loss 0-d, (loss, logits [B], labels [B]))`` (see ``CTRTrain``).
     ``dense_device`` ``meta`` builds the whole model without memory (for planning only).
+    ``zero_init``: the tables' ``init_fn`` is ``torch.nn.init.zeros_`` (else TorchRec's default
+    uniform initialisation).
 
     Raises:
         ValueError: ``feature_names`` and ``num_embeddings`` of different lengths.
@@ -67,8 +70,9 @@ def build_dlrm(feature_names: Sequence[str], num_embeddings: Sequence[int], embe
 
     if len(feature_names) != len(num_embeddings):
         raise ValueError(f"{len(feature_names)} features but {len(num_embeddings)} table sizes")
+    init = dict(init_fn=torch.nn.init.zeros_) if zero_init else {}
     tables = [EmbeddingBagConfig(name=f"t_{f}", embedding_dim=embedding_dim, num_embeddings=n,
-                                 feature_names=[f], pooling=PoolingType.SUM)
+                                 feature_names=[f], pooling=PoolingType.SUM, **init)
               for f, n in zip(feature_names, num_embeddings)]
     ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
     common = dict(embedding_bag_collection=ebc, dense_in_features=max(num_dense, 1),

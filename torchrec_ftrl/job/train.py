@@ -134,9 +134,12 @@ def _run(args, env, fused_params, source, data_desc, rank0) -> dict:
 
     if env.device.type == "cpu":
         _load_cpu_kernel(rank0)
+    # Derived FTRL weights start at zero, where FTRL starts a row (z = 0): an encoded uniform start
+    # would keep |z| above ftrl_l1_reg and train a denser model (docs/row-layouts.md).
     net = model_lib.build_dlrm(features, sizes, args.embedding_dim, num_dense, args.dense_arch_list,
                                args.over_arch_list, env.device,
-                               dcn=(args.dcn_layers, args.dcn_rank) if args.dcn_layers else None)
+                               dcn=(args.dcn_layers, args.dcn_rank) if args.dcn_layers else None,
+                               zero_init=args.sparse_optimizer == "ftrl" and args.ftrl_weights == "derived")
     if args.compile_dense:
         model_lib.compile_dense(net)
     sharders = torchrec_ftrl.sharders(fused_params)

@@ -73,7 +73,8 @@ LEAN_METHODS = ("ours_derived_elementwise_fp32", "ours_derived_elementwise_bf16"
                 "ours_derived_rowwise_bf16")
 LABELS = {"ours": "torchrec_ftrl FTRL", "ours_bf16": "torchrec_ftrl FTRL, bf16 state",
           "fbgemm_rowwise_adagrad": "FBGEMM EXACT_ROWWISE_ADAGRAD", "fbgemm_adam": "FBGEMM ADAM",
-          "ours_hbm": "torchrec_ftrl FTRL, all in HBM (DEVICE)"}
+          "ours_hbm": "torchrec_ftrl FTRL, all in HBM (DEVICE)",
+          **{m: "torchrec_ftrl FTRL, " + m[len("ours_"):].replace("_", " ") for m in LEAN_METHODS}}
 DISTS = ("zipf", "uniform")
 LOAD_FACTORS = (0.05, 0.2, 1.0)
 # Ours: the TBE's optimizer_state_dtypes of each method.

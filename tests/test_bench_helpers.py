@@ -194,7 +194,7 @@ def uvm():
 def test_uvm_caching_row_bytes(uvm):
     # an inserted / evicted row moves the weight and (ours) accum + linear at the cache row, D=128 fp32
     assert [uvm.row_bytes(m, 128) for m in uvm.CACHED_METHODS] == [1536, 1024, 512, 512]
-    assert set(uvm.METHODS) == set(uvm.LABELS) and set(uvm.CACHED_METHODS) == set(uvm.CACHED_STATE_BYTES)
+    assert set(uvm.METHODS + uvm.LEAN_METHODS) == set(uvm.LABELS) and set(uvm.CACHED_METHODS) == set(uvm.CACHED_STATE_BYTES)
     assert uvm.OURS_STATE_DTYPES["ours"] is None and set(uvm.OURS_STATE_DTYPES["ours_bf16"]) == {"accum", "linear"}
     # state left in unified memory per unique row: ADAM m + v = 2 x 128 x 4; row-wise Adagrad 4 B -> one 32 B sector
     assert [uvm.uvm_state_bytes(m, 128) for m in uvm.CACHED_METHODS] == [0, 0, 32, 1024]

@@ -382,6 +382,15 @@ def _step(m, batch, prefetch=False):
     return out.detach()
 
 
+def _copy_tables(src, dst):
+    """``dst`` (a cached TBE, its cache emptied) starts from ``src``'s arrays: each construction
+    draws its own uniform start (encoded into ``z`` for derived weights, as ``accum`` starts > 0)."""
+    with torch.no_grad():
+        for name in ("weights_dev", "accum_dev", "linear_dev"):
+            getattr(dst, name).copy_(getattr(src, name))
+    dst.reset_cache_states()
+
+
 def _assert_tables_bitwise(a, b, what):
     for x, y in zip(a.split_optimizer_states(), b.split_optimizer_states()):
         assert torch.equal(bits(x[0]), bits(y[0])) and torch.equal(bits(x[1]), bits(y[1])), f"{what}: states"
@@ -404,10 +413,7 @@ def test_cuda_cached_layout_trains_bitwise_like_hbm(weights, accumulator, states
     in HBM over 6 Zipf steps: each output, then the weights and states, bit for bit."""
     hbm = _tbe(EmbeddingLocation.DEVICE, weights, accumulator, states)
     cached = _tbe(EmbeddingLocation.MANAGED_CACHING, weights, accumulator, states, **kw)
-    with torch.no_grad():
-        for name in ("weights_dev", "accum_dev", "linear_dev"):
-            getattr(cached, name).copy_(getattr(hbm, name))
-    cached.reset_cache_states()
+    _copy_tables(hbm, cached)
     prefetch = bool(kw.get("prefetch_pipeline"))
     batches = _batches(6)
     assert _distinct_rows(batches) > 2 * cached.cache.slots   # rows were evicted, dirty ones written back
@@ -427,6 +433,7 @@ def test_cuda_cached_derived_table_reads_writes_resets_and_checkpoints(accumulat
     hbm = _tbe(EmbeddingLocation.DEVICE, "derived", accumulator, SparseType.FP32)
     cached = _tbe(EmbeddingLocation.MANAGED_CACHING, "derived", accumulator, SparseType.FP32,
                   cache_load_factor=0.05)
+    _copy_tables(hbm, cached)
     batches = _batches(6, seed=2)
     for batch in batches[:2]:
         _step(cached, batch), _step(hbm, batch)

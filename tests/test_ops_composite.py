@@ -12,10 +12,12 @@ import pytest
 import torch
 import torch.nn.functional as Fn
 
-from conftest import REPO, bits, reference_forward
+from conftest import REPO, assert_same_bits, bits, reference_forward, tbe_state
 from reference import ftrl_reference_step, ftrl_reference_step_rowwise, ftrl_reference_weight
-from torchrec_ftrl.fbgemm_enums import PoolingMode
-from torchrec_ftrl.kernels import cpp_backend
+from torchrec_ftrl import FTRLTableBatchedEmbeddingBags
+from torchrec_ftrl.fbgemm_enums import PoolingMode, SparseType
+from torchrec_ftrl.kernels import composite, cpp_backend
+from torchrec_ftrl.kernels.ops import NAMESPACE
 
 ops = torch.ops.torchrec_ftrl
 COMPOSITE = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd)
@@ -270,3 +272,34 @@ def test_cpu_without_its_kernel_runs_the_composite(tmp_path):
     assert "opcheck passed" in p.stdout
     for e, g in zip(expected, torch.load(path)):
         assert torch.equal(bits(e), bits(g))
+
+
+@pytest.mark.filterwarnings("ignore:Warning only once:UserWarning")   # the CPU kernel overridden
+@pytest.mark.parametrize("weights,accumulator,state_dtype", [
+    ("stored", "elementwise", SparseType.FP32), ("derived", "rowwise", SparseType.BF16)])
+def test_tbe_through_the_composite_ops_trains_as_backend_torch(weights, accumulator, state_dtype):
+    """The TBE's own batches (per-sample weights, MEAN, duplicates, an empty bag), passed to the ops
+    by the "cpp" backend with the composite standing in for the compiled kernel, train bit for bit as
+    ``backend="torch"``: the ops' arguments mean to the composite what the TBE's batch means to the
+    PyTorch backend."""
+    idx = torch.tensor([3, 7, 7, 32, 9, 0, 5, 5])
+    off = torch.tensor([0, 2, 3, 3, 5, 6, 8])          # 3 features x 2 bags
+    psw = torch.linspace(0.5, 1.5, idx.numel())
+
+    def train(backend):
+        torch.manual_seed(0)
+        m = FTRLTableBatchedEmbeddingBags(
+            [(50, 8), (40, 16)], feature_table_map=[0, 1, 1], pooling_mode=PoolingMode.MEAN,
+            learning_rate=0.3, ftrl_l1_reg=0.01, ftrl_beta=0.5, ftrl_l2_shrinkage=0.02,
+            ftrl_initial_accumulator_value=0.1, backend=backend, ftrl_weights=weights,
+            ftrl_accumulator=accumulator, optimizer_state_dtypes={"accum": state_dtype, "linear": state_dtype})
+        for _ in range(2):
+            out = m(idx, off, per_sample_weights=psw)
+            out.backward(torch.linspace(-1.0, 1.0, out.numel()).view_as(out))
+        return tbe_state(m)
+
+    with torch.library._scoped_library(NAMESPACE, "IMPL") as lib:
+        for name in ("tbe_forward", "tbe_count_invalid", "tbe_backward_update_"):
+            lib.impl(name, getattr(composite, name), "CPU")
+        via_ops = train("cpp")
+    assert_same_bits(train("torch"), via_ops)

@@ -45,7 +45,6 @@ def _batch(table_w_offset, table_dim, table_rows, feature_table, bag_feature, ba
         step=None if step is None else torch.full((1,), step, dtype=torch.int64))
 
 
-@torch.library.impl(f"{NAMESPACE}::tbe_forward", DISPATCH_KEY)
 def tbe_forward(weights, accum, linear, rowwise, table_w_offset, table_dim, feature_table, bag_feature,
                 bag_out_offset, indices, offsets, per_sample_weights, pooling_mode, max_D, table_row_base,
                 lr, neg_power, l1, l2, beta, shrink2, out_numel, out_dtype):
@@ -56,13 +55,11 @@ def tbe_forward(weights, accum, linear, rowwise, table_w_offset, table_dim, feat
     return torch_backend.forward(TableArrays(weights, accum, linear, rowwise), batch, out_dtype, hp)
 
 
-@torch.library.impl(f"{NAMESPACE}::tbe_count_invalid", DISPATCH_KEY)
 def tbe_count_invalid(table_rows, feature_table, bag_feature, indices, offsets):
     """``tbe_count_invalid`` (:mod:`.ops`): int64 ``[1]``, by :func:`torchrec_ftrl.bounds_check.count_invalid`."""
     return count_invalid(table_rows, feature_table, bag_feature, indices, offsets).reshape(1)
 
 
-@torch.library.impl(f"{NAMESPACE}::tbe_backward_update_", DISPATCH_KEY)
 def tbe_backward_update_(weights, accum, linear, rowwise, table_w_offset, table_dim, table_rows,
                          feature_table, bag_feature, bag_out_offset, indices, offsets, per_sample_weights,
                          pooling_mode, max_D, grad_out, lr, neg_power, l1, l2, beta, shrink2,
@@ -76,3 +73,7 @@ def tbe_backward_update_(weights, accum, linear, rowwise, table_w_offset, table_
     hp = KernelScalars(lr, neg_power, l1, l2, beta, shrink2).to_hyperparams()
     torch_backend.backward_update_(TableArrays(weights, accum, linear, rowwise), batch, None, grad_out,
                                    hp, nonfinite_rows)
+
+
+for _impl in (tbe_forward, tbe_count_invalid, tbe_backward_update_):
+    torch.library.impl(f"{NAMESPACE}::{_impl.__name__}", DISPATCH_KEY, _impl)

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as Fn
 
-from conftest import REPO, assert_same_bits, bits, reference_forward, tbe_state
+from conftest import REPO, assert_same_bits, bits, cuda, needs_cuda, reference_forward, tbe_state
 from reference import ftrl_reference_step, ftrl_reference_step_rowwise, ftrl_reference_weight
 from torchrec_ftrl import FTRLTableBatchedEmbeddingBags
 from torchrec_ftrl.fbgemm_enums import PoolingMode, SparseType
@@ -27,10 +27,11 @@ KNOBS = dict(lr=0.5, lr_power=-0.5, l1=0.01, l2=0.02, beta=0.3, l2_shrinkage=0.0
 SCALARS = (KNOBS["lr"], -KNOBS["lr_power"], KNOBS["l1"], 2 * KNOBS["l2"], KNOBS["beta"],
            2 * KNOBS["l2_shrinkage"])         # KernelScalars of KNOBS, written out ("tensorflow" L2)
 LAYOUTS = [(w, a) for w in ("stored", "derived") for a in ("elementwise", "rowwise")]
-POOLINGS = [PoolingMode.SUM, PoolingMode.MEAN, PoolingMode.NONE]
+BATCHES = [(p, psw) for p in (PoolingMode.SUM, PoolingMode.MEAN) for psw in (False, True)] + [
+    (PoolingMode.NONE, False)]                      # (pooling, per-sample weights)
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="module")
 def cpu_kernel():
     cpp_backend.load_extension()
 
@@ -73,7 +74,7 @@ def _update_args(state, layout, b, grad_out, nonfinite, step=0):
 
 
 def _grad_out(b) -> torch.Tensor:
-    return torch.linspace(-1.0, 1.5, b["out_numel"])
+    return torch.linspace(-1.0, 1.5, b["out_numel"], device=b["indices"].device)
 
 
 def _train(state, layout, b, call):
@@ -81,7 +82,7 @@ def _train(state, layout, b, call):
     the non-finite row count."""
     state = tuple(None if s is None else s.clone() for s in state)
     out = call(ops.tbe_forward.default, *_forward_args(state, layout, b))
-    nonfinite = torch.zeros(1, dtype=torch.int64)
+    nonfinite = torch.zeros(1, dtype=torch.int64, device=out.device)
     call(ops.tbe_backward_update_.default, *_update_args(state, layout, b, _grad_out(b), nonfinite))
     return [out, *[s for s in state if s is not None], nonfinite]
 
@@ -144,29 +145,35 @@ def _reference(state, layout, b):
     return out.detach().numpy(), new
 
 
-@pytest.mark.parametrize("psw", [False, True], ids=["plain", "psw"])
-@pytest.mark.parametrize("pooling", POOLINGS, ids=lambda p: p.name)
+@pytest.mark.usefixtures("cpu_kernel")
+@pytest.mark.parametrize("pooling,psw", BATCHES, ids=lambda x: x.name if isinstance(x, PoolingMode) else
+                         ("psw" if x else "plain"))
 @pytest.mark.parametrize("layout", LAYOUTS, ids="-".join)
 def test_composite_equals_cpu_kernel_and_reference(layout, pooling, psw):
     """Bitwise the compiled kernel's forward and update, but for two sums the kernel rounds in
     another order: a MEAN bag (the kernel sums, then scales by 1/L; PyTorch scales each row) and a
     row-wise accum's sum of g^2 (the kernel's 16 fixed lanes; ``torch.mean``'s reduction): there a
     few ulps. Both close to the float64 reference."""
-    if psw and pooling == PoolingMode.NONE:
-        pytest.skip("per-sample weights need pooling")
     b = _batch(pooling, psw)
     state = _state(layout)
     expected = _train(state, layout, b, _by_dispatch)
     got = _train(state, layout, b, _by_composite)
-    expected[0], got[0] = _defined(expected[0], b), _defined(got[0], b)
     for i, (e, g) in enumerate(zip(expected, got)):
         is_output = i == 0
+        if is_output:
+            e, g = _defined(e, b), _defined(g, b)
         if (pooling == PoolingMode.MEAN) if is_output else (layout[1] == "rowwise"):
             torch.testing.assert_close(g, e, rtol=2e-6, atol=1e-6)   # another rounding order
         else:
             assert e.dtype == g.dtype and torch.equal(bits(e), bits(g)), i
+    _assert_close_to_reference(got, state, layout, b)
+
+
+def _assert_close_to_reference(got, state, layout, b):
+    """``got`` (:func:`_train`'s list) within fp32 tolerances of the float64 :func:`_reference`."""
+    got = [t.cpu() for t in got]
     ref_out, ref_tables = _reference(state, layout, b)
-    np.testing.assert_allclose(got[0].numpy(), _defined(torch.from_numpy(ref_out), b).numpy(),
+    np.testing.assert_allclose(_defined(got[0], b).numpy(), _defined(torch.from_numpy(ref_out), b).numpy(),
                                rtol=1e-5, atol=1e-6)
     arrays = got[1:-1]                             # [weights?], accum, linear after the update
     names = (["weights"] if layout[0] == "stored" else []) + ["accum", "linear"]
@@ -179,6 +186,7 @@ def test_composite_equals_cpu_kernel_and_reference(layout, pooling, psw):
     assert int(got[-1]) == 0
 
 
+@pytest.mark.usefixtures("cpu_kernel")
 def test_composite_skips_and_counts_nonfinite_rows_like_cpu_kernel():
     layout = ("stored", "elementwise")
     b = _batch(PoolingMode.SUM, False)
@@ -196,6 +204,7 @@ def test_composite_skips_and_counts_nonfinite_rows_like_cpu_kernel():
         assert torch.equal(bits(e), bits(g))
 
 
+@pytest.mark.usefixtures("cpu_kernel")
 def test_composite_bf16_states_round_like_cpu_kernel():
     """A bf16 state: the composite's stochastic rounding (``state_dtype``) gives the kernel's bits."""
     layout = ("derived", "elementwise")
@@ -214,6 +223,7 @@ def test_composite_bf16_states_round_like_cpu_kernel():
         assert torch.equal(bits(e), bits(g))
 
 
+@pytest.mark.usefixtures("cpu_kernel")
 def test_composite_count_invalid():
     b = _batch(PoolingMode.SUM, False)
     args = (b["table_rows"], b["feature_table"], b["bag_feature"])
@@ -303,3 +313,19 @@ def test_tbe_through_the_composite_ops_trains_as_backend_torch(weights, accumula
             lib.impl(name, getattr(composite, name), "CPU")
         via_ops = train("cpp")
     assert_same_bits(train("torch"), via_ops)
+
+
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("pooling,psw", BATCHES[1:4:2], ids=["SUM-psw", "MEAN-psw"])
+@pytest.mark.parametrize("layout", LAYOUTS, ids="-".join)
+def test_ops_on_cuda_tensors_run_the_composite(layout, pooling, psw):
+    """CUDA tensors: the ops have no CUDA kernel of their own (the Triton backend registers its own
+    ops), so the dispatcher runs the composite there; close to the float64 reference."""
+    assert not torch._C._dispatch_has_kernel_for_dispatch_key(f"{NAMESPACE}::tbe_forward", "CUDA")
+    b = _batch(pooling, psw)
+    state = _state(layout)
+    on_cuda = {k: v.cuda() if torch.is_tensor(v) else v for k, v in b.items()}
+    got = _train(tuple(None if s is None else s.cuda() for s in state), layout, on_cuda, _by_dispatch)
+    assert all(t.is_cuda for t in got)
+    _assert_close_to_reference(got, state, layout, b)

@@ -232,6 +232,7 @@ def test_composite_count_invalid():
     bad[0], bad[5] = ROWS[0], -1                   # one past table 0's rows; a negative row of table 1
     for call in (_by_dispatch, _by_composite):
         assert call(ops.tbe_count_invalid.default, *args, bad, b["offsets"]).tolist() == [2]
+        assert call(ops.tbe_count_invalid.default, *args, b["indices"], b["offsets"][:0]).tolist() == [1]
 
 
 def test_bad_knob_is_refused_by_name():

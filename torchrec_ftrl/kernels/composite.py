@@ -48,7 +48,11 @@ def _batch(table_w_offset, table_dim, table_rows, feature_table, bag_feature, ba
 def tbe_forward(weights, accum, linear, rowwise, table_w_offset, table_dim, feature_table, bag_feature,
                 bag_out_offset, indices, offsets, per_sample_weights, pooling_mode, max_D, table_row_base,
                 lr, neg_power, l1, l2, beta, shrink2, out_numel, out_dtype):
-    """``tbe_forward`` (schema and shapes: :mod:`.ops`) by :func:`.torch_backend.forward`."""
+    """``tbe_forward`` (schema and shapes: :mod:`.ops`) by :func:`.torch_backend.forward`.
+
+    Raises:
+        ValueError: a knob :class:`~torchrec_ftrl.hyperparams.FTRLHyperparams` refuses (e.g. ``lr <= 0``).
+    """
     batch = _batch(table_w_offset, table_dim, None, feature_table, bag_feature, bag_out_offset, indices,
                    offsets, per_sample_weights, pooling_mode, max_D, table_row_base, out_numel)
     hp = KernelScalars(lr, neg_power, l1, l2, beta, shrink2).to_hyperparams()
@@ -56,7 +60,10 @@ def tbe_forward(weights, accum, linear, rowwise, table_w_offset, table_dim, feat
 
 
 def tbe_count_invalid(table_rows, feature_table, bag_feature, indices, offsets):
-    """``tbe_count_invalid`` (:mod:`.ops`): int64 ``[1]``, by :func:`torchrec_ftrl.bounds_check.count_invalid`."""
+    """``tbe_count_invalid`` (:mod:`.ops`): int64 ``[1]``, by :func:`torchrec_ftrl.bounds_check.count_invalid`;
+    empty ``offsets`` (no ``offsets[0]``) count as one problem, as in the compiled kernel."""
+    if offsets.numel() == 0:
+        return torch.ones(1, dtype=torch.int64, device=indices.device)
     return count_invalid(table_rows, feature_table, bag_feature, indices, offsets).reshape(1)
 
 
@@ -65,7 +72,12 @@ def tbe_backward_update_(weights, accum, linear, rowwise, table_w_offset, table_
                          pooling_mode, max_D, grad_out, lr, neg_power, l1, l2, beta, shrink2,
                          nonfinite_rows, step):
     """``tbe_backward_update_`` (:mod:`.ops`) by :func:`.torch_backend.backward_update_`; the table
-    row bases ``cumsum(table_rows) - table_rows`` (:class:`~.layout.TBEBatch`)."""
+    row bases ``cumsum(table_rows) - table_rows`` (:class:`~.layout.TBEBatch`).
+
+    Raises:
+        ValueError: a knob :class:`~torchrec_ftrl.hyperparams.FTRLHyperparams` refuses; nothing is
+            written then.
+    """
     table_row_base = torch.cumsum(table_rows, 0) - table_rows
     batch = _batch(table_w_offset, table_dim, table_rows, feature_table, bag_feature, bag_out_offset,
                    indices, offsets, per_sample_weights, pooling_mode, max_D, table_row_base,

@@ -1,7 +1,8 @@
 """The PyTorch fallback of ``torch.ops.torchrec_ftrl.*`` (torchrec_ftrl/kernels/composite.py), the ops'
-``CompositeExplicitAutograd`` implementations: bitwise equal to the compiled CPU kernel and close to a
-float64 reference for every fp32 row layout, pooling mode and per-sample weights; what the dispatcher
-runs on a CPU without the compiled kernel; ``opcheck`` of that path."""
+``CompositeExplicitAutograd`` implementations: against the compiled CPU kernel (bitwise but for two
+sums rounded in another order) and a float64 reference for every fp32 row layout, pooling mode and
+per-sample weights; bf16 states; what the dispatcher runs on a CPU without the compiled kernel and on
+CUDA tensors; ``opcheck`` of that path; the TBE's batches through the composite as ``backend="torch"``."""
 
 import os
 import subprocess

@@ -105,3 +105,13 @@ def test_kernel_scalars(conv, l2):
     # the C++ / Triton argument order: lr, -p, l1, L2 of q, beta, 2 * shrinkage
     assert tuple(ks) == (0.2, 0.3, 0.5, l2, 0.75, 0.25)
     assert ks._fields == ("lr", "neg_power", "l1", "l2", "beta", "shrink2")
+
+
+def test_kernel_scalars_to_hyperparams():
+    """The knobs of the scalars (the PyTorch fallback of the ops computes with them): every value the
+    rule reads, with the scalars' L2 term as the "mcmahan" L2."""
+    hp = KernelScalars(lr=0.2, neg_power=0.3, l1=0.5, l2=3.0, beta=0.75, shrink2=0.25).to_hyperparams()
+    assert (hp.learning_rate, hp.learning_rate_power, hp.l1_reg, hp.l2_effective, hp.beta,
+            hp.l2_shrinkage) == (0.2, -0.3, 0.5, 3.0, 0.75, 0.125)
+    with pytest.raises(ValueError, match=r"learning_rate \(lr\) must be > 0 .*got -0.2"):
+        KernelScalars(-0.2, 0.5, 0.0, 0.0, 0.0, 0.0).to_hyperparams()

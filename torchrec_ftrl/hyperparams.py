@@ -138,6 +138,18 @@ class KernelScalars(NamedTuple):
     beta: float
     shrink2: float
 
+    def to_hyperparams(self) -> FTRLHyperparams:
+        """The knobs these scalars are of, for the rule functions of :mod:`torchrec_ftrl.rule` (which
+        compute bit for bit the same from either): the L2 term as ``l2_convention="mcmahan"``
+        (``l2_effective == l2``), ``initial_accumulator_value`` 0 (the scalars do not carry it).
+
+        Raises:
+            ValueError: a scalar :class:`FTRLHyperparams` refuses, naming its knob and value.
+        """
+        return FTRLHyperparams(learning_rate=self.lr, learning_rate_power=-self.neg_power,
+                               l1_reg=self.l1, l2_reg=self.l2, beta=self.beta,
+                               l2_shrinkage=self.shrink2 / 2.0, l2_convention="mcmahan")
+
 
 def parse_options(options: Optional[Mapping[str, Any]], *, base: Optional[FTRLHyperparams] = None,
                   strict: bool = False, where: str = "options") -> FTRLHyperparams:

@@ -2,7 +2,10 @@
 implementations, stated once here.
 
 Kernels attach by dispatch key: the compiled CPU kernel (``csrc/ftrl_tbe_cpu.cpp``, loaded by
-:func:`torchrec_ftrl.kernels.cpp_backend.load_extension`) registers the ``CPU`` implementation of each.
+:func:`torchrec_ftrl.kernels.cpp_backend.load_extension`) registers the ``CPU`` implementation of each;
+the vectorised PyTorch backend is the ``CompositeExplicitAutograd`` implementation of each
+(:mod:`.composite`), which runs on every device without a kernel of its own (e.g. the CPU when the
+compiled kernel is not loaded).
 The Meta implementations give shapes and dtypes only, so the ops run under fake tensors and
 ``torch.compile`` traces them without a graph break. Arguments follow the batch layout of
 :mod:`torchrec_ftrl.kernels.layout` (int64 index tensors, flat buffers).

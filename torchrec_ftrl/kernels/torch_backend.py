@@ -1,7 +1,8 @@
 """Vectorised PyTorch implementation of the FTRL TBE forward and fused backward + update.
 
 The fallback where the compiled CPU kernel cannot be built, and the readable statement of what the
-compiled and Triton kernels compute. Implements :class:`~torchrec_ftrl.kernels.backend.Backend`; the
+compiled and Triton kernels compute; also the ops' implementation on devices without a kernel of
+their own (:mod:`.composite`). Implements :class:`~torchrec_ftrl.kernels.backend.Backend`; the
 per-sample-weight gradient here serves the other backends too.
 """
 

@@ -304,9 +304,9 @@ def tune_forward(T, E, B, L, batches_by_dist, log):
 
 # --tune-layouts: the launch settings swept per lean row layout (segment_update_kernel's elements per
 # step; then the forward's (elements per step, eviction)), one group after the other. The indices per
-# bag in flight are the stored table's; the gradient rows in flight of a row-wise accum are swept
-# with the elements per step (TUNING["rows"], shared by the layout's stored twin; the element-wise
-# layouts keep the stored table's), see triton_backend.TUNING's comment.
+# bag in flight are the stored table's; the gradient rows in flight are swept with the elements per
+# step (TUNING["rows"], shared by the layout's stored twin), except for fp32 element-wise state,
+# whose twin is the default layout (tuned by --tune), see triton_backend.TUNING's comment.
 LAYOUT_SEG_GRID = ((4096,), (1024,), (2048,), (8192,))
 LAYOUT_ROWS_GRID = (4, 2, 1)
 LAYOUT_FWD_GRID = ((1024, ""), (512, ""), (2048, ""), (4096, ""), (512, "evict_last"))
@@ -314,10 +314,10 @@ TUNE_LAYOUT_METHODS = ("ours_derived_elementwise_fp32", "ours_derived_elementwis
                        "ours_derived_rowwise_fp32", "ours_derived_rowwise_bf16")
 
 
-def _layout_grid(rowwise: bool) -> list:
-    """``(group, setting)`` pairs swept for one layout: ``("seg_launch", (tile,))`` or, row-wise,
+def _layout_grid(with_rows: bool) -> list:
+    """``(group, setting)`` pairs swept for one layout: ``("seg_launch", (tile,))`` or, with rows,
     ``("seg_launch", ((tile,), rows))``, then ``("fwd", (tile, eviction))``."""
-    seg = ([(cfg, rows) for rows in LAYOUT_ROWS_GRID for cfg in LAYOUT_SEG_GRID] if rowwise
+    seg = ([(cfg, rows) for rows in LAYOUT_ROWS_GRID for cfg in LAYOUT_SEG_GRID] if with_rows
            else list(LAYOUT_SEG_GRID))
     return [("seg_launch", cfg) for cfg in seg] + [("fwd", cfg) for cfg in LAYOUT_FWD_GRID]
 
@@ -341,6 +341,7 @@ def tune_layouts(args, log) -> dict:
         arr = mod.table_arrays
         key = triton_backend.tuning_key(arr.weights is None, arr.rowwise, arr.accum, arr.linear)
         twin = key.split("/", 1)[1]
+        with_rows = twin != "elementwise/fp32/fp32"
         step = tbe_step(mod, grad)
         own = tuning["layouts"].setdefault(key, {})
         sweep, best = [], {}
@@ -348,13 +349,13 @@ def tune_layouts(args, log) -> dict:
         def step_ms(step=step):
             return sum(time_steps(step, bl, 2, 8) for bl in lists)
 
-        def apply(group, cfg, rowwise=arr.rowwise):
-            if group == "seg_launch" and rowwise:
+        def apply(group, cfg, with_rows=with_rows):
+            if group == "seg_launch" and with_rows:
                 cfg, tuning["rows"][twin] = cfg
             own[group] = cfg
 
         step_ms()   # compile + first timing after building a module: discarded
-        for group, cfg in _layout_grid(arr.rowwise):
+        for group, cfg in _layout_grid(with_rows):
             if group == "fwd" and "seg_launch" in best:
                 apply("seg_launch", best.pop("seg_launch")[1])
             apply(group, cfg)

@@ -89,9 +89,9 @@ TUNING = {"fwd": {256: (1024, 4, ""), 512: (1024, 4, ""), 1024: (1024, 4, "")},
           "seg_launch": {32: (4096, 4), 64: (4096, 4, 40), 128: (4096, 4), 256: (4096, 4, 40),
                          512: (4096, 4)},
           "layouts": {"derived/elementwise/bf16/bf16": {"fwd": (512, "")},
-                      "derived/rowwise/fp32/fp32": {"fwd": (512, ""), "seg_launch": (1024,)},
-                      "derived/rowwise/bf16/bf16": {"fwd": (512, ""), "seg_launch": (2048,)}},
-          "rows": {},
+                      "derived/rowwise/fp32/fp32": {"fwd": (512, ""), "seg_launch": (2048,)},
+                      "derived/rowwise/bf16/bf16": {"fwd": (512, "evict_last"), "seg_launch": (2048,)}},
+          "rows": {"rowwise/fp32/fp32": 2, "rowwise/bf16/bf16": 2},
           "combine_cp": 16, "combine_nb": 64, "linearize": (64, 8, 4), "block": 1024,
           "repair_block": 1024, "lookback": 32}
 

@@ -152,6 +152,7 @@ def main(argv=None):
     ap.add_argument("--skip", default="", help="comma list of step numbers (1-9) to leave out")
     ap.add_argument("--lean", default="ftrl_derived_bf16,ftrl_derived_rowwise",
                     help=f"step 9's layouts, from {sorted(LEAN)}")
+    ap.add_argument("--lean-batches", default=None, help="step 9's batches (default: --batches)")
     a = ap.parse_args(argv)
     b = Bench(a)
     skip = {int(x) for x in a.skip.split(",") if x}
@@ -226,7 +227,7 @@ def main(argv=None):
         lean = [x for x in a.lean.split(",") if x]
         for name in lean:
             plan(name)
-        for batch in (small, big):
+        for batch in (int(x) for x in (a.lean_batches or a.batches).split(",")):
             b.job(f"full_rowwise_adagrad_{batch}", rwa, batch)
             for name in lean:
                 if (plans.get(name) or {}).get("fits"):

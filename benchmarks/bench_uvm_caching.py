@@ -39,7 +39,7 @@ How:
   measured at the start of the same run (PCIe is full duplex): the share of the rate the modelled
   bytes need in the measured step time, and the floor time (bytes / rate). A share above 100%
   means the model counts bytes that did not cross the link; such a row is flagged.
-* ``--profile``: the kernel-time breakdown of a few steady steps of ours and ours_bf16 (Zipf,
+* ``--profile``: the kernel-time breakdown of a few steady steps of every cached method (Zipf,
   load factor 0.2, or the first one given).
 * ``--methods`` also takes ours in the lean row layouts (``LEAN_METHODS``: derived weights,
   element-wise or row-wise ``accum``, fp32 or bf16 state): an inserted or evicted row moves the
@@ -461,8 +461,9 @@ def measure(m, method, lf, stream, args, profile=False):
                    row_bytes=row_bytes(method, args.D), uvm_state_bytes_per_row=uvm_state_bytes(method, args.D))
         row.update(traffic_report(method, args.D, c, row["ms"], args.rates["h2d"], args.rates["d2h"]))
     if profile:
-        from bench_tbe_cuda import kernel_ms_per_step
+        from bench_tbe_cuda import device_ms, kernel_ms_per_step
         row["kernels_ms_per_step"] = kernel_ms_per_step(step, [stream.next() for _ in range(3)])
+        row["device_ms_per_step"] = device_ms(step, [stream.next() for _ in range(3)])
     return row
 
 
@@ -530,7 +531,7 @@ def main(argv=None) -> None:
                     log(dict(method=method, dist=dist, load_factor=lf, skipped="skipped: --time-budget"))
                     continue
                 try:
-                    prof = args.profile and method in ("ours", "ours_bf16") + LEAN_METHODS and dist == "zipf" and lf == profile_lf
+                    prof = args.profile and dist == "zipf" and lf == profile_lf
                     row = measure(m, method, lf, stream_of(dist), args, prof)
                     row["build_s"] = build_s
                 except Exception as exc:  # noqa: BLE001

@@ -30,12 +30,11 @@ from bench_tbe_cuda import LABELS, build_fbgemm, build_ours, make_batches  # noq
 from torchrec_ftrl.fbgemm_enums import BoundsCheckMode, SparseType  # noqa: E402
 from torchrec_ftrl.kernels import launch, triton_backend  # noqa: E402
 
-METHODS = ("ours", "ours_fatal", "ours_triton_run", "ours_private_run", "ours_torch_sort", "ours_graph",
+METHODS = ("ours", "ours_fatal", "ours_triton_run", "ours_torch_sort", "ours_graph",
            "fbgemm_adam", "fbgemm_rowwise_adagrad", "fbgemm_sgd")
 OWN_LABELS = {"ours_graph": "torchrec_ftrl FTRL (Triton), CUDA graph replay",
               "ours_torch_sort": "torchrec_ftrl FTRL (Triton), torch.sort instead of FBGEMM's sort",
               "ours_triton_run": "torchrec_ftrl FTRL (Triton), every launch through JITFunction.run",
-              "ours_private_run": "torchrec_ftrl FTRL (Triton), CompiledKernel.run called directly",
               "ours_fatal": "torchrec_ftrl FTRL (Triton), bounds check FATAL (the TBE's default)"}
 
 
@@ -72,20 +71,6 @@ def triton_run_step(module, batches, grad):
             inner(i)
         finally:
             launch.ENABLED = True
-    return step
-
-
-def private_run_step(module, batches, grad):
-    """:func:`eager_step` with the direct launcher calling ``CompiledKernel.run`` itself (Triton's
-    private entry point) instead of the public ``compiled[grid](*args)``, to measure what it saves."""
-    inner = eager_step(module, batches, grad)
-
-    def step(i):
-        launch.PRIVATE_RUN = True
-        try:
-            inner(i)
-        finally:
-            launch.PRIVATE_RUN = False
     return step
 
 
@@ -158,11 +143,10 @@ def main() -> None:
         if m == "ours_graph":
             modules[m] = build_ours(a.T, a.E, a.D, SparseType.FP32)
             steps[m] = graph_step(modules[m], batches, grad)
-        elif m in ("ours", "ours_fatal", "ours_torch_sort", "ours_triton_run", "ours_private_run"):
+        elif m in ("ours", "ours_fatal", "ours_torch_sort", "ours_triton_run"):
             fatal = dict(bounds_check_mode=BoundsCheckMode.FATAL) if m == "ours_fatal" else {}
             modules[m] = build_ours(a.T, a.E, a.D, SparseType.FP32, **fatal)
-            make = {"ours_torch_sort": torch_sort_step, "ours_triton_run": triton_run_step,
-                    "ours_private_run": private_run_step}.get(m, eager_step)
+            make = {"ours_torch_sort": torch_sort_step, "ours_triton_run": triton_run_step}.get(m, eager_step)
             steps[m] = make(modules[m], batches, grad)
         else:
             modules[m] = build_fbgemm(a.T, a.E, a.D, SparseType.FP32, m)

@@ -13,14 +13,10 @@ launch = pytest.importorskip("torchrec_ftrl.kernels.launch")
 
 
 class _Compiled:
-    """Stands in for a ``CompiledKernel``: records each public launch ``compiled[grid](*args)`` and
-    each direct ``run``."""
+    """Stands in for a ``CompiledKernel``: records each launch ``compiled[grid](*args)``."""
 
     def __init__(self):
-        self.function, self.packed_metadata, self.runs, self.launches = "fn", "meta", [], []
-
-    def run(self, *args):
-        self.runs.append(args)
+        self.launches = []
 
     def __getitem__(self, grid):
         return lambda *args: self.launches.append((grid, args))
@@ -51,7 +47,6 @@ class _Kernel:
 @pytest.fixture
 def launcher(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(launch, "_raw_stream", lambda device: 1234)
     k = _Kernel()
     return k, launch.DirectLauncher(k)
 
@@ -66,17 +61,7 @@ def test_second_launch_of_a_specialisation_skips_the_jit_and_passes_every_argume
     compiled = k.jit_calls[0][3]
     # Triton's public launch of the compiled kernel: the grid padded to 3-D, then the arguments in
     # signature order with the constexpr tail (keywords, then defaults)
-    assert compiled.launches == [((5, 2, 1), (x, 117, 48, 1.5, 64, 7))] and compiled.runs == []
-
-
-def test_private_run_passes_the_raw_stream_and_no_hooks(launcher, monkeypatch):
-    k, dl = launcher
-    monkeypatch.setattr(launch, "PRIVATE_RUN", True)
-    x = torch.zeros(8)
-    dl[(3,)](x, 100, 32, 0.5, BLOCK=64)
-    dl[(5, 2)](x, 117, 48, 1.5, BLOCK=64)
-    compiled = k.jit_calls[0][3]
-    assert compiled.runs == [(5, 2, 1, 1234, "fn", "meta", None, None, None, x, 117, 48, 1.5, 64, 7)]
+    assert compiled.launches == [((5, 2, 1), (x, 117, 48, 1.5, 64, 7))]
 
 
 @pytest.mark.parametrize("change", ["dtype", "unaligned", "int_one", "int_not_16", "int_wide", "meta",

@@ -86,22 +86,11 @@ class DirectLauncher:
                 self._compiled[key] = (compiled, tail)
             return
         compiled, tail = entry
-        grid = tuple(grid) + (1,) * (3 - len(grid))
-        if PRIVATE_RUN:
-            compiled.run(*grid, _raw_stream(device), compiled.function, compiled.packed_metadata,
-                         None, None, None, *args, *tail)
-        else:
-            compiled[grid](*args, *tail)
-
-
-def _raw_stream(device: int) -> int:
-    """The current CUDA stream of ``device`` as a raw handle (what Triton's driver reads)."""
-    return torch._C._cuda_getCurrentRawStream(device)
+        compiled[tuple(grid) + (1,) * (3 - len(grid))](*args, *tail)
 
 
 _launchers: dict = {}
 ENABLED = True   # False: every launch goes through JITFunction.run (benchmarks compare the two)
-PRIVATE_RUN = False   # True: CompiledKernel.run called directly, no hooks (bench_host compares)
 
 
 def direct(kernel: Any) -> Any:

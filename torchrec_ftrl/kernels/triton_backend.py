@@ -373,6 +373,29 @@ def _backward_cached_impl(weights: Optional[torch.Tensor], accum: torch.Tensor, 
                       cache_locations, cache_weights, (cache_accum, cache_linear), rowwise)
 
 
+def _mark_segments(key, gofs, scale, tid, cache_locations, total_rows: int, SEG: int, has_scale: bool,
+                   even_d: bool):
+    """The linearised batch sorted by row key (``perm``: :func:`_sort_positions`) and cut into
+    segments by :func:`.triton_backward.segment_mark_kernel`: run starts, plus cuts every ``SEG``
+    positions inside long runs, compacted on the device in the same pass. Returns ``(sorted_key,
+    sgofs, sscale, stid, sloc, seg, count)``: the sorted arrays (``sloc`` the cache slots, or
+    ``tid`` when uncached), the segment starts, and the segment count as a device tensor ``[1]``."""
+    N, dev = key.numel(), key.device
+    BLOCK = int(TUNING["block"])
+    perm = _sort_positions(key, total_rows)
+    sorted_key, sgofs, sscale, stid = (torch.empty_like(t) for t in (key, gofs, scale, tid))
+    cached = cache_locations is not None
+    sloc = torch.empty_like(cache_locations) if cached else tid
+    seg = torch.empty(N + 1, dtype=torch.int32 if N < 2 ** 31 - 1 else torch.int64, device=dev)
+    tiles = _cdiv(N, BLOCK)
+    ws = torch.zeros(tiles + 2, dtype=torch.int64, device=dev)   # tile tickets, statuses, count
+    _k(segment_mark_kernel)[(tiles,)](
+        key, perm, gofs, scale, tid, cache_locations if cached else tid, sorted_key, sgofs, sscale,
+        stid, sloc, seg, ws, N, tiles, SEG=SEG, HAS_SCALE=has_scale, HAS_TID=not even_d,
+        CACHED=cached, BLOCK=BLOCK, LOOKBACK=int(TUNING["lookback"]), num_warps=4)
+    return sorted_key, sgofs, sscale, stid, sloc, seg, ws[tiles + 1:]
+
+
 def _backward_kernels(weights, accum, linear, nonfinite_rows, grad, indices, offsets, bag_feature,
                       bag_out_offset, feature_table, table_w_offset, table_dim, table_rows, row_base,
                       check, lin_key, lin_gofs, lin_scale, lin_tid, per_sample_weights, pooling_mode,
@@ -388,8 +411,6 @@ def _backward_kernels(weights, accum, linear, nonfinite_rows, grad, indices, off
     BLOCK_D = _block_d(max_D)
     seg = TUNING["seg"]
     SEG = max(1, int(_nearest(seg, BLOCK_D) if isinstance(seg, dict) else seg))
-    BLOCK = int(TUNING["block"])
-    i32_max = 2 ** 31 - 1
     has_scale = _has_scale(per_sample_weights, pooling_mode)[1]
     if lin_key is None or lin_gofs is None or lin_scale is None or lin_tid is None:
         # Not linearised by the training forward: do it here (offsets repaired by then). Bad
@@ -398,27 +419,9 @@ def _backward_kernels(weights, accum, linear, nonfinite_rows, grad, indices, off
             indices, offsets, bag_feature, bag_out_offset, feature_table, row_base, table_rows,
             nonfinite_rows, check, False, False, per_sample_weights, pooling_mode, max_D,
             total_rows, grad.numel(), even_d)
-    key, gofs, scale, tid = lin_key, lin_gofs, lin_scale, lin_tid
-
-    perm = _sort_positions(key, total_rows)
-
-    # Segments: run starts, plus cuts every SEG positions inside long runs; compacted on the device
-    # in the same pass (ws: tile tickets, tile statuses, then the segment count).
-    sorted_key = torch.empty_like(key)
-    sgofs = torch.empty_like(gofs)
-    sscale = torch.empty_like(scale)
-    stid = torch.empty_like(tid)
     cached = cache_locations is not None
-    sloc = torch.empty_like(cache_locations) if cached else tid
-    seg = torch.empty(N + 1, dtype=torch.int32 if N < i32_max else torch.int64, device=dev)
-    tiles = _cdiv(N, BLOCK)
-    ws = torch.zeros(tiles + 2, dtype=torch.int64, device=dev)
-    _k(segment_mark_kernel)[(tiles,)](
-        key, perm, gofs, scale, tid, cache_locations if cached else tid, sorted_key, sgofs, sscale,
-        stid, sloc, seg, ws, N, tiles, SEG=SEG, HAS_SCALE=has_scale, HAS_TID=not even_d,
-        CACHED=cached, BLOCK=BLOCK,
-        LOOKBACK=int(TUNING["lookback"]), num_warps=4)
-    count = ws[tiles + 1:]
+    sorted_key, sgofs, sscale, stid, sloc, seg, count = _mark_segments(
+        lin_key, lin_gofs, lin_scale, lin_tid, cache_locations, total_rows, SEG, has_scale, even_d)
 
     nmult = _cdiv(N, SEG) - 1            # multiples m * SEG, m >= 1, inside [0, N)
     part = torch.empty(max(1, 2 * (nmult + 1)) * BLOCK_D, dtype=torch.float32, device=dev)

@@ -59,6 +59,74 @@ def load_bags(offsets_ptr, bag_feature_ptr, feature_table_ptr, num_bags, BAGS: t
 
 
 @triton.jit
+def row_offsets(idx, woff, rbase, dim, KEYS: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Flat offset of each looked-up row ``[BAGS, UNROLL]`` in the tables' buffer: ``idx`` a raw
+    index of its bag's table (offset ``woff``, ``dim`` wide), or with ``KEYS`` a linearised row key
+    (``rbase`` + index); ``EVEN_D``: every table has D == BLOCK_D."""
+    if KEYS:
+        if EVEN_D:
+            roff = idx.to(tl.int64) * BLOCK_D
+        else:
+            roff = woff[:, None] + (idx.to(tl.int64) - rbase[:, None]) * dim[:, None]
+    elif EVEN_D:
+        roff = woff[:, None] + idx * BLOCK_D
+    else:
+        roff = woff[:, None] + idx * dim[:, None]
+    return roff
+
+
+@triton.jit
+def store_pooled(out_ptr, bag_out_ptr, acc, bags, bmask, length, cols, cmask2, POOL: tl.constexpr,
+                 VEC: tl.constexpr):
+    """Write each bag's fp32 sum ``acc`` ``[BAGS, BLOCK_D]`` at ``bag_out_offset[bag]`` in the output
+    dtype; MEAN divides by the bag's length (IEEE), an empty bag gives zeros."""
+    if POOL == MEAN:
+        lf = tl.maximum(length, 1).to(tl.float32)
+        acc = tl.where(length[:, None] > 0, tl.div_rn(acc, lf[:, None]), 0.0)
+    oofs = tl.multiple_of(tl.load(bag_out_ptr + bags, mask=bmask, other=0), VEC)
+    tl.store(out_ptr + oofs[:, None] + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=cmask2)
+
+
+@triton.jit
+def derived_rows(z_ptr, n_ptr, rowp, roff, idx, rbase, loc, cache_n_ptr, cache_stride, cols, m3, lmask,
+                 lr, l1, l2_eff, beta, neg_p, WEVICT: tl.constexpr, KEYS: tl.constexpr,
+                 CACHED: tl.constexpr, ROWWISE: tl.constexpr, POW_HALF: tl.constexpr,
+                 LIBDEVICE_POW: tl.constexpr):
+    """fp32 ``[BAGS, UNROLL, BLOCK_D]`` derived weights ``prox(z, n)`` of the looked-up rows (mask
+    ``m3``; ``lmask`` per row): ``z`` from ``linear`` at the row offsets ``roff`` (cached: from
+    ``rowp``, the row in the cache or in unified memory); ``n`` per element beside it, or with
+    ``ROWWISE`` one per row at its key (``idx`` with ``KEYS``, else ``rbase + idx``), from the
+    ``accum`` cache at slot ``loc`` where cached."""
+    offs = roff[:, :, None] + cols[None, None, :]
+    if CACHED:  # rowp: the z row, in the cache or in unified memory
+        z = tl.load(rowp[:, :, None] + cols[None, None, :], mask=m3, other=0.0,
+                    eviction_policy=WEVICT).to(tl.float32)
+    else:
+        z = tl.load(z_ptr + offs, mask=m3, other=0.0, eviction_policy=WEVICT).to(tl.float32)
+    if ROWWISE:  # one n per row, at its row key
+        if KEYS:
+            nkey = idx.to(tl.int64)
+        else:
+            nkey = rbase[:, None] + idx
+        if CACHED:
+            nptr = tl.where(loc >= 0, cache_n_ptr + loc.to(tl.int64), n_ptr + nkey)
+        else:
+            nptr = n_ptr + nkey
+        n = tl.load(nptr, mask=lmask, other=0.0).to(tl.float32)
+        rate = ftrl_row_rate(ftrl_power(n, neg_p, POW_HALF, LIBDEVICE_POW), lr, l2_eff, beta)
+        rows = ftrl_prox_rowwise(z, rate[:, :, None], l1)
+    else:
+        if CACHED:
+            nrow = tl.where(loc >= 0, cache_n_ptr + loc.to(tl.int64) * cache_stride, n_ptr + roff)
+            nptr = nrow[:, :, None] + cols[None, None, :]
+        else:
+            nptr = n_ptr + offs
+        n = tl.load(nptr, mask=m3, other=0.0, eviction_policy=WEVICT).to(tl.float32)
+        rows = ftrl_prox(z, ftrl_power(n, neg_p, POW_HALF, LIBDEVICE_POW), lr, l1, l2_eff, beta)
+    return rows
+
+
+@triton.jit
 def tbe_forward_kernel(
     w_ptr, out_ptr, indices_ptr, offsets_ptr, bag_feature_ptr, bag_out_ptr, feature_table_ptr,
     table_w_offset_ptr, table_dim_ptr, table_rows_ptr, row_base_ptr, psw_ptr, warn_ptr,
@@ -78,6 +146,8 @@ def tbe_forward_kernel(
         trows = tl.load(table_rows_ptr + tab, mask=bmask, other=0)
     if (KEYS and not EVEN_D) or (DERIVED and ROWWISE and not KEYS):
         rbase = tl.load(row_base_ptr + tab, mask=bmask, other=0)
+    else:
+        rbase = woff   # unused placeholder
     if DERIVED:  # fp32 knobs, as the update takes them
         lr, l1, l2_eff = tl.cast(lr, tl.float32), tl.cast(l1, tl.float32), tl.cast(l2_eff, tl.float32)
         beta, neg_p = tl.cast(beta, tl.float32), tl.cast(neg_p, tl.float32)
@@ -106,49 +176,18 @@ def tbe_forward_kernel(
             bad = lmask & ((idx < 0) | (idx >= trows[:, None]))
             idx = tl.where(bad, 0, idx)
             nbad += bad.to(tl.int32)
-        if KEYS:  # idx is a linearised row key (row_base[table] + checked index)
-            if EVEN_D:
-                roff = idx.to(tl.int64) * BLOCK_D
-            else:
-                roff = woff[:, None] + (idx.to(tl.int64) - rbase[:, None]) * dim[:, None]
-        elif EVEN_D:
-            roff = woff[:, None] + idx * BLOCK_D
-        else:
-            roff = woff[:, None] + idx * dim[:, None]
+        roff = row_offsets(idx, woff, rbase, dim, KEYS, EVEN_D, BLOCK_D)
         m3 = lmask[:, :, None] & cmask3
         if CACHED:
             loc = tl.load(loc_ptr + pos, mask=lmask, other=-1)
             rowp = tl.where(loc >= 0, cache_ptr + loc.to(tl.int64) * cache_stride, w_ptr + roff)
         else:
+            loc = idx   # unused placeholder
             rowp = w_ptr + roff
         if DERIVED:
-            offs = roff[:, :, None] + cols[None, None, :]
-            if CACHED:  # rowp: the z row, in the cache or in unified memory
-                z = tl.load(rowp[:, :, None] + cols[None, None, :], mask=m3, other=0.0,
-                            eviction_policy=WEVICT).to(tl.float32)
-            else:
-                z = tl.load(z_ptr + offs, mask=m3, other=0.0, eviction_policy=WEVICT).to(tl.float32)
-            if ROWWISE:  # one n per row, at its row key
-                if KEYS:
-                    nkey = idx.to(tl.int64)
-                else:
-                    nkey = rbase[:, None] + idx
-                if CACHED:
-                    nptr = tl.where(loc >= 0, cache_n_ptr + loc.to(tl.int64), n_ptr + nkey)
-                else:
-                    nptr = n_ptr + nkey
-                n = tl.load(nptr, mask=lmask, other=0.0).to(tl.float32)
-                rate = ftrl_row_rate(ftrl_power(n, neg_p, POW_HALF, LIBDEVICE_POW), lr, l2_eff, beta)
-                rows = ftrl_prox_rowwise(z, rate[:, :, None], l1)
-            else:
-                if CACHED:
-                    nrow = tl.where(loc >= 0, cache_n_ptr + loc.to(tl.int64) * cache_stride, n_ptr + roff)
-                    nptr = nrow[:, :, None] + cols[None, None, :]
-                else:
-                    nptr = n_ptr + offs
-                n = tl.load(nptr, mask=m3, other=0.0, eviction_policy=WEVICT).to(tl.float32)
-                pn = ftrl_power(n, neg_p, POW_HALF, LIBDEVICE_POW)
-                rows = ftrl_prox(z, pn, lr, l1, l2_eff, beta)
+            rows = derived_rows(z_ptr, n_ptr, rowp, roff, idx, rbase, loc, cache_n_ptr, cache_stride,
+                                cols, m3, lmask, lr, l1, l2_eff, beta, neg_p, WEVICT, KEYS, CACHED,
+                                ROWWISE, POW_HALF, LIBDEVICE_POW)
         else:
             rows = tl.load(rowp[:, :, None] + cols[None, None, :], mask=m3, other=0.0,
                            eviction_policy=WEVICT)
@@ -165,11 +204,7 @@ def tbe_forward_kernel(
         total_bad = tl.sum(tl.sum(nbad, axis=1).to(tl.int64), axis=0)
         tl.atomic_add(warn_ptr, total_bad, mask=total_bad > 0)
     if POOL != NONE:
-        if POOL == MEAN:
-            lf = tl.maximum(length, 1).to(tl.float32)
-            acc = tl.where(length[:, None] > 0, tl.div_rn(acc, lf[:, None]), 0.0)
-        oofs = tl.multiple_of(tl.load(bag_out_ptr + bags, mask=bmask, other=0), VEC)
-        tl.store(out_ptr + oofs[:, None] + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=cmask2)
+        store_pooled(out_ptr, bag_out_ptr, acc, bags, bmask, length, cols, cmask2, POOL, VEC)
 
 
 def forward_config(block_d: int, tile: int = 2048, unroll: int = 4) -> tuple[int, int, int]:

@@ -281,7 +281,7 @@ class TritonEmitter(Emitter):
         if name in _TRITON_CALLS:
             return f"{_TRITON_CALLS[name]}({', '.join(texts)})", _ATOM
         if name == "pow":
-            return f"_pow({', '.join(texts + [POW_FLAG])})", _ATOM
+            return f"pow_({', '.join(texts + [POW_FLAG])})", _ATOM
         if name in ("u32", "i64"):
             dtype = "tl.uint32" if name == "u32" else "tl.int64"
             if isinstance(args[0], ast.Name) and args[0].id in {p.name for p in self.fn.params if p.const}:
@@ -349,18 +349,8 @@ functions of torchrec_ftrl/kernels/rule_spec.py (knobs fp32 scalars, in rule_spe
 
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
-
-@triton.jit
-def _pow(x, e, LIBDEVICE_POW: tl.constexpr):
-    """x^e of x >= 0, e >= 0: libdevice pow when compiled; exp2/log2 under the interpreter."""
-    if LIBDEVICE_POW:
-        return libdevice.pow(x, e)
-    else:
-        safe = tl.where(x > 0, x, 1.0)
-        r = tl.exp2(e * tl.log2(safe))
-        return tl.where(x > 0, r, tl.where(e > 0, 0.0, 1.0))'''
+from .triton_pow import pow_'''
 
 
 def generate_triton(spec_fns: tuple = rule_spec.SHARED + rule_spec.FAST) -> str:

@@ -12,8 +12,8 @@ when it raises.
 Implements :class:`~torchrec_ftrl.kernels.backend.Backend` for every row layout (stored or derived
 weights, element-wise or row-wise ``accum``; template flags of the kernels). Its rule and
 stochastic-rounding hash are ``csrc/ftrl_rule_gen.h``, generated from :mod:`.rule_spec` (the ``IEEE``
-form, bit for bit :func:`torchrec_ftrl.rule.ftrl_rule`, :func:`~torchrec_ftrl.rule.ftrl_rule_rowwise`
-and :func:`~torchrec_ftrl.rule.ftrl_prox` in fp32), computed from
+form: the operations of :func:`torchrec_ftrl.rule.ftrl_rule`, :func:`~torchrec_ftrl.rule.ftrl_rule_rowwise`
+and :func:`~torchrec_ftrl.rule.ftrl_prox` in their order, in fp32), computed from
 :meth:`~torchrec_ftrl.hyperparams.FTRLHyperparams.kernel_scalars`. States are fp32 or bf16: a bf16
 state loads exactly into fp32 and is stored with stochastic rounding with the bits of
 :func:`torchrec_ftrl.state_dtype.sr_bits` (instantiations per state dtype; the fp32 ones unchanged).

@@ -6,18 +6,8 @@ functions of torchrec_ftrl/kernels/rule_spec.py (knobs fp32 scalars, in rule_spe
 
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
-
-@triton.jit
-def _pow(x, e, LIBDEVICE_POW: tl.constexpr):
-    """x^e of x >= 0, e >= 0: libdevice pow when compiled; exp2/log2 under the interpreter."""
-    if LIBDEVICE_POW:
-        return libdevice.pow(x, e)
-    else:
-        safe = tl.where(x > 0, x, 1.0)
-        r = tl.exp2(e * tl.log2(safe))
-        return tl.where(x > 0, r, tl.where(e > 0, 0.0, 1.0))
+from .triton_pow import pow_
 
 
 @triton.jit
@@ -26,7 +16,7 @@ def ftrl_power(n, neg_power, POW_HALF: tl.constexpr, LIBDEVICE_POW: tl.constexpr
     if POW_HALF:
         return tl.sqrt(n)
     else:
-        return _pow(n, neg_power, LIBDEVICE_POW)
+        return pow_(n, neg_power, LIBDEVICE_POW)
 
 
 @triton.jit

@@ -236,18 +236,20 @@ def generate_cpp(spec_fns: tuple = rule_spec.SHARED + rule_spec.IEEE) -> str:
              "// The FTRL-Proximal rule and the stochastic-rounding hash of the compiled CPU kernel",
              "// (ftrl_tbe_cpu.cpp): the SHARED and IEEE functions of torchrec_ftrl/kernels/rule_spec.py.",
              "#pragma once", "", "#include <cmath>", "#include <cstdint>", "#include <cstring>", "",
-             "namespace ftrl_rule {", "",
+             "// Internal linkage, as for the kernel's own functions (one translation unit includes this), so",
+             "// that the compiler inlines and vectorises them as it does those.",
+             "namespace {", "",
              "// The knob scalars in fp32 (FTRLHyperparams.kernel_scalars(), rule_spec.KNOBS).",
              "struct FtrlHp {", *knobs, "};", "",
              "// The ops' knob parameters, in rule_spec.KNOBS order (ops.py's schema), and their FtrlHp.",
              "#define FTRL_KNOB_PARAMS " + ", ".join(f"double {k}" for k in KNOB_NAMES),
-             f"#define FTRL_MAKE_HP() (ftrl_rule::FtrlHp{{{make_hp}}})", "",
+             f"#define FTRL_MAKE_HP() (FtrlHp{{{make_hp}}})", "",
              "// The bit pattern of an fp32 value.",
              "inline uint32_t f32_bits(float x) {", "  uint32_t u;", "  std::memcpy(&u, &x, sizeof(u));",
              "  return u;", "}", ""]
     for fn in fns:
         lines += _cpp_function(fn, known)
-    return "\n".join(lines + ["}  // namespace ftrl_rule", ""])
+    return "\n".join(lines + ["}  // namespace", ""])
 
 
 # ------------------------------------------------------------------------------------------ Triton

@@ -8,7 +8,9 @@
 #include <cstdint>
 #include <cstring>
 
-namespace ftrl_rule {
+// Internal linkage, as for the kernel's own functions (one translation unit includes this), so
+// that the compiler inlines and vectorises them as it does those.
+namespace {
 
 // The knob scalars in fp32 (FTRLHyperparams.kernel_scalars(), rule_spec.KNOBS).
 struct FtrlHp {
@@ -22,7 +24,7 @@ struct FtrlHp {
 
 // The ops' knob parameters, in rule_spec.KNOBS order (ops.py's schema), and their FtrlHp.
 #define FTRL_KNOB_PARAMS double lr, double neg_power, double l1, double l2, double beta, double shrink2
-#define FTRL_MAKE_HP() (ftrl_rule::FtrlHp{static_cast<float>(lr), static_cast<float>(neg_power), static_cast<float>(l1), static_cast<float>(l2), static_cast<float>(beta), static_cast<float>(shrink2)})
+#define FTRL_MAKE_HP() (FtrlHp{static_cast<float>(lr), static_cast<float>(neg_power), static_cast<float>(l1), static_cast<float>(l2), static_cast<float>(beta), static_cast<float>(shrink2)})
 
 // The bit pattern of an fp32 value.
 inline uint32_t f32_bits(float x) {
@@ -125,4 +127,4 @@ inline float ftrl_row_accum(float n, float sum_g2, float dim) {
   return n + sum_g2 / dim;
 }
 
-}  // namespace ftrl_rule
+}  // namespace

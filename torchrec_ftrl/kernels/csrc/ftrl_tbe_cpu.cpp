@@ -55,8 +55,6 @@
 
 namespace {
 
-using namespace ftrl_rule;  // the rule, its scalars and the stochastic-rounding hash (rule_spec.py)
-
 // FBGEMM's PoolingMode values, as torchrec_ftrl/kernels/layout.py passes them (POOL_SUM/MEAN/NONE).
 constexpr int kPoolSum = 0;
 constexpr int kPoolMean = 1;

@@ -13,8 +13,8 @@ domain):
 
 * :data:`KNOBS`: the fp32 scalars every kernel computes with, each named once, with its meaning and
   how it follows from :class:`~torchrec_ftrl.hyperparams.FTRLHyperparams`. The generator makes the
-  C++ ``FtrlHp`` struct, its ``make_hp`` and the ops' parameter list (``FTRL_KNOB_PARAMS``) from it;
-  :meth:`FTRLHyperparams.kernel_scalars` and the ops' schema (:mod:`.ops`) read it.
+  C++ ``FtrlHp`` struct and the C++ ops' knob parameters (``FTRL_KNOB_PARAMS``, ``FTRL_MAKE_HP``)
+  from it; :meth:`FTRLHyperparams.kernel_scalars` and the ops' schema (:mod:`.ops`) read it.
 * :data:`CONSTANTS`: the hash's uint32 constants (also read by :mod:`torchrec_ftrl.state_dtype`).
 * :data:`SHARED`, :data:`IEEE` and :data:`FAST`: functions, each a list of statements in a tiny
   expression form (below). The C++ kernel is generated from ``SHARED + IEEE``, the Triton kernels from
@@ -47,9 +47,10 @@ written (no contraction into an FMA: the C++ build has ``-ffp-contract=off``).
 
 **Adding a knob** ``ftrl_foo``: validate it in :mod:`torchrec_ftrl.hyperparams` (``FTRL_KWARGS`` and
 ``__post_init__``), add ``Knob("foo", ..., lambda hp: hp.foo)`` to :data:`KNOBS` and use ``foo`` in the
-statements here; run ``python -m torchrec_ftrl.kernels.codegen --write``. The C++ struct, its parsing
-and the ops' schema follow. The Triton kernels' argument lists (``triton_forward``,
-``triton_backward``, ``triton_backend``) still name the knobs one by one.
+statements here; run ``python -m torchrec_ftrl.kernels.codegen --write`` (and rebuild the CPU kernel).
+``kernel_scalars``, the C++ struct and op parameters, the ops' schema and the generated Triton
+functions' parameters follow. Not yet: the Triton kernels' own argument lists and their launches
+(``triton_forward``, ``triton_backward``, ``triton_backend``) still name the knobs one by one.
 """
 
 from __future__ import annotations

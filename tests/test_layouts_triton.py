@@ -12,7 +12,7 @@ made by a TBE (``_make_batch``), over several steps. Expected values:
 * the PyTorch backend (``torch_backend``) run on copies of the same arrays;
 * bitwise: a derived table against a stored table that starts at w = 0 (fp32 state), whose weights,
   states and forward outputs must keep the same bits step after step, since the forward's derived
-  weight and the update's stored weight come from one function (``kernels/triton_prox.py``).
+  weight and the update's stored weight come from one function (``kernels/triton_rule_gen.py``).
 
 On a CPU-only machine the ``interp`` tests run under ``TRITON_INTERPRET=1`` in a child pytest
 (:func:`test_interpreter_suite`, ``conftest.run_interpreter_suite``) with tiny launch shapes (the

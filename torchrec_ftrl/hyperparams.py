@@ -16,6 +16,8 @@ import math
 import numbers
 from typing import Any, Mapping, NamedTuple, Optional
 
+from .kernels.rule_spec import KNOBS
+
 L2_CONVENTIONS = ("tensorflow", "mcmahan")
 DEFAULT_LEARNING_RATE = 0.01
 LEARNING_RATE_KEYS = ("lr", "learning_rate")
@@ -120,23 +122,12 @@ class FTRLHyperparams:
 
     def kernel_scalars(self) -> "KernelScalars":
         """The fp32 scalars the compiled CPU and Triton kernels compute with (see :class:`KernelScalars`)."""
-        return KernelScalars(lr=self.learning_rate, neg_power=-self.learning_rate_power, l1=self.l1_reg,
-                             l2=self.l2_effective, beta=self.beta, shrink2=2.0 * self.l2_shrinkage)
+        return KernelScalars(*(knob.of_hparams(self) for knob in KNOBS))
 
 
-class KernelScalars(NamedTuple):
-    """Derived scalars of the rule, in the order the C++ (``FtrlHp``) and Triton kernels take them.
-
-    ``lr`` alpha; ``neg_power`` -p >= 0; ``l1`` lambda1; ``l2`` the L2 term of q (2*lambda2 under
-    "tensorflow", lambda2 under "mcmahan"); ``beta``; ``shrink2`` 2*s (the shrinkage factor of w in g_s).
-    """
-
-    lr: float
-    neg_power: float
-    l1: float
-    l2: float
-    beta: float
-    shrink2: float
+KernelScalars = NamedTuple("KernelScalars", [(knob.name, float) for knob in KNOBS])
+KernelScalars.__doc__ = ("Derived scalars of the rule, in the order the C++ (``FtrlHp``) and Triton kernels "
+                         "take them: torchrec_ftrl.kernels.rule_spec.KNOBS (names, meanings, values).")
 
     def to_hyperparams(self) -> FTRLHyperparams:
         """The knobs these scalars are of, for the rule functions of :mod:`torchrec_ftrl.rule` (which

@@ -1,9 +1,9 @@
 """The FTRL-Proximal update rule on PyTorch tensors: the one statement of the rule in Python.
 
 Used by the dense optimizer (:mod:`torchrec_ftrl.optim`) and the TBE's PyTorch backend
-(:mod:`torchrec_ftrl.kernels.torch_backend`). Its twins are ``ftrl_element`` in
-``kernels/csrc/ftrl_tbe_cpu.cpp`` and ``ftrl_update_store`` in ``kernels/triton_backward.py``, which
-take their scalars from :meth:`~torchrec_ftrl.hyperparams.FTRLHyperparams.kernel_scalars`.
+(:mod:`torchrec_ftrl.kernels.torch_backend`). The kernels' rule is generated from
+``kernels/rule_spec.py`` (its ``IEEE`` form for the C++ kernel, ``FAST`` for Triton); this module is
+written independently of it, the oracle the tests compare the kernels with.
 
 Per element, with w the weight, n = accum, z = linear, g the gradient summed over duplicates, the
 rule of :class:`torchrec_ftrl.FTRL`'s docstring and ``docs/ftrl.md`` (:func:`ftrl_rule`).

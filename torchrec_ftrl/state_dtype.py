@@ -37,15 +37,14 @@ from typing import Any, Iterable, Mapping, Optional
 import torch
 
 from .fbgemm_enums import SparseType
+from .kernels.rule_spec import CONSTANTS
 
 STATE_NAMES = ("accum", "linear")
 _SUPPORTED = {SparseType.FP32: torch.float32, SparseType.BF16: torch.bfloat16}
 _BY_TORCH = {v: k for k, v in _SUPPORTED.items()}
 
 # Constants of the (row, column, step, state) hash; lowbias32 by C. Wellons (public domain).
-HASH_MUL1 = 0x7FEB352D
-HASH_MUL2 = 0x846CA68B
-HASH_GOLDEN = 0x9E3779B9
+HASH_MUL1, HASH_MUL2, HASH_GOLDEN = (CONSTANTS[k] for k in ("HASH_MUL1", "HASH_MUL2", "HASH_GOLDEN"))
 _M32 = 0xFFFFFFFF
 
 
@@ -143,9 +142,8 @@ def sr_bits(row_key: torch.Tensor, col: torch.Tensor, step: int | torch.Tensor, 
     (the TBE's global row key ``row_base[table] + row``, int64 >= 0) at optimizer step ``step``
     (the TBE's ``iter`` before the step's increment; int or int64 tensor, taken mod 2^32) of state
     ``state`` (0 accum, 1 linear). Broadcasts ``row_key``, ``col`` and a tensor ``step``. Every
-    product is reduced mod 2^32, so this is exactly the uint32 arithmetic of the kernels (C++
-    ``sr_bits`` in ``kernels/csrc/ftrl_tbe_cpu.cpp``, Triton ``store_state`` in
-    ``kernels/triton_backward.py``)::
+    product is reduced mod 2^32, so this is exactly the uint32 arithmetic of the kernels
+    (``sr_seed``, ``sr_row`` and ``sr_bits`` of ``kernels/rule_spec.py``, generated into both)::
 
         lowbias32(x) = x ^= x >> 16; x *= 0x7FEB352D; x ^= x >> 15; x *= 0x846CA68B; x ^= x >> 16
         h = lowbias32(step * 0x9E3779B9 + state)

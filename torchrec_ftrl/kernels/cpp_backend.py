@@ -10,12 +10,12 @@ so on stderr; later processes reuse the build. That needs a C++17 compiler and n
 when it raises.
 
 Implements :class:`~torchrec_ftrl.kernels.backend.Backend` for every row layout (stored or derived
-weights, element-wise or row-wise ``accum``; template flags of the kernels). The C++ ``ftrl_element``
-is the twin of :func:`torchrec_ftrl.rule.ftrl_rule` (``ftrl_step`` with a row's n that of
-:func:`~torchrec_ftrl.rule.ftrl_rule_rowwise`, ``ftrl_prox`` that of
-:func:`~torchrec_ftrl.rule.ftrl_prox`, shared by the forward and the update), computed in fp32, from
+weights, element-wise or row-wise ``accum``; template flags of the kernels). Its rule and
+stochastic-rounding hash are ``csrc/ftrl_rule_gen.h``, generated from :mod:`.rule_spec` (the ``IEEE``
+form: the operations of :func:`torchrec_ftrl.rule.ftrl_rule`, :func:`~torchrec_ftrl.rule.ftrl_rule_rowwise`
+and :func:`~torchrec_ftrl.rule.ftrl_prox` in their order, in fp32), computed from
 :meth:`~torchrec_ftrl.hyperparams.FTRLHyperparams.kernel_scalars`. States are fp32 or bf16: a bf16
-state loads exactly into fp32 and is stored with stochastic rounding by the uint32 twin of
+state loads exactly into fp32 and is stored with stochastic rounding with the bits of
 :func:`torchrec_ftrl.state_dtype.sr_bits` (instantiations per state dtype; the fp32 ones unchanged).
 """
 
@@ -71,7 +71,7 @@ def _prebuilt(isa: str) -> str | None:
 def _build_at_first_use(isa: str) -> str:
     """Build (first call per source version) the ``isa`` variant into the torch extensions directory,
     load it, and return its path. The build's name carries a hash of the source and one of its path,
-    so an edited ``.cpp`` never loads a stale build and two checkouts keep one build each."""
+    so an edited source or header never loads a stale build and two checkouts keep one build each."""
     from torch.utils.cpp_extension import load
 
     digest = cpu_build.source_digest() + hashlib.sha1(cpu_build.SOURCE.encode()).hexdigest()[:6]

@@ -15,8 +15,8 @@ Every op that reads the tables takes their arrays by row layout (:class:`~.layou
 derived weights (``w = prox(linear, accum)`` computed where it is read, from the knobs); ``accum`` (n)
 and ``linear`` (z) fp32 or bf16, ``linear`` ``[total]``, ``accum`` ``[total]`` or, with
 ``rowwise``, ``[total_rows]`` (row ``r`` of table ``t`` at ``table_row_base[t] + r``). The knobs are
-the scalars of :meth:`~torchrec_ftrl.hyperparams.FTRLHyperparams.kernel_scalars`, ``lr, neg_power,
-l1, l2, beta, shrink2``.
+the scalars of :meth:`~torchrec_ftrl.hyperparams.FTRLHyperparams.kernel_scalars`, one ``float`` each in
+the order of :data:`.rule_spec.KNOBS` (``lr, neg_power, l1, l2, beta, shrink2``).
 
 * ``tbe_forward(weights?, accum, linear, rowwise, table_w_offset, table_dim, feature_table,
   bag_feature, bag_out_offset, indices, offsets, per_sample_weights?, pooling_mode, max_D,
@@ -39,12 +39,14 @@ from __future__ import annotations
 
 import torch
 
+from .rule_spec import KNOBS
+
 NAMESPACE = "torchrec_ftrl"
 
 _BATCH = ("Tensor table_w_offset, Tensor table_dim, Tensor feature_table, Tensor bag_feature, "
           "Tensor bag_out_offset, Tensor indices, Tensor offsets, Tensor? per_sample_weights, "
           "int pooling_mode, int max_D")
-_KNOBS = "float lr, float neg_power, float l1, float l2, float beta, float shrink2"
+_KNOBS = ", ".join(f"float {k.name}" for k in KNOBS)
 SCHEMAS = {
     "tbe_forward": (f"(Tensor? weights, Tensor accum, Tensor linear, bool rowwise, {_BATCH}, "
                     f"Tensor table_row_base, {_KNOBS}, int out_numel, ScalarType out_dtype) -> Tensor"),

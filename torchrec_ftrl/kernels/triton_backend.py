@@ -6,7 +6,7 @@
   (mutates weights, accum, linear, nonfinite_rows), see :mod:`.triton_backward`. Every row layout
   (:class:`~.layout.TableArrays`): ``weights`` None for derived weights, ``rowwise`` for a row-wise
   ``accum`` ``[total_rows]``; the forward op takes the same and computes a derived weight from
-  ``linear`` and ``accum`` (:mod:`.triton_prox`). ``accum`` /
+  ``linear`` and ``accum`` (:mod:`.triton_rule_gen`). ``accum`` /
   ``linear`` are fp32 or bf16 (the kernels specialise on each: the fp32 kernels are unchanged); a
   bf16 state is stored by stochastic rounding with the step read from the ``step`` tensor (the TBE's
   ``iter``) on the device.

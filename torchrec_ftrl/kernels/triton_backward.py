@@ -42,19 +42,15 @@ because their summed gradient has a NaN/Inf (``nonfinite_rows``), bounds-check w
 tile tickets and published counts / maxima of the single-pass scans in the mark kernel and the
 offsets repair (exact whatever the order).
 
-The FTRL lines are the twin of :func:`torchrec_ftrl.rule.ftrl_rule` (``docs/ftrl.md``): accum uses the raw gradient; ``z`` uses the OLD weight;
-the exact zero comes from a branch; the math is fp32 and the weight is stored in its own dtype. A
-state is fp32 or bf16 (constexprs ``N_BF16`` / ``Z_BF16``; with both False the kernels are the fp32
-ones): a bf16 state loads exactly into fp32 and is stored with stochastic rounding,
-:func:`store_state` (the uint32 twin of :func:`torchrec_ftrl.state_dtype.sr_bits` and
-``round_bf16_stochastic``, keyed by the row key, the column, the step read from the TBE's ``iter``
-buffer on the device, and the state), so a CUDA-graph replay rounds with its own step. The
-arithmetic is rearranged for speed, not bitwise equal to the CPU kernel (both agree with the float64
-reference within the tests' tolerances): with ``p == -0.5``,
-``sigma = g^2 / (sqrt(n_new) + sqrt(n)) / lr`` (equal to ``(sqrt(n_new) - sqrt(n)) / lr`` without its
-cancellation), ``pow`` for other powers; ``w = (l1 sign(z) - z) lr / (beta + n_new^(-p) + L2 lr)``;
-hardware sqrt and division (<= 2 ulp each): two divisions per element instead of three IEEE ones.
-The new weight is :func:`.triton_prox.ftrl_prox`, the function the forward uses for derived weights.
+The FTRL arithmetic and the stochastic-rounding hash are the generated functions of
+:mod:`.triton_rule_gen` (``rule_spec.py``'s ``FAST`` form: rearranged for speed, not bitwise equal to
+the CPU kernel; both agree with the float64 reference within the tests' tolerances): the math is
+fp32 and the weight is stored in its own dtype. A state is fp32 or bf16 (constexprs ``N_BF16`` /
+``Z_BF16``; with both False the kernels are the fp32 ones): a bf16 state loads exactly into fp32 and
+is stored with stochastic rounding, :func:`store_state` (keyed by the row key, the column, the step
+read from the TBE's ``iter`` buffer on the device, and the state), so a CUDA-graph replay rounds
+with its own step. The new weight is :func:`.triton_rule_gen.ftrl_prox`, the function the forward
+uses for derived weights.
 
 Row layouts (:mod:`torchrec_ftrl.row_layout`), compile-time flags of the update kernels (with both
 False the kernels are the stored / element-wise ones): ``DERIVED`` (no weight buffer: the old
@@ -73,7 +69,7 @@ import triton
 import triton.language as tl
 
 from .triton_forward import MEAN, NONE, bag_table, load_bags
-from .triton_prox import ftrl_power, ftrl_prox, ftrl_prox_rowwise, ftrl_row_rate
+from .triton_rule_gen import ftrl_update, round_bf16_sr, sr_bits, sr_row, sr_seed, sr_top_bits
 
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
@@ -312,36 +308,10 @@ def load_states(wp, np_, zp, m, rmask, DERIVED: tl.constexpr, ROWWISE: tl.conste
 
 
 @triton.jit
-def _lowbias32(x):
-    """lowbias32 (C. Wellons) on uint32 ``x``: wrapping multiplies, logical shifts."""
-    x = x ^ (x >> 16)
-    x = x * tl.full([], 0x7FEB352D, tl.uint32)
-    x = x ^ (x >> 15)
-    x = x * tl.full([], 0x846CA68B, tl.uint32)
-    x = x ^ (x >> 16)
-    return x
-
-
-@triton.jit
 def sr_row_hash(key, step_ptr, STATE: tl.constexpr):
-    """uint32 ``[R]``: the first two lines of :func:`torchrec_ftrl.state_dtype.sr_bits` for row keys
-    ``key`` (int32/int64 ``[R]``) at the step ``step_ptr[0]`` (int64, the TBE's ``iter``)."""
-    step = tl.load(step_ptr).to(tl.uint32)          # mod 2^32
-    seed = _lowbias32(step * tl.full([], 0x9E3779B9, tl.uint32) + tl.full([], STATE, tl.uint32))
-    k = key.to(tl.int64)
-    return _lowbias32(seed ^ k.to(tl.uint32) ^ (k >> 32).to(tl.uint32))
-
-
-@triton.jit
-def round_bf16_sr(x, bits):
-    """fp32 ``x`` to bf16 with the 16 random ``bits`` (uint32, broadcastable), bit for bit
-    :func:`torchrec_ftrl.state_dtype.round_bf16_stochastic`: finite values add the bits to the bit
-    pattern and truncate, Inf truncates, a NaN gets its quiet bit, then truncates."""
-    u = x.to(tl.uint32, bitcast=True)
-    # An Inf plus bits < 2^16 truncates back to the Inf, so only a NaN needs its own case.
-    nan = (u & 0x7FFFFFFF) > 0x7F800000
-    r = tl.where(nan, u | 0x00400000, u + bits)
-    return (r >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    """uint32 ``[R]``: the row hash of the stochastic rounding (:func:`.triton_rule_gen.sr_row`) of
+    row keys ``key`` (int32/int64 ``[R]``) at the step ``step_ptr[0]`` (int64, the TBE's ``iter``)."""
+    return sr_row(sr_seed(tl.load(step_ptr), STATE), key)
 
 
 @triton.jit
@@ -349,8 +319,7 @@ def store_state(ptr, x, m, key, cols, step_ptr, STATE: tl.constexpr, BF16: tl.co
     """Store fp32 ``x`` ``[R, BLOCK_D]`` (elements ``m``) at ``ptr``: as is for an fp32 state; for a
     bf16 one stochastically rounded by ``sr_bits(key[r], cols[c], step_ptr[0], STATE)``."""
     if BF16:
-        h = sr_row_hash(key, step_ptr, STATE)
-        bits = (h[:, None] + cols.to(tl.uint32)[None, :] * tl.full([], 0x9E3779B9, tl.uint32)) >> 16
+        bits = sr_bits(sr_row_hash(key, step_ptr, STATE)[:, None], cols[None, :])
         tl.store(ptr, round_bf16_sr(x, bits), mask=m, cache_modifier=".cs")
     else:
         tl.store(ptr, x, mask=m, cache_modifier=".cs")
@@ -362,7 +331,7 @@ def store_row_state(ptr, x, rm, key, step_ptr, STATE: tl.constexpr, BF16: tl.con
     is for an fp32 state; for a bf16 one stochastically rounded by ``sr_bits(key[r], 0, step_ptr[0],
     STATE)`` (column 0)."""
     if BF16:
-        bits = sr_row_hash(key, step_ptr, STATE) >> 16
+        bits = sr_top_bits(sr_row_hash(key, step_ptr, STATE))
         tl.store(ptr, round_bf16_sr(x, bits), mask=rm, cache_modifier=".cs")
     else:
         tl.store(ptr, x, mask=rm, cache_modifier=".cs")
@@ -374,16 +343,13 @@ def ftrl_update_store(wp, np_, zp, nonfinite_ptr, w, n, z, m, rmask, g, dimf,
                       POW_HALF: tl.constexpr, HAS_SHRINK: tl.constexpr, LIBDEVICE_POW: tl.constexpr,
                       N_BF16: tl.constexpr, Z_BF16: tl.constexpr, DERIVED: tl.constexpr,
                       ROWWISE: tl.constexpr):
-    """One FTRL step (the twin of torchrec_ftrl.rule.ftrl_rule) of rows ``rmask`` ``[R]`` with summed gradients ``g``
-    ``[R, BLOCK_D]`` and their loaded states (fp32, :func:`load_states`); rows whose gradient has a
-    NaN/Inf are not stored and are counted in ``nonfinite_ptr``. ``N_BF16`` / ``Z_BF16``: accum /
-    linear stored in bf16 (:func:`store_state`, row keys ``key`` ``[R]``, columns ``cols``, step at
-    ``step_ptr``). ``DERIVED``: no weight buffer; the old weight is ``prox(z, n)``
-    (:func:`.triton_prox.ftrl_prox`, the function that computes the new weight) and only ``n`` and
-    ``z`` are stored. ``ROWWISE``: ``n`` is ``[R]``, one per row, and grows by the mean of ``g^2``
-    over the row's ``dimf`` (fp32, ``[R]`` or scalar: the table's D) columns
-    (:func:`torchrec_ftrl.rule.ftrl_rule_rowwise`); every element of the row shares its sigma and q;
-    the new ``n`` is stored once per row (:func:`store_row_state`, column 0)."""
+    """One FTRL step (:func:`.triton_rule_gen.ftrl_update`) of rows ``rmask`` ``[R]`` with summed
+    gradients ``g`` ``[R, BLOCK_D]`` and their loaded states (fp32, :func:`load_states`), stored;
+    rows whose gradient has a NaN/Inf are not stored and are counted in ``nonfinite_ptr``.
+    ``N_BF16`` / ``Z_BF16``: accum / linear stored in bf16 (:func:`store_state`, row keys ``key``
+    ``[R]``, columns ``cols``, step at ``step_ptr``). ``DERIVED``: no weight buffer; only ``n`` and
+    ``z`` are stored. ``ROWWISE``: ``n`` is ``[R]``, one per row (``dimf``: fp32, ``[R]`` or scalar,
+    the table's D), stored once per row (:func:`store_row_state`, column 0)."""
     # fp32 knobs whatever the caller's scalar type (torch.compile may pass Python floats as fp64).
     lr, l1, l2_eff = tl.cast(lr, tl.float32), tl.cast(l1, tl.float32), tl.cast(l2_eff, tl.float32)
     beta, shrink2 = tl.cast(beta, tl.float32), tl.cast(shrink2, tl.float32)
@@ -393,37 +359,8 @@ def ftrl_update_store(wp, np_, zp, nonfinite_ptr, w, n, z, m, rmask, g, dimf,
     nbad = tl.sum((rmask & row_bad).to(tl.int64), axis=0)
     tl.atomic_add(nonfinite_ptr, nbad, mask=nbad > 0)
     sm = m & (row_bad == 0)[:, None]
-    g2 = g * g
-    if ROWWISE:
-        g2 = tl.div_rn(tl.sum(tl.where(m, g2, 0.0), axis=1), dimf)   # [R]: mean over the row
-    n_new = n + g2
-    inv_lr = 1.0 / lr
-    pn_new = ftrl_power(n_new, neg_p, POW_HALF, LIBDEVICE_POW)
-    pn = ftrl_power(n, neg_p, POW_HALF, LIBDEVICE_POW)
-    if POW_HALF:
-        # sqrt(n_new) - sqrt(n) == g^2 / (sqrt(n_new) + sqrt(n)): the same value without the
-        # cancellation of the difference (sigma of a row with a large accum and a small gradient
-        # is exact to a few ulp instead of losing digits), with the hardware sqrt / division (<= 2
-        # ulp each): the IEEE sequences make the update kernel instruction-bound.
-        den = pn_new + pn
-        sigma = tl.where(den > 0, tl.fdiv(g2, tl.where(den > 0, den, 1.0)), 0.0) * inv_lr
-    else:
-        sigma = (pn_new - pn) * inv_lr
-    if ROWWISE:   # q, hence lr / q, is one per row: one division per row, a multiply per element
-        sigma = sigma[:, None]
-        if DERIVED:
-            w = ftrl_prox_rowwise(z, ftrl_row_rate(pn, lr, l2_eff, beta)[:, None], l1)
-    elif DERIVED:
-        w = ftrl_prox(z, pn, lr, l1, l2_eff, beta)
-    if HAS_SHRINK:
-        gs = g + shrink2 * w
-    else:
-        gs = g
-    z_new = (z + gs) - sigma * w
-    if ROWWISE:
-        w_new = ftrl_prox_rowwise(z_new, ftrl_row_rate(pn_new, lr, l2_eff, beta)[:, None], l1)
-    else:
-        w_new = ftrl_prox(z_new, pn_new, lr, l1, l2_eff, beta)
+    w_new, n_new, z_new = ftrl_update(w, n, z, g, m, dimf, lr, neg_p, l1, l2_eff, beta, shrink2,
+                                      POW_HALF, HAS_SHRINK, DERIVED, ROWWISE, LIBDEVICE_POW)
     # Streaming stores (.cs): the rows are not read again in this step; keeps L2 for the gradients.
     if not DERIVED:
         tl.store(wp, w_new.to(wp.dtype.element_ty), mask=sm, cache_modifier=".cs")

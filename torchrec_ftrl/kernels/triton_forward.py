@@ -16,11 +16,12 @@ for none): a row held by the HBM cache is read from ``cache + slot * cache_strid
 the table in unified memory.
 With ``DERIVED`` (the row layout without a weight buffer, :mod:`torchrec_ftrl.row_layout`) each
 looked-up element's weight is ``prox(z, n)`` of its ``linear`` (``z_ptr``) and ``accum`` (``n_ptr``),
-computed in fp32 registers by :func:`.triton_prox.ftrl_prox`, the function the update stores a weight
-with (so a derived table reads the bits a stored table holds for the same fp32 state); ``w_ptr`` is
-then unused. With ``ROWWISE`` too, ``accum`` holds one ``n`` per row, at the row key
+computed in fp32 registers by :func:`.triton_rule_gen.ftrl_prox`, the function the update stores a
+weight with (so a derived table reads the bits a stored table holds for the same fp32 state);
+``w_ptr`` is then unused. With ``ROWWISE`` too, ``accum`` holds one ``n`` per row, at the row key
 ``row_base[table] + index``, loaded once per looked-up row, and the row's ``lr / q`` is computed once
-(:func:`.triton_prox.ftrl_row_rate`, :func:`.triton_prox.ftrl_prox_rowwise`, as the update does).
+(:func:`.triton_rule_gen.ftrl_row_rate`, :func:`.triton_rule_gen.ftrl_prox_rowwise`, as the update
+does).
 With ``CACHED`` and ``DERIVED``, ``w_ptr`` / ``cache_ptr`` are the ``linear`` buffer and its cache
 and ``cache_n_ptr`` the ``accum`` cache (row stride ``cache_stride``; one value per slot with
 ``ROWWISE``): a row held by the cache reads ``z`` and ``n`` there.
@@ -34,7 +35,7 @@ import triton
 import triton.language as tl
 
 from .layout import POOL_MEAN, POOL_NONE
-from .triton_prox import ftrl_power, ftrl_prox, ftrl_prox_rowwise, ftrl_row_rate
+from .triton_rule_gen import ftrl_power, ftrl_prox, ftrl_prox_rowwise, ftrl_row_rate
 
 # The pooling modes as the kernels compare them (layout.POOL_*; Triton reads only constexpr globals).
 MEAN = tl.constexpr(POOL_MEAN)

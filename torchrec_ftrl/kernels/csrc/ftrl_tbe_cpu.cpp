@@ -16,8 +16,9 @@
 //
 // Update rule: the twin of torchrec_ftrl/rule.py (ftrl_rule, ftrl_rule_rowwise, ftrl_prox;
 // docs/ftrl.md for users; McMahan et al. 2013, Alg. 1, with TensorFlow ApplyFtrlV2's l2 shrinkage
-// and Keras' beta). It lives in exactly one place below: ftrl_prox, ftrl_step, ftrl_element. Its
-// scalars come from FTRLHyperparams.kernel_scalars().
+// and Keras' beta): ftrl_prox, ftrl_step, ftrl_element, ftrl_row_accum and the scalars FtrlHp
+// (FTRLHyperparams.kernel_scalars()) in ftrl_rule_gen.h, generated from
+// torchrec_ftrl/kernels/rule_spec.py (python -m torchrec_ftrl.kernels.codegen --write).
 //
 // Backward + update is one call: linear row id per index -> stable LSD radix sort by row (carrying
 // each index's gradient offset and scale) -> parallel over unique rows: sum the row's gradient
@@ -27,9 +28,10 @@
 //
 // Compact state (torchrec_ftrl/state_dtype.py): accum and/or linear may be stored in bf16 (uint16_t
 // bit patterns here). They load exactly into fp32, the update is the same fp32 code, and a bf16 state
-// is stored with stochastic rounding: sr_bits(row key, column, step, state) below (column 0 for a
-// row-wise accum), the uint32 twin of state_dtype.sr_bits, added to the fp32 bit pattern before
-// truncation (round_bf16_sr, the twin of state_dtype.round_bf16_stochastic).
+// is stored with stochastic rounding: the bits of sr_seed(step, state), sr_row(row key) and
+// sr_bits(column) (column 0 for a row-wise accum; ftrl_rule_gen.h, the uint32 twin of
+// state_dtype.sr_bits), added to the fp32 bit pattern before truncation (round_bf16_sr, the twin of
+// state_dtype.round_bf16_stochastic).
 //
 // Weights, outputs and output gradients are fp32, fp16 or bf16 (FTRL_DISPATCH_FLOATS).
 
@@ -49,64 +51,14 @@
 #include <type_traits>
 #include <vector>
 
+#include "ftrl_rule_gen.h"
+
 namespace {
 
 // FBGEMM's PoolingMode values, as torchrec_ftrl/kernels/layout.py passes them (POOL_SUM/MEAN/NONE).
 constexpr int kPoolSum = 0;
 constexpr int kPoolMean = 1;
 constexpr int kPoolNone = 2;
-
-// FTRL hyperparameters in the fp32 form the kernel computes with (FTRLHyperparams.kernel_scalars()).
-struct FtrlHp {
-  float lr;        // alpha > 0
-  float neg_power; // -p >= 0 (used by the pow path only)
-  float l1;        // lambda1
-  float l2;        // L2 term of q: 2*lambda2 (tensorflow) or lambda2 (mcmahan) = hp.l2_effective
-  float beta;      // beta
-  float shrink2;   // 2 * l2_shrinkage
-};
-
-// n^(-p) of an accum value: sqrt for p == -0.5 (kSqrt), pow(n, -p) otherwise.
-template <bool kSqrt>
-inline float ftrl_power(float n, const FtrlHp& hp) {
-  return kSqrt ? std::sqrt(n) : std::pow(n, hp.neg_power);
-}
-
-// THE weight of a state (rule.py's ftrl_prox): prox(z, n) = (l1 sign(z) - z) / q if |z| > l1 else 0,
-// q = (beta + n^(-p)) / lr + L2, given pn = ftrl_power(n). The stored layout's update writes this as
-// the new weight; a derived layout computes it on every read, so both see the same bits.
-inline float ftrl_prox(float z, float pn, const FtrlHp& hp) {
-  const float q = (hp.beta + pn) / hp.lr + hp.l2;
-  // Exact zero from the branch |z| > l1 (a select, so the loop vectorises), never from a clamp: when
-  // |z| <= l1 the result is exactly 0.0 whatever the candidate is (NaN/Inf if q == 0).
-  const float cand = (std::copysign(hp.l1, z) - z) / q;
-  return std::fabs(z) > hp.l1 ? cand : 0.0f;
-}
-
-// The z and w steps of one element whose accum goes from n to n_new (pn_old = ftrl_power(n),
-// pn_new = ftrl_power(n_new); per element, or the row's with a row-wise accum). `w` is the OLD weight;
-// kDerived: there is none stored and it is prox(z, n) of the old state. Updates `z` in place and
-// returns the new weight.
-template <bool kDerived>
-inline float ftrl_step(float w, float g, float& z, float pn_old, float pn_new, const FtrlHp& hp) {
-  if constexpr (kDerived) w = ftrl_prox(z, pn_old, hp);
-  const float sigma = (pn_new - pn_old) / hp.lr;
-  const float g_s = g + hp.shrink2 * w;     // l2 shrinkage (s = 0: plain FTRL)
-  z = z + g_s - sigma * w;                  // OLD w
-  return ftrl_prox(z, pn_new, hp);
-}
-
-// THE FTRL-Proximal update of one element with an element-wise accum (torchrec_ftrl/rule.py's
-// ftrl_rule, line for line). `g` is the gradient summed over the row's duplicates; updates `z`
-// (linear) and `n` (accum) in place and returns the new weight (`w`: the old one, unused if kDerived).
-template <bool kSqrt, bool kDerived = false>
-inline float ftrl_element(float w, float g, float& z, float& n, const FtrlHp& hp) {
-  const float n_new = n + g * g;  // accum uses the raw gradient
-  const float pn_new = ftrl_power<kSqrt>(n_new, hp);
-  const float pn_old = ftrl_power<kSqrt>(n, hp);
-  n = n_new;
-  return ftrl_step<kDerived>(w, g, z, pn_old, pn_new, hp);
-}
 
 // sum_d x[d]^2 of a row (the row-wise accum's increment, before / D) in one fixed order whatever the
 // vector ISA: 16 lane sums (lane l takes d = l mod 16, in d order), then a fixed pairwise tree.
@@ -130,38 +82,6 @@ inline float to_f(T v) {
 }
 
 // ------------------------------------------------------------------ compact (bf16) state
-
-// lowbias32 by C. Wellons (public domain); the constants of torchrec_ftrl/state_dtype.py.
-inline uint32_t lowbias32(uint32_t x) {
-  x ^= x >> 16;
-  x *= 0x7FEB352Du;
-  x ^= x >> 15;
-  x *= 0x846CA68Bu;
-  x ^= x >> 16;
-  return x;
-}
-
-// The per-(step, state) seed of sr_bits, then the per-row hash (state_dtype.sr_bits, first two lines).
-inline uint32_t sr_seed(uint64_t step, uint32_t state) {
-  return lowbias32(static_cast<uint32_t>(step) * 0x9E3779B9u + state);
-}
-inline uint32_t sr_row(uint32_t seed, uint64_t row_key) {
-  return lowbias32(seed ^ static_cast<uint32_t>(row_key) ^ static_cast<uint32_t>(row_key >> 32));
-}
-// 16 random bits of column `col` (state_dtype.sr_bits, last line): the row hash stepped by the golden
-// ratio per column.
-inline uint32_t sr_bits(uint32_t row_hash, uint32_t col) { return (row_hash + col * 0x9E3779B9u) >> 16; }
-
-// fp32 -> bf16 bits with the random `bits` (state_dtype.round_bf16_stochastic): finite values add
-// the bits and truncate; Inf truncates; a NaN gets its quiet bit, then truncates.
-inline uint16_t round_bf16_sr(float x, uint32_t bits) {
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof(u));
-  const bool finite = (u & 0x7F800000u) != 0x7F800000u;
-  const bool nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
-  u = finite ? u + bits : (nan ? (u | 0x00400000u) : u);
-  return static_cast<uint16_t>(u >> 16);
-}
 
 inline float bf16_bits_to_f(uint16_t b) {
   const uint32_t u = static_cast<uint32_t>(b) << 16;
@@ -366,17 +286,6 @@ void check_layout(const at::Tensor* weights, const at::Tensor& accum, const at::
 // True when n^(-p) is computed by sqrt (p == -0.5), as rule.py's _power decides.
 bool sqrt_power(double neg_power) { return neg_power == 0.5; }
 
-FtrlHp make_hp(double lr, double neg_power, double l1, double l2, double beta, double shrink2) {
-  FtrlHp hp;
-  hp.lr = static_cast<float>(lr);
-  hp.neg_power = static_cast<float>(neg_power);
-  hp.l1 = static_cast<float>(l1);
-  hp.l2 = static_cast<float>(l2);
-  hp.beta = static_cast<float>(beta);
-  hp.shrink2 = static_cast<float>(shrink2);
-  return hp;
-}
-
 // Fills `out` (flat, preallocated, any of fp32/fp16/bf16) from stored weights, or from weights
 // derived from (linear, accum) with `hp` when `weights` is null.
 void forward_into(const at::Tensor* weights, const at::Tensor& accum, const at::Tensor& linear,
@@ -580,10 +489,10 @@ inline void element_steps(W* __restrict__ w, float* __restrict__ z, float* __res
   if constexpr (kDerived) {
     for (int64_t d = 0; d < D; ++d) ftrl_element<kSqrt, true>(0.0f, g[d], z[d], n[d], hp);
   } else if constexpr (std::is_same_v<W, float>) {
-    for (int64_t d = 0; d < D; ++d) w[d] = ftrl_element<kSqrt>(w[d], g[d], z[d], n[d], hp);
+    for (int64_t d = 0; d < D; ++d) w[d] = ftrl_element<kSqrt, false>(w[d], g[d], z[d], n[d], hp);
   } else {
     for (int64_t d = 0; d < D; ++d) wf[d] = to_f(w[d]);
-    for (int64_t d = 0; d < D; ++d) wf[d] = ftrl_element<kSqrt>(wf[d], g[d], z[d], n[d], hp);
+    for (int64_t d = 0; d < D; ++d) wf[d] = ftrl_element<kSqrt, false>(wf[d], g[d], z[d], n[d], hp);
     for (int64_t d = 0; d < D; ++d) w[d] = static_cast<W>(wf[d]);
   }
 }
@@ -658,7 +567,7 @@ int64_t update_rows(W* __restrict__ weights, StateT<kNB>* __restrict__ accum,
         // One n per row: its old and new n^(-p), then every element's z and w steps with them.
         const uint64_t key = seg_key[s];
         const float n_old = load_state<kNB>(accum[key]);
-        const float n_new = n_old + sum_squares(gsum, D) / static_cast<float>(D);
+        const float n_new = ftrl_row_accum(n_old, sum_squares(gsum, D), static_cast<float>(D));
         const float pn_old = ftrl_power<kSqrt>(n_old, hp);
         const float pn_new = ftrl_power<kSqrt>(n_new, hp);
         if constexpr (kZB) {
@@ -770,8 +679,7 @@ void backward_update(const c10::optional<at::Tensor>& weights_opt, at::Tensor& a
                      const at::Tensor& bag_feature, const at::Tensor& bag_out_offset,
                      const at::Tensor& indices, const at::Tensor& offsets,
                      const c10::optional<at::Tensor>& per_sample_weights, int64_t pooling_mode,
-                     int64_t max_D, const at::Tensor& grad_out, double lr, double neg_power,
-                     double l1, double l2, double beta, double shrink2,
+                     int64_t max_D, const at::Tensor& grad_out, FTRL_KNOB_PARAMS,
                      at::Tensor& nonfinite_rows, int64_t step) {
   for (auto* p : {&table_w_offset, &table_dim, &table_rows, &feature_table, &bag_feature,
                   &bag_out_offset, &indices, &offsets}) {
@@ -818,7 +726,7 @@ void backward_update(const c10::optional<at::Tensor>& weights_opt, at::Tensor& a
                                pooling_mode == kPoolNone, max_D, woff_p, dim_p, want_keys);
   }
   // 4. Sum + FTRL per unique row, parallel over rows; the layout and state dtypes are template flags.
-  const FtrlHp hp = make_hp(lr, neg_power, l1, l2, beta, shrink2);
+  const FtrlHp hp = FTRL_MAKE_HP();
   int64_t bad = 0;
   auto update = [&](auto derived_tag, auto w_tag) {
     constexpr bool kDerived = decltype(derived_tag)::value;
@@ -893,15 +801,14 @@ at::Tensor tbe_forward(const c10::optional<at::Tensor>& weights_opt, const at::T
                        const at::Tensor& bag_feature, const at::Tensor& bag_out_offset,
                        const at::Tensor& indices, const at::Tensor& offsets,
                        const c10::optional<at::Tensor>& per_sample_weights, int64_t pooling_mode,
-                       int64_t max_D, const at::Tensor& table_row_base, double lr, double neg_power,
-                       double l1, double l2, double beta, double shrink2, int64_t out_numel,
-                       at::ScalarType out_dtype) {
+                       int64_t max_D, const at::Tensor& table_row_base, FTRL_KNOB_PARAMS,
+                       int64_t out_numel, at::ScalarType out_dtype) {
   const bool empty = offsets.numel() <= 1 || indices.numel() == 0;
   const auto options = linear.options().dtype(out_dtype);
   at::Tensor out = empty ? at::zeros({out_numel}, options) : at::empty({out_numel}, options);
   forward_into(stored_weights(weights_opt), accum, linear, table_w_offset, table_dim, feature_table,
                bag_feature, bag_out_offset, indices, offsets, per_sample_weights, pooling_mode, max_D,
-               table_row_base, rowwise, make_hp(lr, neg_power, l1, l2, beta, shrink2),
+               table_row_base, rowwise, FTRL_MAKE_HP(),
                sqrt_power(neg_power), out);
   return out;
 }

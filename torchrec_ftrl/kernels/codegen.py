@@ -1,0 +1,60 @@
+"""Generates the kernels' FTRL rule from :mod:`.rule_spec`: a C++ header and a Triton module.
+
+``python -m torchrec_ftrl.kernels.codegen --write`` rewrites ``csrc/ftrl_rule_gen.h`` (from
+``SHARED + IEEE``) and ``triton_rule_gen.py`` (from ``SHARED + FAST``); ``--check`` exits 1 when a
+committed file differs from the output. The spec's statements are parsed with :mod:`ast` and
+emitted operation for operation (:mod:`.codegen_ast`), with the parentheses each language's
+precedence needs and those the spec writes (:mod:`.codegen_cpp`, :mod:`.codegen_triton`). An
+intrinsic a backend does not have (``fdiv`` in C++, ``copysign`` in Triton, ...) raises
+``ValueError`` naming the function and the intrinsic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from .codegen_cpp import generate_cpp
+from .codegen_triton import generate_triton
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CPP_PATH = os.path.join(HERE, "csrc", "ftrl_rule_gen.h")
+TRITON_PATH = os.path.join(HERE, "triton_rule_gen.py")
+
+GENERATED = {CPP_PATH: generate_cpp, TRITON_PATH: generate_triton}
+
+
+def stale() -> list[str]:
+    """Paths of the generated files whose committed text differs from the generator's output."""
+    out = []
+    for path, gen in GENERATED.items():
+        try:
+            with open(path) as f:
+                current = f.read()
+        except FileNotFoundError:
+            current = None
+        if current != gen():
+            out.append(path)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    mode = ap.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--write", action="store_true", help="rewrite the generated files")
+    mode.add_argument("--check", action="store_true", help="exit 1 when a generated file is stale")
+    args = ap.parse_args(argv)
+    if args.write:
+        for path, gen in GENERATED.items():
+            with open(path, "w") as f:
+                f.write(gen())
+        return 0
+    bad = stale()
+    for path in bad:
+        print(f"{path} is stale: run python -m torchrec_ftrl.kernels.codegen --write", file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -125,9 +125,11 @@ class FTRLHyperparams:
         return KernelScalars(*(knob.of_hparams(self) for knob in KNOBS))
 
 
-KernelScalars = NamedTuple("KernelScalars", [(knob.name, float) for knob in KNOBS])
-KernelScalars.__doc__ = ("Derived scalars of the rule, in the order the C++ (``FtrlHp``) and Triton kernels "
-                         "take them: torchrec_ftrl.kernels.rule_spec.KNOBS (names, meanings, values).")
+class KernelScalars(NamedTuple("_KernelScalars", [(knob.name, float) for knob in KNOBS])):
+    """Derived scalars of the rule, in the order the C++ (``FtrlHp``) and Triton kernels take them:
+    :data:`torchrec_ftrl.kernels.rule_spec.KNOBS` (names, meanings, values)."""
+
+    __slots__ = ()
 
     def to_hyperparams(self) -> FTRLHyperparams:
         """The knobs these scalars are of, for the rule functions of :mod:`torchrec_ftrl.rule` (which

@@ -24,11 +24,10 @@ from .hyperparams import DEFAULT_LEARNING_RATE, FTRLHyperparams, parse_options
 from .kernels.backend import resolve_backend
 from .kernels.layout import TableArrays
 from .optim_type import emb_optim_type
-from .placement import check_cache_dims, check_cache_options
 from .row_layout import RowLayout, require_kernel_layout
 from .state_dtype import describe, state_sparse_types
-from .tbe_args import (_PRECISIONS, _as_sparse_type, _enum_member, parse_embedding_specs,
-                       parse_feature_table_map)
+from .tbe_args import (_PRECISIONS, _as_sparse_type, _enum_member, check_placement,
+                       parse_embedding_specs, parse_feature_table_map)
 from .tbe_batch import BatchMixin
 from .tbe_cached import CachedLookupMixin
 from .tbe_tables import TableAPIMixin
@@ -259,19 +258,9 @@ class FTRLTableBatchedEmbeddingBags(BatchMixin, CachedLookupMixin, TableAPIMixin
             raise ValueError(f"table_names must have {T} names, got {list(table_names)!r}")
 
         device = torch.device(device) if device is not None else torch.device("cpu")
-        if placement is not None and device.type != "cuda":
-            raise ValueError(f"embedding_specs location {placement.name} (unified memory) needs a CUDA "
-                             f"device, got device={device}")
-        if placement == EmbeddingLocation.MANAGED_CACHING:   # before anything is allocated
-            check_cache_options(cache_load_factor, cache_sets,
-                                cache_algorithm, prefetch_pipeline, where="FTRLTableBatchedEmbeddingBags")
-            check_cache_dims([d for _, d in rows_dims])
         self.weights_precision = _as_sparse_type("weights_precision", weights_precision)
-        if placement == EmbeddingLocation.MANAGED_CACHING and cache_precision is not None and \
-                _as_sparse_type("cache_precision", cache_precision) != self.weights_precision:
-            raise ValueError(f"cache_precision must equal weights_precision "
-                             f"({self.weights_precision.name}) or be None: the FTRL cache holds rows "
-                             f"in the weights' precision, got {cache_precision!r}")
+        check_placement(placement, device, [d for _, d in rows_dims], self.weights_precision,
+                         cache_load_factor, cache_sets, cache_algorithm, prefetch_pipeline, cache_precision)
         self.output_dtype = _as_sparse_type("output_dtype", output_dtype)
         self._output_torch_dtype = _PRECISIONS[self.output_dtype]
         self.pooling_mode = pooling_mode
@@ -300,23 +289,40 @@ class FTRLTableBatchedEmbeddingBags(BatchMixin, CachedLookupMixin, TableAPIMixin
         self._prefetch_stream = None
         self.cache: Optional[RowCache] = None
         if placement == EmbeddingLocation.MANAGED_CACHING:
-            self.cache = RowCache(
-                [r for r, _ in rows_dims], [d for _, d in rows_dims], feature_table_map,
-                self._table_w_offset, _PRECISIONS[self.weights_precision], cache_load_factor, cache_sets, cache_algorithm,
-                prefetch_pipeline, cache_reserved_memory, gather_uvm_cache_stats, device,
-                layout=self.row_layout)
-            self.cache.reset_states(self._hp.initial_accumulator_value)
-            self.register_state_dict_pre_hook(_flush_before_state_dict)
-            self.register_load_state_dict_post_hook(_empty_cache_after_load)
-        i64 = dict(dtype=torch.int64, device=device)
-        self.register_buffer("bounds_check_warning", torch.zeros(1, **i64))
-        # What a fused FATAL check counts (read once per forward; zero while batches are valid).
-        self.register_buffer("_fatal_count", torch.zeros(1, **i64), persistent=False)
-        self.register_buffer("nonfinite_grad_rows", torch.zeros(1, **i64))
-        self.register_buffer("iter", torch.zeros(1, **i64))
+            self._init_cache(rows_dims, feature_table_map, device, cache_load_factor, cache_sets,
+                             cache_algorithm, prefetch_pipeline, cache_reserved_memory,
+                             gather_uvm_cache_stats)
+        self._register_counters(device)
         # Makes the output require grad so backward (the fused update) runs, as in FBGEMM.
         self.placeholder_autograd_tensor = nn.Parameter(torch.zeros(0, device=device))
         self._init_uniform(-0.01, 0.01, warn=False)   # FBGEMM's default initialisation
+
+    def _init_cache(self, rows_dims: list, feature_table_map: list, device: torch.device,
+                    cache_load_factor: float, cache_sets: int, cache_algorithm: CacheAlgorithm,
+                    prefetch_pipeline: bool, cache_reserved_memory: float,
+                    gather_uvm_cache_stats: bool) -> None:
+        """The HBM cache of the ``MANAGED_CACHING`` placement (:class:`RowCache`, rows of the row
+        layout's arrays), empty, and the hooks that flush it before a ``state_dict`` and empty it
+        after a load."""
+        self.cache = RowCache(
+            [r for r, _ in rows_dims], [d for _, d in rows_dims], feature_table_map,
+            self._table_w_offset, _PRECISIONS[self.weights_precision], cache_load_factor, cache_sets,
+            cache_algorithm, prefetch_pipeline, cache_reserved_memory, gather_uvm_cache_stats, device,
+            layout=self.row_layout)
+        self.cache.reset_states(self._hp.initial_accumulator_value)
+        self.register_state_dict_pre_hook(_flush_before_state_dict)
+        self.register_load_state_dict_post_hook(_empty_cache_after_load)
+
+    def _register_counters(self, device: torch.device) -> None:
+        """int64 ``[1]`` counters: ``bounds_check_warning`` (WARNING repairs), ``nonfinite_grad_rows``
+        (rows skipped for a NaN/Inf gradient), ``iter`` (the step, which keys bf16 stochastic
+        rounding) and the non-persistent ``_fatal_count`` (what a fused FATAL check counts, read
+        once per forward; zero while batches are valid)."""
+        i64 = dict(dtype=torch.int64, device=device)
+        self.register_buffer("bounds_check_warning", torch.zeros(1, **i64))
+        self.register_buffer("_fatal_count", torch.zeros(1, **i64), persistent=False)
+        self.register_buffer("nonfinite_grad_rows", torch.zeros(1, **i64))
+        self.register_buffer("iter", torch.zeros(1, **i64))
 
     def _register_tables(self, rows_dims: list, feature_table_map: list, device: torch.device,
                          placement: Optional[EmbeddingLocation], uvm_host_mapped: bool) -> None:

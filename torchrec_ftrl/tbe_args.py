@@ -8,7 +8,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from .fbgemm_enums import EmbeddingLocation, SparseType
-from .placement import PLACEMENTS
+from .placement import PLACEMENTS, check_cache_dims, check_cache_options
 
 _PRECISIONS = {SparseType.FP32: torch.float32, SparseType.FP16: torch.float16,
                SparseType.BF16: torch.bfloat16}
@@ -105,3 +105,27 @@ def parse_feature_table_map(feature_table_map, T: int) -> list[int]:
         raise ValueError(f"feature_table_map entries must be table ids in [0, {T}), got "
                          f"{feature_table_map!r}")
     return feature_table_map
+
+
+def check_placement(placement: Optional[EmbeddingLocation], device: torch.device, dims: list,
+                     weights_precision: SparseType, cache_load_factor: float, cache_sets: int,
+                     cache_algorithm: Any, prefetch_pipeline: bool, cache_precision: Any) -> None:
+    """Checks of the tables' placement before anything is allocated.
+
+    Raises:
+        ValueError: unified memory without a CUDA device; for ``MANAGED_CACHING``, a cache option or
+            a table dim the cache cannot hold, or a ``cache_precision`` other than
+            ``weights_precision`` (each message names the argument and its value).
+    """
+    if placement is not None and device.type != "cuda":
+        raise ValueError(f"embedding_specs location {placement.name} (unified memory) needs a CUDA "
+                         f"device, got device={device}")
+    if placement != EmbeddingLocation.MANAGED_CACHING:
+        return
+    check_cache_options(cache_load_factor, cache_sets, cache_algorithm, prefetch_pipeline,
+                        where="FTRLTableBatchedEmbeddingBags")
+    check_cache_dims(dims)
+    if cache_precision is not None and _as_sparse_type("cache_precision", cache_precision) != weights_precision:
+        raise ValueError(f"cache_precision must equal weights_precision ({weights_precision.name}) or "
+                         f"be None: the FTRL cache holds rows in the weights' precision, got "
+                         f"{cache_precision!r}")

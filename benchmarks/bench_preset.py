@@ -20,7 +20,8 @@ then recorded as skipped; ``--skip 1,2,3,4`` runs the rest in a second call):
    bf16 state;
 7. FTRL bf16 state at the full preset, 65,536, if its plan fits (tables HBM cannot hold go to
    ``fused_uvm_caching``);
-8. TorchRec's ``dlrm_main.py`` (``bench_torchrec_dlrm.py``, DCN, the scaled tables, 8,192) when
+8. TorchRec's ``dlrm_main.py`` (``bench_torchrec_dlrm.py --random-data``: DCN, the scaled tables,
+   8,192, the example's own random multi-hot batches, as step 4's job runs draw theirs) when
    ``.anchor/torchrec_dlrm/dlrm_main.py`` is present;
 9. the lean row layouts at the full preset (docs/row-layouts.md): ``--plan-only`` of each, then, side
    by side, row-wise Adagrad and each FTRL layout whose plan fits, at 8,192 and 65,536 (``--lean``
@@ -213,11 +214,11 @@ def main(argv=None):
             hot = ",".join(map(str, MLPERF_DCNV2_MULTI_HOT))
             b.run(f"dlrm_main.py (DCN, scaled, {small})",
                   [sys.executable, os.path.join("benchmarks", "bench_torchrec_dlrm.py"), "--dlrm-main",
-                   ANCHOR, "--batch", str(small), "--steps", str(a.steps), "--rows", "1000000",
-                   "--files", "2", "--num-embeddings", rows, "--embedding-dim", "128", "--dense-arch",
+                   ANCHOR, "--batch", str(small), "--steps", str(a.steps), "--random-data",
+                   "--num-embeddings", rows, "--embedding-dim", "128", "--dense-arch",
                    "512,256", "--over-arch", "1024,1024,512,256", "--out",
-                   os.path.join(a.out, "dlrm_main"), "--example-args",
-                   f"--interaction_type=dcn --dcn_num_layers=3 --dcn_low_rank_dim=512 "
+                   os.path.join(a.out, "dlrm_main"),
+                   f"--example-args=--interaction_type=dcn --dcn_num_layers=3 --dcn_low_rank_dim=512 "
                    f"--multi_hot_sizes={hot} --multi_hot_distribution_type=uniform"],
                   parse=lambda p: {"dlrm_main": _read_json(os.path.join(a.out, "dlrm_main",
                                                                         "bench_torchrec_dlrm.json"))})

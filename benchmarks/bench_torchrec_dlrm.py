@@ -15,7 +15,9 @@ the binary Criteo folder our job reads, to report beside ``bench_job.py``'s figu
     python3 benchmarks/bench_torchrec_dlrm.py --dlrm-main .anchor/torchrec_dlrm/dlrm_main.py \\
         --device cpu --rows 60000 --files 2 --batch 512 --steps 20 --num-embeddings 1000 --out DIR
 
-1. The data. The example reads ``DAYS`` = 24 day triplets (``torchrec.datasets.criteo.DAYS``):
+1. The data. With ``--random-data`` none: the example draws its own random batches (its
+   ``RandomRecDataset``, multi-hot with ``--multi_hot_sizes`` among ``--example-args``). Otherwise
+   the example reads ``DAYS`` = 24 day triplets (``torchrec.datasets.criteo.DAYS``):
    it trains on ``day_0`` .. ``day_22`` and validates / tests on the first / second half of
    ``day_23``, all loaded into memory (``InMemoryBinaryCriteoIterDataPipe``, no ``--mmap_mode``),
    ids taken modulo ``--num_embeddings``. A ``--binary-dir`` that holds all 24 is used as it is.
@@ -112,6 +114,9 @@ def parse(argv=None):
     p.add_argument("--anchor-dir", default=ANCHOR_DIR, help="where --extract puts torchrec_dlrm/")
     p.add_argument("--dlrm-main", default=os.path.join(ANCHOR_DIR, "torchrec_dlrm", "dlrm_main.py"),
                    help="an unmodified torchrec_dlrm/dlrm_main.py")
+    p.add_argument("--random-data", action="store_true",
+                   help="the example's own random input (its RandomRecDataset: no data path given, "
+                        "multi-hot with --example-args '--multi_hot_sizes ...'); no data folder is built")
     p.add_argument("--binary-dir", default=None,
                    help="folder of day_{i}_{dense,sparse,labels}.npy (default: bench_job.py's, built if missing)")
     p.add_argument("--tsv", default=None, help="no --binary-dir: bench_job.py's --tsv")
@@ -247,9 +252,11 @@ def build_days(src, dest, val_rows):
 # ------------------------------------------------------------------------------------- the run
 
 def example_argv(args, data_dir):
-    """dlrm_main.py's flags for ``args`` (see the module docstring, 2)."""
+    """dlrm_main.py's flags for ``args`` (see the module docstring, 2); ``data_dir`` None: no data
+    path, so the example draws its own random batches."""
     join = lambda xs: ",".join(str(x) for x in xs)  # noqa: E731
-    argv = ["--in_memory_binary_criteo_path", data_dir, "--batch_size", str(args.batch), "--epochs", "1",
+    argv = [] if data_dir is None else ["--in_memory_binary_criteo_path", data_dir]
+    argv += ["--batch_size", str(args.batch), "--epochs", "1",
             "--limit_train_batches", str(args.steps), "--limit_val_batches", "1", "--limit_test_batches", "1",
             "--embedding_dim", str(args.embedding_dim), "--dense_arch_layer_sizes", join(args.bottom),
             "--over_arch_layer_sizes", join(args.top), "--learning_rate", str(args.learning_rate),
@@ -261,6 +268,15 @@ def example_argv(args, data_dir):
     if args.device == "cuda":
         argv.append("--pin_memory")
     return argv + shlex.split(args.example_args)
+
+
+def interaction(ex_argv) -> str:
+    """The example's ``--interaction_type`` among its flags (its default: ``original``, the dot
+    product)."""
+    for i, a in enumerate(ex_argv):
+        if a.startswith("--interaction_type"):
+            return a.split("=", 1)[1] if "=" in a else ex_argv[i + 1]
+    return "original (dot)"
 
 
 def launch_cmd(args, timing_dir, ex_argv):
@@ -393,7 +409,8 @@ def main(argv=None) -> int:
         raise SystemExit(f"bench_torchrec_dlrm: no {args.dlrm_main}; run with --extract GITDIR first")
     timing_dir = os.path.join(args.out, "timing")
     if args.print_cmd:
-        data_dir = args.binary_dir if args.binary_dir and count_days(args.binary_dir) >= DAYS else args.days_dir
+        data_dir = None if args.random_data else (
+            args.binary_dir if args.binary_dir and count_days(args.binary_dir) >= DAYS else args.days_dir)
         cmd = launch_cmd(args, timing_dir, example_argv(args, data_dir))
         pre = f"CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS={args.cpu_threads} " if args.device == "cpu" else ""
         print(pre + " ".join(shlex.quote(c) for c in cmd))
@@ -407,11 +424,15 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     shutil.rmtree(timing_dir, ignore_errors=True)
     os.makedirs(timing_dir)
-    src, data_dir, data_info = resolve_data(args, log)
+    if args.random_data:
+        data_dir, data_info = None, dict(kind="random", note="dlrm_main.py's RandomRecDataset")
+        log("data: the example's own random batches")
+    else:
+        src, data_dir, data_info = resolve_data(args, log)
+        log(f"data: {data_dir} ({data_info['train_rows']:,} training rows from {data_info['source_days']} "
+            f"day file(s) of {src})")
     ex_argv = example_argv(args, data_dir)
     cmd = launch_cmd(args, timing_dir, ex_argv)
-    log(f"data: {data_dir} ({data_info['train_rows']:,} training rows from {data_info['source_days']} day "
-        f"file(s) of {src})")
     log("run: " + " ".join(shlex.quote(c) for c in cmd))
     rc, wall, out = run_example(args, cmd)
     recs = read_timings(timing_dir, args.nproc) if rc == 0 else None
@@ -423,7 +444,7 @@ def main(argv=None) -> int:
                cpu_threads=args.cpu_threads if args.device == "cpu" else None,
                steps=args.steps, warmup=args.warmup, optimizer=args.optimizer, learning_rate=args.learning_rate,
                model=dict(num_embeddings=args.num_embeddings, embedding_dim=args.embedding_dim,
-                          bottom=args.bottom, top=args.top, interaction="original (dot)"),
+                          bottom=args.bottom, top=args.top, interaction=interaction(ex_argv)),
                example=example_source(args.dlrm_main), example_argv=ex_argv,
                command=" ".join(shlex.quote(c) for c in cmd), data=data_info, timed=TIMED,
                versions=versions(), result=result, per_rank=recs, output_tail=out[-4000:], log=lines)

@@ -728,6 +728,11 @@ def test_dlrm_example_argv_mapping():
     cmd = b.launch_cmd(a, "/t", ["--x"])
     assert cmd[1:4] == ["-m", "torch.distributed.run", "--standalone"] and cmd[-2:] == ["--", "--x"]
     assert b.launch_env(b.parse(["--device", "cpu"]))["CUDA_VISIBLE_DEVICES"] == ""
+    # --random-data: no data path (the example draws its own batches); the interaction it is given
+    a = b.parse(["--random-data", "--example-args", "--interaction_type=dcn --multi_hot_sizes=3,2"])
+    argv = b.example_argv(a, None)
+    assert "--in_memory_binary_criteo_path" not in argv and argv[:2] == ["--batch_size", "8192"]
+    assert b.interaction(argv) == "dcn" and b.interaction(b.example_argv(b.parse([]), "/d")) == "original (dot)"
 
 
 def test_dlrm_day_view_reads_like_the_source(tmp_path):

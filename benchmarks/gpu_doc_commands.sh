@@ -89,7 +89,7 @@ python benchmarks/zch_vs_modulo.py --data ../shared/data/criteo/criteo_dac_combi
     --epochs 5 --sizes 1000 10000 --seeds 0 1 2 --out zch_criteo_cpu
 DOCEOF
 
-run_block 'docs/performance.md:497 (bash long)' "$OUT/doc_11.log" <<'DOCEOF'
+run_block 'docs/performance.md:499 (bash long)' "$OUT/doc_11.log" <<'DOCEOF'
 python benchmarks/bench_tbe_cpu.py --threads 2 --iters 20
 DOCEOF
 

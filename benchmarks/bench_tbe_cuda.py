@@ -163,10 +163,12 @@ def forward_row_bytes(method, D, wbytes):
     return D * wbytes
 
 
-def update_bytes(method, N, U, D, wbytes):
+def update_bytes(method, U, T, B, D, wbytes):
     """Compulsory bytes of the fused update alone (ours' segment_update / segment_combine kernels):
-    each unique row's stored arrays read and written, and one gradient row (fp32, ``D``) per lookup."""
-    return 2 * U * row_bytes(method, D, wbytes) + N * D * 4
+    each of the ``U`` unique rows' stored arrays read and written, and the ``T * B`` fp32 output
+    gradients (``D`` each) read once. The update gathers one gradient row per lookup, but lookups of
+    one bag share its row, so re-reads past the first can hit L2 and are not compulsory."""
+    return 2 * U * row_bytes(method, D, wbytes) + T * B * D * 4
 
 
 def state_bytes_per_element(method):
@@ -910,7 +912,7 @@ def layouts_markdown(meta, rows):
           f"{bw / 1e12:.2f} TB/s. Floor = compulsory bytes (`bytes_model`: indices, each unique row's "
           f"forward read (weight, or z and n for derived weights) and its stored arrays read and written "
           f"in the backward, pooled outputs and their gradients) / copy bandwidth; the update's floor "
-          f"(`update_bytes`): the stored arrays read and written and one fp32 gradient row per lookup. "
+          f"(`update_bytes`): the stored arrays read and written and the pooled outputs' fp32 gradients. "
           f"Ours: Triton, bounds_check_mode WARNING; `ours_{{weights}}_{{accumulator}}_{{state dtype}}` "
           f"(both states in that dtype). \"vs RWA\" = EXACT_ROWWISE_ADAGRAD time / the method's time; "
           f"target: issue 38's kernel-time target (D=128 fp32 weights; uniform / Zipf).", "",
@@ -1015,7 +1017,7 @@ def run_layouts(args) -> None:
                         res["kernel_ms"], per = profile_kernels(step, batches)
                         if m in LAYOUT_METHODS:
                             res["update_ms"] = sum(v for k, v in per.items() if k.startswith(UPDATE_KERNELS))
-                            res["update_bytes"] = update_bytes(m, N, U, D, wb)
+                            res["update_bytes"] = update_bytes(m, U, T, B, D, wb)
                         res["top_kernels"] = sorted(per.items(), key=lambda kv: -kv[1])[:8]
                     except Exception as exc:  # noqa: BLE001 - a failing method is reported
                         res["error"] = f"{type(exc).__name__}: {exc}"[:400]

@@ -813,8 +813,8 @@ def test_layouts_bytes_by_hand(tbe_bench):
     assert tbe_bench.bytes_model("ours_derived_rowwise_bf16", 10, 5, 1, 2, 128, 4) == (2394, 3604)
     # a stored layout's forward reads the weight: 10*8 + 5*512 + 2*512; backward 2*512 + 2*5*1028
     assert tbe_bench.bytes_model("ours_stored_rowwise_fp32", 10, 5, 1, 2, 128, 4) == (3664, 11304)
-    # the update alone: 2 x 5 rows x 516 B + 10 gradient rows of 128 fp32
-    assert tbe_bench.update_bytes("ours_derived_rowwise_fp32", 10, 5, 128, 4) == 2 * 5 * 516 + 10 * 512
+    # the update alone: 2 x 5 rows x 516 B + the T*B = 2*3 output-gradient rows of 128 fp32
+    assert tbe_bench.update_bytes("ours_derived_rowwise_fp32", 5, 2, 3, 128, 4) == 2 * 5 * 516 + 2 * 3 * 512
 
 
 def test_bench_tbe_cuda_layouts_flag_refuses_other_methods():

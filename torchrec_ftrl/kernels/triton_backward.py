@@ -68,7 +68,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_forward import MEAN, NONE, bag_table, load_bags
+from .triton_forward import MEAN, NONE, bag_table, load_bags, row_columns
 from .triton_rule_gen import ftrl_update, round_bf16_sr, sr_bits, sr_row, sr_seed, sr_top_bits
 
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
@@ -425,7 +425,7 @@ def segment_update_kernel(
         u = tl.arange(0, R)
         lm0 = u[None, :] < length[:, None]                                   # [G, R]
         go0, sc0 = load_entries(sgofs_ptr, sscale_ptr, s[:, None] + u[None, :], lm0, HAS_SCALE)
-        cols = tl.arange(0, BLOCK_D)
+        cols = row_columns(BLOCK_D)
         if EVEN_D:
             # Every table has D == BLOCK_D: row r of the flat layout starts at r * BLOCK_D.
             m2 = tl.broadcast_to(valid[:, None], [G, BLOCK_D])
@@ -488,7 +488,7 @@ def segment_combine_kernel(
     first = is_cut & (prev_cut == 0)
     nfirst = tl.sum(first.to(tl.int32), axis=0)
     if nfirst > 0:
-        cols = tl.arange(0, BLOCK_D)
+        cols = row_columns(BLOCK_D)
         jj = tl.arange(0, NB)
         todo = first
         for _ in range(nfirst):  # one run per first cut, lowest candidate first

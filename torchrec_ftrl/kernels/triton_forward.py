@@ -40,6 +40,17 @@ from .triton_rule_gen import ftrl_power, ftrl_prox, ftrl_prox_rowwise, ftrl_row_
 # The pooling modes as the kernels compare them (layout.POOL_*; Triton reads only constexpr globals).
 MEAN = tl.constexpr(POOL_MEAN)
 NONE = tl.constexpr(POOL_NONE)
+# Elements per vector of a row load: 4 is 16 bytes of an fp32 row and 8 bytes of a 2-byte one (bf16
+# state, fp16 weights), so the rows of a step share the fp32 gradient and output rows' register
+# layout. At Triton's default (16-byte vectors, 8 elements of a 2-byte row) a 2-byte row takes a
+# layout of its own, which the kernel converts through shared memory at every step.
+ROW_VEC = tl.constexpr(4)
+
+
+@triton.jit
+def row_columns(BLOCK_D: tl.constexpr):
+    """int32 ``[BLOCK_D]``: the columns ``0 .. BLOCK_D - 1`` of a row, hinted ``ROW_VEC`` contiguous."""
+    return tl.max_contiguous(tl.arange(0, BLOCK_D), ROW_VEC)
 
 
 @triton.jit
@@ -154,7 +165,7 @@ def tbe_forward_kernel(
         beta, neg_p = tl.cast(beta, tl.float32), tl.cast(neg_p, tl.float32)
     nbad = tl.zeros([BAGS, UNROLL], dtype=tl.int32)
 
-    cols = tl.arange(0, BLOCK_D)
+    cols = row_columns(BLOCK_D)
     u = tl.arange(0, UNROLL)
     if EVEN_D:  # no column mask: keeps the mask constant along D so loads vectorise
         cmask2 = tl.broadcast_to(bmask[:, None], [BAGS, BLOCK_D])

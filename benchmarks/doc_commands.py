@@ -13,7 +13,8 @@ fences only):
 | ``text`` | output, formulas, a synopsis with placeholders | nowhere |
 
 A ``bash`` block preceded by ``<!-- expect: TEXT -->`` comments must print each TEXT (the figures
-the docs state next to it). Blocks are found with sybil's Markdown lexer (the tool that runs them).
+the docs state next to it). A number written ``X±TOL`` in TEXT matches any printed number within TOL
+of X (for figures of CPU training runs, whose last digits differ between CPU instruction sets). Blocks are found with sybil's Markdown lexer (the tool that runs them).
 
     python benchmarks/doc_commands.py --write    # regenerate gpu_doc_commands.sh from the docs
 """
@@ -36,6 +37,23 @@ RUN_BY_SCRIPT = ("python gpu", "bash gpu", "bash long")
 NOT_RUN = ("bash install", "text")
 KINDS = RUN_IN_CI + RUN_BY_SCRIPT + NOT_RUN
 EXPECT = re.compile(r"<!--\s*expect:\s*(.*?)\s*-->")
+
+
+_TOLERANT = re.compile(r"(-?\d+(?:\.\d+)?)±(\d+(?:\.\d+)?)")
+_NUMBER = r"(-?\d+(?:\.\d+)?)"
+
+
+def expect_found(text: str, output: str) -> bool:
+    """Whether ``output`` prints ``text``: literally, except that each ``X±TOL`` in ``text`` matches
+    a number within TOL of X."""
+    parts = _TOLERANT.split(text)          # literal, X, TOL, literal, X, TOL, ..., literal
+    if len(parts) == 1:
+        return text in output
+    pattern = "".join(re.escape(p) if i % 3 == 0 else (_NUMBER if i % 3 == 1 else "")
+                      for i, p in enumerate(parts))
+    bounds = [(float(parts[i]), float(parts[i + 1])) for i in range(1, len(parts), 3)]
+    return any(all(abs(float(v) - x) <= tol + 1e-12 for v, (x, tol) in zip(m.groups(), bounds))
+               for m in re.finditer(pattern, output))
 
 
 def doc_paths() -> List[str]:

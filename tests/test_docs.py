@@ -72,7 +72,8 @@ def _bash(block, cwd):
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-4000:]
     for text in block.expect:
-        assert text in out, f"{_id(block)}: expected {text!r} in the output:\n{out[-4000:]}"
+        assert doc_commands.expect_found(text, out), \
+            f"{_id(block)}: expected {text!r} in the output:\n{out[-4000:]}"
 
 
 @pytest.mark.parametrize("block", RUN, ids=[_id(b) for b in RUN])
@@ -158,3 +159,17 @@ def test_install_blocks_name_the_pinned_versions():
                 assert pins.get(name.lower()) == version, f"{_id(b)}: {name}=={version}, pinned {pins.get(name.lower())}"
                 checked += 1
     assert checked >= 3
+
+
+@pytest.mark.parametrize("text,output,found", [
+    ("AUC 0.6576", "validation AUC 0.6576 logloss", True),
+    ("AUC 0.6576", "validation AUC 0.6579 logloss", False),
+    ("AUC 0.658±0.003", "validation AUC 0.6579 logloss", True),
+    ("AUC 0.658±0.003", "validation AUC 0.6549 logloss", False),
+    ("AUC 0.658±0.003, loss 1.0±0.1", "AUC 0.6579, loss 1.04", True),
+    ("AUC 0.658±0.003, loss 1.0±0.1", "AUC 0.6579, loss 1.2", False),
+    ("AUC 0.658±0.003", "step 50: AUC 0.7069\nstep 119: AUC 0.6581", True),
+])
+def test_expect_tolerance(text, output, found):
+    """``X±TOL`` in an expect TEXT matches a printed number within TOL of X, other text literally."""
+    assert doc_commands.expect_found(text, output) is found

@@ -20,9 +20,11 @@ then recorded as skipped; ``--skip 1,2,3,4`` runs the rest in a second call):
    bf16 state;
 7. FTRL bf16 state at the full preset, 65,536, if its plan fits (tables HBM cannot hold go to
    ``fused_uvm_caching``);
-8. TorchRec's ``dlrm_main.py`` (``bench_torchrec_dlrm.py --random-data``: DCN, the scaled tables,
-   8,192, the example's own random multi-hot batches, as step 4's job runs draw theirs) when
-   ``.anchor/torchrec_dlrm/dlrm_main.py`` is present;
+8. side by side at the scaled shape (the largest that TorchRec's example plans into one GPU: its
+   planner assumes 32 GiB of HBM), at each of ``--batches``: row-wise Adagrad, each ``--lean`` layout,
+   and TorchRec's ``dlrm_main.py`` itself (``bench_torchrec_dlrm.py --random-data``: DCN, the same
+   tables, ``--adagrad`` (EXACT_ADAGRAD tables), its own random multi-hot batches, as the job's
+   runs draw theirs) when ``.anchor/torchrec_dlrm/dlrm_main.py`` is present;
 9. the lean row layouts at the full preset (docs/row-layouts.md): ``--plan-only`` of each, then, side
    by side, row-wise Adagrad and each FTRL layout whose plan fits, at 8,192 and 65,536 (``--lean``
    picks the layouts: default derived weights with bf16 z and n, 512 B a row, and derived weights
@@ -208,22 +210,15 @@ def main(argv=None):
         else:
             b.rows.append({"name": f"full_ftrl_bf16_{big}", "status": "not run: its plan does not fit"})
     if 8 not in skip:
-        if os.path.exists(ANCHOR):
-            from torchrec_ftrl.job.presets import MLPERF_DCNV2_MULTI_HOT, MLPERF_DCNV2_ROWS
-            rows = ",".join(str(max(1, int(n * a.scale + 0.999999))) for n in MLPERF_DCNV2_ROWS)
-            hot = ",".join(map(str, MLPERF_DCNV2_MULTI_HOT))
-            b.run(f"dlrm_main.py (DCN, scaled, {small})",
-                  [sys.executable, os.path.join("benchmarks", "bench_torchrec_dlrm.py"), "--dlrm-main",
-                   ANCHOR, "--batch", str(small), "--steps", str(a.steps), "--random-data",
-                   "--num-embeddings", rows, "--embedding-dim", "128", "--dense-arch",
-                   "512,256", "--over-arch", "1024,1024,512,256", "--out",
-                   os.path.join(a.out, "dlrm_main"),
-                   f"--example-args=--interaction_type=dcn --dcn_num_layers=3 --dcn_low_rank_dim=512 "
-                   f"--multi_hot_sizes={hot} --multi_hot_distribution_type=uniform"],
-                  parse=lambda p: {"dlrm_main": _read_json(os.path.join(a.out, "dlrm_main",
-                                                                        "bench_torchrec_dlrm.json"))})
-        else:
-            b.rows.append({"name": "dlrm_main.py", "status": f"not run: {ANCHOR} absent (bench_torchrec_dlrm.py --extract)"})
+        for batch in (small, big):
+            b.job(f"scaled_rowwise_adagrad_{batch}", [*scaled, *rwa], batch)
+            for name in (x for x in a.lean.split(",") if x):
+                b.job(f"scaled_{name}_{batch}", [*scaled, *LEAN[name]], batch)
+            if os.path.exists(ANCHOR):
+                _dlrm_main(b, a, batch)
+            else:
+                b.rows.append({"name": f"dlrm_main.py {batch}",
+                               "status": f"not run: {ANCHOR} absent (bench_torchrec_dlrm.py --extract)"})
     if 9 not in skip:
         lean = [x for x in a.lean.split(",") if x]
         for name in lean:
@@ -237,6 +232,30 @@ def main(argv=None):
                     b.rows.append({"name": f"full_{name}_{batch}", "status": "not run: its plan does not fit"})
     b.result["total_s"] = round(time.monotonic() - b.t0, 1)
     b.write()
+
+
+def _dlrm_main(b, a, batch):
+    """TorchRec's example at the scaled preset (DCN, multi-hot, its random batches), ``batch``."""
+    from torchrec_ftrl.job.presets import MLPERF_DCNV2_MULTI_HOT, MLPERF_DCNV2_ROWS
+    rows = ",".join(str(max(1, int(n * a.scale + 0.999999))) for n in MLPERF_DCNV2_ROWS)
+    hot = ",".join(map(str, MLPERF_DCNV2_MULTI_HOT))
+    out = os.path.join(a.out, f"dlrm_main_{batch}")
+    b.run(f"dlrm_main.py (DCN, scaled, {batch})",
+          [sys.executable, os.path.join("benchmarks", "bench_torchrec_dlrm.py"), "--dlrm-main", ANCHOR,
+           "--batch", str(batch), "--steps", str(a.steps), "--warmup", "10", "--random-data",
+           "--num-embeddings", rows,
+           "--embedding-dim", "128", "--dense-arch", "512,256", "--over-arch", "1024,1024,512,256",
+           "--out", out, f"--example-args=--interaction_type=dcn --dcn_num_layers=3 "
+           f"--dcn_low_rank_dim=512 --multi_hot_sizes={hot} --multi_hot_distribution_type=uniform"],
+          parse=lambda p: _dlrm_main_row(batch, _read_json(os.path.join(out, "bench_torchrec_dlrm.json"))))
+
+
+def _dlrm_main_row(batch, res):
+    """The example's figures in the job rows' fields (steady: after step 10, as the job's)."""
+    r = (res or {}).get("result") or {}
+    ex, st = r.get("examples_per_s"), r.get("steady_examples_per_s")
+    return {"batch": batch, "examples_per_s": ex, "steady_examples_per_s": st,
+            "whole_over_steady": (ex / st) if ex and st else None, "dlrm_main": res}
 
 
 # The lean row layouts step 9 can run (job flags), with their bytes per row at D = 128.

@@ -9,7 +9,6 @@ The update rule is stated once in :mod:`torchrec_ftrl.rule` and for users in ``d
 
 from __future__ import annotations
 
-from itertools import chain
 from typing import Any, Iterable, Optional
 
 import torch

@@ -1,8 +1,8 @@
 """The PyTorch fallback of ``torch.ops.torchrec_ftrl.*`` (torchrec_ftrl/kernels/composite.py), the ops'
 ``CompositeExplicitAutograd`` implementations: against the compiled CPU kernel (bitwise but for two
 sums rounded in another order) and a float64 reference for every fp32 row layout, pooling mode and
-per-sample weights; bf16 states; what the dispatcher runs on a CPU without the compiled kernel and on
-CUDA tensors; ``opcheck`` of that path; the TBE's batches through the composite as ``backend="torch"``."""
+per-sample weights; bf16 states; what the dispatcher runs on a CPU without the compiled kernel
+(CUDA tensors run the Triton implementations: ``test_ops_cuda_impls``); ``opcheck`` of that path; the TBE's batches through the composite as ``backend="torch"``."""
 
 import os
 import subprocess
@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as Fn
 
-from conftest import REPO, assert_same_bits, bits, cuda, needs_cuda, reference_forward, tbe_state
+from conftest import REPO, assert_same_bits, bits, reference_forward, tbe_state
 from reference import ftrl_reference_step, ftrl_reference_step_rowwise, ftrl_reference_weight
 from torchrec_ftrl import FTRLTableBatchedEmbeddingBags
 from torchrec_ftrl.fbgemm_enums import PoolingMode, SparseType
@@ -205,22 +205,29 @@ def test_composite_skips_and_counts_nonfinite_rows_like_cpu_kernel():
         assert torch.equal(bits(e), bits(g))
 
 
-@pytest.mark.usefixtures("cpu_kernel")
-def test_composite_bf16_states_round_like_cpu_kernel():
-    """A bf16 state: the composite's stochastic rounding (``state_dtype``) gives the kernel's bits."""
-    layout = ("derived", "elementwise")
+def bf16_updates(layout, calls) -> tuple:
+    """``(linear before, [arrays after] per call)``: one update of ``layout`` with bf16 ``accum`` and
+    ``linear`` (MEAN bags with per-sample weights, step 7) by each of ``calls``; the arrays are the
+    weights (stored layouts), ``accum`` and ``linear``."""
     b = _batch(PoolingMode.MEAN, True)
     weights, accum, linear = _state(layout)
-    state = (None, accum.bfloat16(), linear.bfloat16())
+    state = (weights, accum.bfloat16(), linear.bfloat16())
     results = []
-    for call in (_by_dispatch, _by_composite):
+    for call in calls:
         arrays = tuple(None if s is None else s.clone() for s in state)
         nonfinite = torch.zeros(1, dtype=torch.int64)
         call(ops.tbe_backward_update_.default,
              *_update_args(arrays, layout, b, _grad_out(b), nonfinite, step=7))
-        results.append([arrays[1], arrays[2]])
-    assert not torch.equal(results[1][1], state[2])
-    for e, g in zip(*results):
+        results.append([a for a in arrays if a is not None])
+    return state[2], results
+
+
+@pytest.mark.usefixtures("cpu_kernel")
+def test_composite_bf16_states_round_like_cpu_kernel():
+    """A bf16 state: the composite's stochastic rounding (``state_dtype``) gives the kernel's bits."""
+    linear, (expected, got) = bf16_updates(("derived", "elementwise"), (_by_dispatch, _by_composite))
+    assert not torch.equal(got[-1], linear)
+    for e, g in zip(expected, got):
         assert torch.equal(bits(e), bits(g))
 
 
@@ -315,19 +322,3 @@ def test_tbe_through_the_composite_ops_trains_as_backend_torch(weights, accumula
             lib.impl(name, getattr(composite, name), "CPU")
         via_ops = train("cpp")
     assert_same_bits(train("torch"), via_ops)
-
-
-@cuda
-@needs_cuda
-@pytest.mark.parametrize("pooling,psw", BATCHES[1:4:2], ids=["SUM-psw", "MEAN-psw"])
-@pytest.mark.parametrize("layout", LAYOUTS, ids="-".join)
-def test_ops_on_cuda_tensors_run_the_composite(layout, pooling, psw):
-    """CUDA tensors: the ops have no CUDA kernel of their own (the Triton backend registers its own
-    ops), so the dispatcher runs the composite there; close to the float64 reference."""
-    assert not torch._C._dispatch_has_kernel_for_dispatch_key(f"{NAMESPACE}::tbe_forward", "CUDA")
-    b = _batch(pooling, psw)
-    state = _state(layout)
-    on_cuda = {k: v.cuda() if torch.is_tensor(v) else v for k, v in b.items()}
-    got = _train(tuple(None if s is None else s.cuda() for s in state), layout, on_cuda, _by_dispatch)
-    assert all(t.is_cuda for t in got)
-    _assert_close_to_reference(got, state, layout, b)

@@ -11,19 +11,23 @@ be traced through (its data-dependent ``torch.unique`` and host reads break fake
 
 Each implementation rebuilds the arrays (:class:`~.layout.TableArrays`), the batch
 (:class:`~.layout.TBEBatch`) and the knobs (:meth:`~torchrec_ftrl.hyperparams.KernelScalars.to_hyperparams`)
-from the op's arguments and calls the vectorised PyTorch backend (:mod:`.torch_backend`) on them, so
-it computes bit for bit what ``backend="torch"`` computes; ``tbe_count_invalid`` is
+from the op's arguments and calls a backend module on them (:func:`implementations`): here the
+vectorised PyTorch backend (:mod:`.torch_backend`), so it computes bit for bit what
+``backend="torch"`` computes, and in :mod:`.cuda_impls` the Triton backend. ``tbe_count_invalid`` is
 :func:`torchrec_ftrl.bounds_check.count_invalid` (0 for a valid batch, like the compiled kernel; a
 malformed batch may count differently, never 0).
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from ..bounds_check import count_invalid
 from ..hyperparams import KernelScalars
 from . import torch_backend
+from .backend import Backend
 from .layout import TableArrays, TBEBatch
 from .ops import NAMESPACE
 
@@ -42,21 +46,41 @@ def _batch(table_w_offset, table_dim, table_rows, feature_table, bag_feature, ba
         pooling_mode=int(pooling_mode), out_numel=int(out_numel), max_D=int(max_D),
         total_rows=None if table_rows is None else int(table_rows.sum()),
         table_dims=tuple(table_dim.tolist()), table_row_base=table_row_base,
-        step=None if step is None else torch.full((1,), step, dtype=torch.int64))
+        step=None if step is None else torch.full((1,), step, dtype=torch.int64, device=indices.device))
 
 
-def tbe_forward(weights, accum, linear, rowwise, table_w_offset, table_dim, feature_table, bag_feature,
-                bag_out_offset, indices, offsets, per_sample_weights, pooling_mode, max_D, table_row_base,
-                lr, neg_power, l1, l2, beta, shrink2, out_numel, out_dtype):
-    """``tbe_forward`` (schema and shapes: :mod:`.ops`) by :func:`.torch_backend.forward`.
+def implementations(backend: Callable[[], Backend]) -> tuple:
+    """``(tbe_forward, tbe_count_invalid, tbe_backward_update_)``: the ops' implementations (schemas
+    and shapes: :mod:`.ops`) by the backend module ``backend()`` returns (called at each op call, so
+    a backend can be imported at its first use). ``tbe_count_invalid`` does not use the backend.
 
-    Raises:
-        ValueError: a knob :class:`~torchrec_ftrl.hyperparams.FTRLHyperparams` refuses (e.g. ``lr <= 0``).
+    The two that take knobs raise ``ValueError`` for a knob
+    :class:`~torchrec_ftrl.hyperparams.FTRLHyperparams` refuses (e.g. ``lr <= 0``), before anything
+    is written.
     """
-    batch = _batch(table_w_offset, table_dim, None, feature_table, bag_feature, bag_out_offset, indices,
-                   offsets, per_sample_weights, pooling_mode, max_D, table_row_base, out_numel)
-    hp = KernelScalars(lr, neg_power, l1, l2, beta, shrink2).to_hyperparams()
-    return torch_backend.forward(TableArrays(weights, accum, linear, rowwise), batch, out_dtype, hp)
+    def tbe_forward(weights, accum, linear, rowwise, table_w_offset, table_dim, feature_table,
+                    bag_feature, bag_out_offset, indices, offsets, per_sample_weights, pooling_mode,
+                    max_D, table_row_base, lr, neg_power, l1, l2, beta, shrink2, out_numel, out_dtype):
+        batch = _batch(table_w_offset, table_dim, None, feature_table, bag_feature, bag_out_offset,
+                       indices, offsets, per_sample_weights, pooling_mode, max_D, table_row_base,
+                       out_numel)
+        hp = KernelScalars(lr, neg_power, l1, l2, beta, shrink2).to_hyperparams()
+        return backend().forward(TableArrays(weights, accum, linear, rowwise), batch, out_dtype, hp)
+
+    def tbe_backward_update_(weights, accum, linear, rowwise, table_w_offset, table_dim, table_rows,
+                             feature_table, bag_feature, bag_out_offset, indices, offsets,
+                             per_sample_weights, pooling_mode, max_D, grad_out, lr, neg_power, l1, l2,
+                             beta, shrink2, nonfinite_rows, step):
+        # the table row bases cumsum(table_rows) - table_rows (TBEBatch)
+        table_row_base = torch.cumsum(table_rows, 0) - table_rows
+        batch = _batch(table_w_offset, table_dim, table_rows, feature_table, bag_feature,
+                       bag_out_offset, indices, offsets, per_sample_weights, pooling_mode, max_D,
+                       table_row_base, grad_out.numel(), step)
+        hp = KernelScalars(lr, neg_power, l1, l2, beta, shrink2).to_hyperparams()
+        backend().backward_update_(TableArrays(weights, accum, linear, rowwise), batch, None, grad_out,
+                                   hp, nonfinite_rows)
+
+    return tbe_forward, tbe_count_invalid, tbe_backward_update_
 
 
 def tbe_count_invalid(table_rows, feature_table, bag_feature, indices, offsets):
@@ -67,25 +91,6 @@ def tbe_count_invalid(table_rows, feature_table, bag_feature, indices, offsets):
     return count_invalid(table_rows, feature_table, bag_feature, indices, offsets).reshape(1)
 
 
-def tbe_backward_update_(weights, accum, linear, rowwise, table_w_offset, table_dim, table_rows,
-                         feature_table, bag_feature, bag_out_offset, indices, offsets, per_sample_weights,
-                         pooling_mode, max_D, grad_out, lr, neg_power, l1, l2, beta, shrink2,
-                         nonfinite_rows, step):
-    """``tbe_backward_update_`` (:mod:`.ops`) by :func:`.torch_backend.backward_update_`; the table
-    row bases ``cumsum(table_rows) - table_rows`` (:class:`~.layout.TBEBatch`).
-
-    Raises:
-        ValueError: a knob :class:`~torchrec_ftrl.hyperparams.FTRLHyperparams` refuses; nothing is
-            written then.
-    """
-    table_row_base = torch.cumsum(table_rows, 0) - table_rows
-    batch = _batch(table_w_offset, table_dim, table_rows, feature_table, bag_feature, bag_out_offset,
-                   indices, offsets, per_sample_weights, pooling_mode, max_D, table_row_base,
-                   grad_out.numel(), step)
-    hp = KernelScalars(lr, neg_power, l1, l2, beta, shrink2).to_hyperparams()
-    torch_backend.backward_update_(TableArrays(weights, accum, linear, rowwise), batch, None, grad_out,
-                                   hp, nonfinite_rows)
-
-
+tbe_forward, _, tbe_backward_update_ = implementations(lambda: torch_backend)
 for _impl in (tbe_forward, tbe_count_invalid, tbe_backward_update_):
     torch.library.impl(f"{NAMESPACE}::{_impl.__name__}", DISPATCH_KEY, _impl)

@@ -520,24 +520,27 @@ def _warn_counter(batch: TBEBatch) -> tuple[bool, torch.Tensor]:
     return counter is not None, counter if counter is not None else batch.indices.new_empty(0)
 
 
-def _batch_shape(batch: TBEBatch) -> tuple[int, int, bool]:
-    """``(total_rows, vec, even_d)``: the host-side facts the kernels are specialised on."""
+def _batch_shape(batch: TBEBatch) -> tuple[Optional[int], int, bool]:
+    """``(total_rows, vec, even_d)``: the host-side facts the kernels are specialised on
+    (``total_rows`` None for a batch without row counts, which only a lookup reads)."""
     vec, even_d = _vec_even(batch.table_dims, _block_d(batch.max_D))
-    return int(batch.total_rows), vec, even_d
+    return None if batch.total_rows is None else int(batch.total_rows), vec, even_d
 
 
 def _lookup(arrays: TableArrays, batch: TBEBatch, offsets: torch.Tensor, out_dtype: torch.dtype,
             keys: Optional[torch.Tensor], counter: tuple, shape: tuple,
             hp: FTRLHyperparams) -> torch.Tensor:
     """The pooled lookup over ``offsets`` (checked or repaired); ``counter`` / ``shape``:
-    :func:`_warn_counter` / :func:`_batch_shape` of the batch."""
+    :func:`_warn_counter` / :func:`_batch_shape` of the batch. A batch without row counts
+    (``table_rows`` None: the ``tbe_forward`` op's) is a checked one, whose lookup reads none."""
     check, warn = counter
     _, vec, even_d = shape
     lr, neg_p, l1, l2_eff, beta, _ = hp.kernel_scalars()
+    table_rows = batch.table_dim if batch.table_rows is None else batch.table_rows   # unread if None
     return _call(_forward_op, _forward_impl, arrays.weights, arrays.linear, arrays.accum,
                  arrays.rowwise, batch.indices, offsets,
                  batch.bag_feature, batch.bag_out_offset, batch.feature_table, batch.table_w_offset,
-                 batch.table_dim, batch.table_rows, batch.table_row_base, warn, check, keys,
+                 batch.table_dim, table_rows, batch.table_row_base, warn, check, keys,
                  batch.per_sample_weights, int(batch.pooling_mode), int(batch.out_numel),
                  int(batch.max_D), out_dtype, vec, even_d, batch.cache_locations, batch.cache_weights,
                  *(batch.cache_states if batch.cache_states is not None else (None, None)),

@@ -1,0 +1,82 @@
+"""The CUDA implementations of ``torch.ops.torchrec_ftrl.tbe_forward`` / ``tbe_backward_update_``
+(torchrec_ftrl/kernels/cuda_impls.py: the Triton backend through the ops' schemas).
+
+On a CPU-only machine the ``interp`` tests call those implementations directly on CPU tensors under
+``TRITON_INTERPRET=1`` (child pytest, :func:`test_interpreter_suite`), against the compiled CPU kernel
+of the same ops and the float64 reference of ``test_ops_composite``: every fp32 row layout, pooling
+mode and per-sample weights (within fp32 tolerances: the CPU and Triton kernels keep their own
+arithmetic), and bf16 states. The ``cuda`` test checks that the dispatcher runs them
+for CUDA tensors."""
+
+import pytest
+import torch
+
+from conftest import cuda, interpreter_parent, needs_cuda, run_interpreter_suite
+from test_ops_composite import (BATCHES, LAYOUTS, NAMESPACE, _assert_close_to_reference, _batch,
+                                _by_composite, _by_dispatch, _defined, _state, _train, bf16_updates,
+                                cpu_kernel)  # noqa: F401  (cpu_kernel: a fixture)
+from torchrec_ftrl.fbgemm_enums import PoolingMode
+
+pytest.importorskip("triton")
+
+
+def _by_triton(op, *args):
+    """The op's CUDA implementation (the Triton backend), called directly: CPU tensors run it under
+    the interpreter."""
+    from torchrec_ftrl.kernels import cuda_impls
+    return getattr(cuda_impls, op._schema.name.split("::")[1])(*args)
+
+
+@interpreter_parent
+def test_interpreter_suite():
+    """Runs the ``interp`` tests below in a child pytest with TRITON_INTERPRET=1 (CPU tensors)."""
+    run_interpreter_suite(__file__, timeout=600)
+
+
+@pytest.mark.usefixtures("cpu_kernel")
+@pytest.mark.parametrize("pooling,psw", BATCHES, ids=lambda x: x.name if isinstance(x, PoolingMode) else
+                         ("psw" if x else "plain"))
+@pytest.mark.parametrize("layout", LAYOUTS, ids="-".join)
+def test_interp_triton_impls_close_to_cpu_kernel_and_reference(interp, layout, pooling, psw):
+    """Close to the compiled kernel of the same ops (the two keep their own fp32 arithmetic: a few
+    ulps apart, as between the backends) and to the float64 reference."""
+    b = _batch(pooling, psw)
+    state = _state(layout)
+    expected = _train(state, layout, b, _by_dispatch)
+    got = _train(state, layout, b, _by_triton)
+    torch.testing.assert_close(_defined(got[0], b), _defined(expected[0], b), rtol=1e-6, atol=1e-7)
+    for e, g in zip(expected[1:], got[1:]):
+        torch.testing.assert_close(g, e, rtol=2e-5, atol=2e-6)
+    _assert_close_to_reference(got, state, layout, b)
+
+
+@pytest.mark.usefixtures("cpu_kernel")
+@pytest.mark.parametrize("layout", [("derived", "elementwise"), ("stored", "elementwise")], ids="-".join)
+def test_interp_triton_impls_bf16_states_round_like_cpu_kernel(interp, layout):
+    """bf16 states: the Triton update, stochastically rounded by the op's ``step``, within one bf16
+    step of the compiled kernel's (whose fp32 values are a few ulps apart), and moved."""
+    linear, (expected, got) = bf16_updates(layout, (_by_dispatch, _by_triton))
+    assert not torch.equal(got[-1], linear)
+    for e, g in zip(expected, got):
+        assert e.dtype == g.dtype
+        torch.testing.assert_close(g.float(), e.float(), rtol=2 ** -7, atol=1e-6)
+
+
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("pooling,psw", BATCHES[1:4:2], ids=["SUM-psw", "MEAN-psw"])
+@pytest.mark.parametrize("layout", LAYOUTS, ids="-".join)
+def test_ops_on_cuda_tensors_run_triton(layout, pooling, psw):
+    """CUDA tensors: the dispatcher runs the Triton implementations, close to the float64 reference
+    and to the composite (PyTorch) implementation on the same tensors."""
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(f"{NAMESPACE}::tbe_forward", "CUDA")
+    b = _batch(pooling, psw)
+    state = _state(layout)
+    on_cuda = {k: v.cuda() if torch.is_tensor(v) else v for k, v in b.items()}
+    state_cuda = tuple(None if s is None else s.cuda() for s in state)
+    got = _train(state_cuda, layout, on_cuda, _by_dispatch)
+    assert all(t.is_cuda for t in got)
+    _assert_close_to_reference(got, state, layout, b)
+    composite = _train(state_cuda, layout, on_cuda, _by_composite)
+    for g, c in zip(got, composite):
+        torch.testing.assert_close(g, c, rtol=2e-6, atol=1e-6)

@@ -58,25 +58,27 @@ def implementations(backend: Callable[[], Backend]) -> tuple:
     :class:`~torchrec_ftrl.hyperparams.FTRLHyperparams` refuses (e.g. ``lr <= 0``), before anything
     is written.
     """
+    # The knobs are the len(KNOBS) floats in the middle of both schemas, taken as one tuple here.
     def tbe_forward(weights, accum, linear, rowwise, table_w_offset, table_dim, feature_table,
                     bag_feature, bag_out_offset, indices, offsets, per_sample_weights, pooling_mode,
-                    max_D, table_row_base, lr, neg_power, l1, l2, beta, shrink2, out_numel, out_dtype):
+                    max_D, table_row_base, *knobs_out_numel_dtype):
+        *knobs, out_numel, out_dtype = knobs_out_numel_dtype
         batch = _batch(table_w_offset, table_dim, None, feature_table, bag_feature, bag_out_offset,
                        indices, offsets, per_sample_weights, pooling_mode, max_D, table_row_base,
                        out_numel)
-        hp = KernelScalars(lr, neg_power, l1, l2, beta, shrink2).to_hyperparams()
+        hp = KernelScalars(*knobs).to_hyperparams()
         return backend().forward(TableArrays(weights, accum, linear, rowwise), batch, out_dtype, hp)
 
     def tbe_backward_update_(weights, accum, linear, rowwise, table_w_offset, table_dim, table_rows,
                              feature_table, bag_feature, bag_out_offset, indices, offsets,
-                             per_sample_weights, pooling_mode, max_D, grad_out, lr, neg_power, l1, l2,
-                             beta, shrink2, nonfinite_rows, step):
+                             per_sample_weights, pooling_mode, max_D, grad_out, *knobs_nonfinite_step):
+        *knobs, nonfinite_rows, step = knobs_nonfinite_step
         # the table row bases cumsum(table_rows) - table_rows (TBEBatch)
         table_row_base = torch.cumsum(table_rows, 0) - table_rows
         batch = _batch(table_w_offset, table_dim, table_rows, feature_table, bag_feature,
                        bag_out_offset, indices, offsets, per_sample_weights, pooling_mode, max_D,
                        table_row_base, grad_out.numel(), step)
-        hp = KernelScalars(lr, neg_power, l1, l2, beta, shrink2).to_hyperparams()
+        hp = KernelScalars(*knobs).to_hyperparams()
         backend().backward_update_(TableArrays(weights, accum, linear, rowwise), batch, None, grad_out,
                                    hp, nonfinite_rows)
 

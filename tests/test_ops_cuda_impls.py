@@ -79,4 +79,4 @@ def test_ops_on_cuda_tensors_run_triton(layout, pooling, psw):
     _assert_close_to_reference(got, state, layout, b)
     composite = _train(state_cuda, layout, on_cuda, _by_composite)
     for g, c in zip(got, composite):
-        torch.testing.assert_close(g, c, rtol=2e-6, atol=1e-6)
+        torch.testing.assert_close(g, c, rtol=2e-5, atol=2e-6)

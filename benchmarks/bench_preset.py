@@ -24,7 +24,10 @@ then recorded as skipped; ``--skip 1,2,3,4`` runs the rest in a second call):
    planner assumes 32 GiB of HBM), at each of ``--batches``: row-wise Adagrad, each ``--lean`` layout,
    and TorchRec's ``dlrm_main.py`` itself (``bench_torchrec_dlrm.py --random-data``: DCN, the same
    tables, ``--adagrad`` (EXACT_ADAGRAD tables), its own random multi-hot batches, as the job's
-   runs draw theirs) when ``.anchor/torchrec_dlrm/dlrm_main.py`` is present;
+   runs draw theirs) when ``.anchor/torchrec_dlrm/dlrm_main.py`` is present; then the first
+   ``--lean`` layout profiled at the large batch (``--profile-steps 5``, 40 steps). On one H200
+   this step takes about 10 minutes: give it calls of its own (``--skip 1,2,3,4,5,6,7,9
+   --budget-s 560``; runs the budget cuts are recorded as such);
 9. the lean row layouts at the full preset (docs/row-layouts.md): ``--plan-only`` of each, then, side
    by side, row-wise Adagrad and each FTRL layout whose plan fits, at 8,192 and 65,536 (``--lean``
    picks the layouts: default derived weights with bf16 z and n, 512 B a row, and derived weights
@@ -42,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -154,7 +158,7 @@ def main(argv=None):
     ap.add_argument("--batches", default="8192,65536")
     ap.add_argument("--skip", default="", help="comma list of step numbers (1-9) to leave out")
     ap.add_argument("--lean", default="ftrl_derived_bf16,ftrl_derived_rowwise",
-                    help=f"step 9's layouts, from {sorted(LEAN)}")
+                    help=f"steps 8 and 9's layouts, from {sorted(LEAN)}")
     ap.add_argument("--lean-batches", default=None, help="step 9's batches (default: --batches)")
     a = ap.parse_args(argv)
     b = Bench(a)
@@ -210,15 +214,20 @@ def main(argv=None):
         else:
             b.rows.append({"name": f"full_ftrl_bf16_{big}", "status": "not run: its plan does not fit"})
     if 8 not in skip:
+        lean = [x for x in a.lean.split(",") if x]
         for batch in (small, big):
-            b.job(f"scaled_rowwise_adagrad_{batch}", [*scaled, *rwa], batch)
-            for name in (x for x in a.lean.split(",") if x):
+            if not any(r["name"] == f"scaled_rowwise_adagrad_{batch}" for r in b.rows):   # step 4's
+                b.job(f"scaled_rowwise_adagrad_{batch}", [*scaled, *rwa], batch)
+            for name in lean:
                 b.job(f"scaled_{name}_{batch}", [*scaled, *LEAN[name]], batch)
             if os.path.exists(ANCHOR):
                 _dlrm_main(b, a, batch)
             else:
                 b.rows.append({"name": f"dlrm_main.py {batch}",
                                "status": f"not run: {ANCHOR} absent (bench_torchrec_dlrm.py --extract)"})
+        for name in lean[:1]:   # the step profile at the large batch
+            b.job(f"scaled_{name}_profiled_{big}", [*scaled, *LEAN[name], "--profile-steps", "5"], big,
+                  steps=40)
     if 9 not in skip:
         lean = [x for x in a.lean.split(",") if x]
         for name in lean:
@@ -237,7 +246,7 @@ def main(argv=None):
 def _dlrm_main(b, a, batch):
     """TorchRec's example at the scaled preset (DCN, multi-hot, its random batches), ``batch``."""
     from torchrec_ftrl.job.presets import MLPERF_DCNV2_MULTI_HOT, MLPERF_DCNV2_ROWS
-    rows = ",".join(str(max(1, int(n * a.scale + 0.999999))) for n in MLPERF_DCNV2_ROWS)
+    rows = ",".join(str(max(1, math.ceil(n * a.scale))) for n in MLPERF_DCNV2_ROWS)   # as --rows-scale
     hot = ",".join(map(str, MLPERF_DCNV2_MULTI_HOT))
     out = os.path.join(a.out, f"dlrm_main_{batch}")
     b.run(f"dlrm_main.py (DCN, scaled, {batch})",
@@ -247,7 +256,8 @@ def _dlrm_main(b, a, batch):
            "--embedding-dim", "128", "--dense-arch", "512,256", "--over-arch", "1024,1024,512,256",
            "--out", out, f"--example-args=--interaction_type=dcn --dcn_num_layers=3 "
            f"--dcn_low_rank_dim=512 --multi_hot_sizes={hot} --multi_hot_distribution_type=uniform"],
-          parse=lambda p: _dlrm_main_row(batch, _read_json(os.path.join(out, "bench_torchrec_dlrm.json"))))
+          parse=lambda p: _dlrm_main_row(batch, _read_json(os.path.join(out, "bench_torchrec_dlrm.json"))
+                                         if p.returncode == 0 else None))
 
 
 def _dlrm_main_row(batch, res):

@@ -40,20 +40,24 @@ EXPECT = re.compile(r"<!--\s*expect:\s*(.*?)\s*-->")
 
 
 _TOLERANT = re.compile(r"(-?\d+(?:\.\d+)?)±(\d+(?:\.\d+)?)")
-_NUMBER = r"(-?\d+(?:\.\d+)?)"
+# A printed number, whole: no digit or point right before it or digit right after; a minus sign is
+# its sign unless a digit precedes the minus (a range "0.5-0.7" holds 0.5 and 0.7).
+_NUMBER = r"((?<![\d.-])-?\d+(?:\.\d+)?|(?<=\d-)\d+(?:\.\d+)?)(?!\d)"
 
 
 def expect_found(text: str, output: str) -> bool:
     """Whether ``output`` prints ``text``: literally, except that each ``X±TOL`` in ``text`` matches
-    a number within TOL of X."""
+    a whole printed number within TOL of X. Every position of ``output`` is tried (matches may
+    overlap)."""
     parts = _TOLERANT.split(text)          # literal, X, TOL, literal, X, TOL, ..., literal
     if len(parts) == 1:
         return text in output
     pattern = "".join(re.escape(p) if i % 3 == 0 else (_NUMBER if i % 3 == 1 else "")
                       for i, p in enumerate(parts))
     bounds = [(float(parts[i]), float(parts[i + 1])) for i in range(1, len(parts), 3)]
+    found = re.compile(pattern)
     return any(all(abs(float(v) - x) <= tol + 1e-12 for v, (x, tol) in zip(m.groups(), bounds))
-               for m in re.finditer(pattern, output))
+               for m in (found.match(output, pos) for pos in range(len(output))) if m is not None)
 
 
 def doc_paths() -> List[str]:

@@ -22,7 +22,7 @@ run_block() {  # NAME LOG: runs stdin under bash from the repository root
   echo "| $name | $rc | $((SECONDS - t0)) | $(tail -n 3 "$log" | tr '\n|' '  ' | cut -c1-300) |" >> "$REPORT"
 }
 
-run_block 'docs/performance.md:382 (python gpu)' "$OUT/doc_01.log" <<'DOCEOF'
+run_block 'docs/performance.md:384 (python gpu)' "$OUT/doc_01.log" <<'DOCEOF'
 python - <<'PYEOF'
 import torch, torchrec_ftrl
 
@@ -49,7 +49,7 @@ torch.cuda.synchronize()
 PYEOF
 DOCEOF
 
-run_block 'docs/main-job.md:527 (bash gpu)' "$OUT/doc_02.log" <<'DOCEOF'
+run_block 'docs/main-job.md:530 (bash gpu)' "$OUT/doc_02.log" <<'DOCEOF'
 source .gpu/setup.sh && python3 benchmarks/bench_preset.py --out $OUT
 DOCEOF
 
@@ -74,11 +74,11 @@ run_block 'docs/main-job.md:292 (bash long)' "$OUT/doc_07.log" <<'DOCEOF'
 python benchmarks/bench_readers.py --json bench_readers.json   # --binary-dense stored: the stored row
 DOCEOF
 
-run_block 'docs/main-job.md:620 (bash long)' "$OUT/doc_08.log" <<'DOCEOF'
+run_block 'docs/main-job.md:624 (bash long)' "$OUT/doc_08.log" <<'DOCEOF'
 python -m torchrec_ftrl.job --zch --data ../shared/data/criteo/criteo_dac_combined.tsv --epochs 5 --num-embeddings 1000
 DOCEOF
 
-run_block 'docs/main-job.md:756 (bash long)' "$OUT/doc_09.log" <<'DOCEOF'
+run_block 'docs/main-job.md:760 (bash long)' "$OUT/doc_09.log" <<'DOCEOF'
 python benchmarks/sweep_l1.py --sets synthetic criteo --l1 0 0.01 0.03 0.1 0.3 1 3 10 --adagrad-reference
 DOCEOF
 
@@ -89,7 +89,7 @@ python benchmarks/zch_vs_modulo.py --data ../shared/data/criteo/criteo_dac_combi
     --epochs 5 --sizes 1000 10000 --seeds 0 1 2 --out zch_criteo_cpu
 DOCEOF
 
-run_block 'docs/performance.md:510 (bash long)' "$OUT/doc_11.log" <<'DOCEOF'
+run_block 'docs/performance.md:512 (bash long)' "$OUT/doc_11.log" <<'DOCEOF'
 python benchmarks/bench_tbe_cpu.py --threads 2 --iters 20
 DOCEOF
 

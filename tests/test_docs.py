@@ -169,6 +169,14 @@ def test_install_blocks_name_the_pinned_versions():
     ("AUC 0.658±0.003, loss 1.0±0.1", "AUC 0.6579, loss 1.04", True),
     ("AUC 0.658±0.003, loss 1.0±0.1", "AUC 0.6579, loss 1.2", False),
     ("AUC 0.658±0.003", "step 50: AUC 0.7069\nstep 119: AUC 0.6581", True),
+    ("AUC 0.658±0.003", "AUC 0.6619", False),                    # a number is read whole
+    ("AUC 0.658±0.003", "AUC 10.658", False),
+    ("| 0.658±0.003 |", "| 0.7 | 0.658 |", True),                # matches may overlap
+    ("a 1±0.1 a 2±0.1", "a 5 a 1 a 2", True),
+    ("0.658±0.003", "range 0.5-0.658", True),                    # a range's dash is no sign
+    ("0.658±0.003", "x -0.658", False),                          # a minus sign is
+    ("-0.658±0.003", "x -0.658", True),
+    ("loss (1.0±0.1) [a]", "loss (1.05) [a]", True),             # regex characters are literal
 ])
 def test_expect_tolerance(text, output, found):
     """``X±TOL`` in an expect TEXT matches a printed number within TOL of X, other text literally."""

@@ -2,10 +2,11 @@
 ``CompositeExplicitAutograd`` implementations, on any device that has no kernel of its own.
 
 The dispatcher prefers a kernel registered for the tensors' own device key (the compiled CPU kernel of
-:mod:`.cpp_backend` once loaded) and the Meta (fake) implementations of :mod:`.ops` under fake tensors,
-so these run where neither exists: e.g. on the CPU when the compiled kernel is not loaded (it failed
-to build), or on a CUDA tensor. ``CompositeExplicitAutograd`` rather than ``CompositeImplicitAutograd``
-because the ops keep their fake implementations and mutate their inputs: an implicit composite would
+:mod:`.cpp_backend` once loaded, the Triton kernels of :mod:`.cuda_impls` on CUDA) and the Meta (fake)
+implementations of :mod:`.ops` under fake tensors, so these run where neither exists: e.g. on the CPU
+when the compiled kernel is not loaded (it failed to build), and ``tbe_count_invalid`` on CUDA.
+``CompositeExplicitAutograd`` rather than ``CompositeImplicitAutograd`` because the ops keep their
+fake implementations and mutate their inputs: an implicit composite would
 be traced through (its data-dependent ``torch.unique`` and host reads break fake tensors), and
 ``torch.library.register_fake`` refuses an op that has one.
 

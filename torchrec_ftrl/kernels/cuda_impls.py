@@ -3,17 +3,14 @@
 :func:`.composite.implementations`, so an op called on CUDA tensors runs the Triton kernels that
 ``backend="triton"`` runs. ``tbe_count_invalid`` keeps its composite implementation there (torch ops).
 
-Registered when ``torchrec_ftrl`` is imported and triton is installed; :mod:`.triton_backend` itself
-is imported at the first call, so the import of the package costs no triton import. Without triton
-the ops on CUDA tensors run the composite (PyTorch) implementation.
+Registered when ``torchrec_ftrl`` is imported; :mod:`.triton_backend` itself is imported at the
+first call.
 
 The TBE does not call these: ``FTRLTableBatchedEmbeddingBags`` calls the Triton backend's own ops,
 which also fuse the bounds check and keep the linearised batch from the forward for the backward.
 """
 
 from __future__ import annotations
-
-import importlib.util
 
 import torch
 
@@ -30,6 +27,5 @@ def _triton_backend():
 
 tbe_forward, _, tbe_backward_update_ = implementations(_triton_backend)
 
-if importlib.util.find_spec("triton") is not None:
-    for _impl in (tbe_forward, tbe_backward_update_):
-        torch.library.impl(f"{NAMESPACE}::{_impl.__name__}", DISPATCH_KEY, _impl)
+for _impl in (tbe_forward, tbe_backward_update_):
+    torch.library.impl(f"{NAMESPACE}::{_impl.__name__}", DISPATCH_KEY, _impl)

@@ -37,6 +37,29 @@ def test_import_loads_no_job_package():
     assert p.stdout.strip().splitlines()[-1] == "[]"
 
 
+def test_cpu_training_needs_no_triton():
+    """torch's CPU wheels come without triton, which the package does not require: with triton
+    unimportable, the package imports and a CPU TBE trains (the compiled kernel), with the bits of
+    the same step where triton is installed."""
+    code = ("import sys\n"
+            "if sys.argv[1] == '1': sys.modules['triton'] = None\n"
+            "import torch, torchrec_ftrl\n"
+            "torch.manual_seed(0)\n"
+            "tbe = torchrec_ftrl.FTRLTableBatchedEmbeddingBags([(100, 8), (50, 4)], learning_rate=0.05,\n"
+            "    ftrl_l1_reg=0.01, device='cpu')\n"
+            "out = tbe(torch.tensor([1, 2, 3, 4, 1]), torch.tensor([0, 2, 3, 4, 5]))\n"
+            "(out * torch.arange(1.0, out.numel() + 1).view_as(out)).sum().backward()\n"
+            "print(tbe.backend, 'triton' in sys.modules and sys.modules['triton'] is not None,\n"
+            "      [w.double().sum().item() for w in tbe.split_embedding_weights()])\n")
+    lines = []
+    for blocked in ("1", "0"):
+        p = _run("-c", code, blocked)
+        assert p.returncode == 0, p.stderr[-3000:]
+        lines.append(p.stdout.strip().splitlines()[-1])
+    assert lines[0].startswith("cpp False ["), lines[0]
+    assert lines[0].split(" ", 2)[2] == lines[1].split(" ", 2)[2]
+
+
 def test_job_without_its_extra_says_so_in_one_line(tmp_path):
     # A stand-in package named pyarrow that cannot be found: find_spec returns None for it.
     (tmp_path / "sitecustomize.py").write_text(

@@ -33,12 +33,17 @@ import torch
 from torch import nn
 
 from .fbgemm_enums import CacheAlgorithm
-from .kernels.launch import direct
-from .kernels.triton_cache import (fill_warps, follow_config, state_cache_fill_kernel,
-                                   state_cache_follow_kernel)
 from .placement import CACHE_ASSOC, cache_slots, check_cache_dims, check_cache_options
 from .row_layout import RowLayout
 from .state_dtype import parse_state_dtypes
+
+def _triton_kernels():
+    """``(launch.direct, the triton_cache module)``, imported at the first cached step: the cache
+    runs on CUDA only, and ``import torchrec_ftrl`` needs no triton."""
+    from .kernels import triton_cache
+    from .kernels.launch import direct
+    return direct, triton_cache
+
 
 # FBGEMM's cache statistics, in the order its ops fill them.
 UVM_CACHE_STATS = ("num_calls", "num_requested_indices", "num_unique_indices", "num_unique_misses",
@@ -213,13 +218,14 @@ class RowCache(nn.Module):
         self._stamp += 1
         n = linear.numel()
         if n:
+            direct, tc = _triton_kernels()
             block_d = 1 << max(0, self.max_D - 1).bit_length()
-            direct(state_cache_fill_kernel)[(n,)](
+            direct(tc.state_cache_fill_kernel)[(n,)](
                 linear, after, self.lxu_cache_snapshot, self.lxu_cache_claim, self._stamp,
                 accum, linear_state, self.lxu_cache_accum, self.lxu_cache_linear,
                 self.cache_index_table_map, self.weights_offsets, self.table_dim,
                 self.table_hash_size_cumsum, n, self.row_stride, BLOCK_D=block_d,
-                ROWWISE=self.rowwise, num_warps=fill_warps(block_d))
+                ROWWISE=self.rowwise, num_warps=tc.fill_warps(block_d))
         return after
 
     def lookup(self, linear: torch.Tensor, count: bool = True) -> torch.Tensor:
@@ -276,10 +282,11 @@ class RowCache(nn.Module):
 
     def _follow(self, before: torch.Tensor, after: torch.Tensor, accum: torch.Tensor,
                 linear_state: torch.Tensor) -> None:
+        direct, tc = _triton_kernels()
         block_d = 1 << max(0, self.max_D - 1).bit_length()
-        per, warps = follow_config(block_d)
+        per, warps = tc.follow_config(block_d)
         slots = before.numel()
-        direct(state_cache_follow_kernel)[(-(-slots // per),)](
+        direct(tc.state_cache_follow_kernel)[(-(-slots // per),)](
             before, after, accum, linear_state, self.lxu_cache_accum, self.lxu_cache_linear,
             self.cache_index_table_map, self.weights_offsets, self.table_dim,
             self.table_hash_size_cumsum, slots, self.row_stride, SLOTS=per, BLOCK_D=block_d,

@@ -165,6 +165,7 @@ def main(argv=None):
     skip = {int(x) for x in a.skip.split(",") if x}
     small, big = (int(x) for x in a.batches.split(","))
     scaled = ["--rows-scale", str(a.scale)]
+    lean = [x for x in a.lean.split(",") if x]   # steps 8 and 9
 
     def plan_json(p):
         try:
@@ -214,7 +215,6 @@ def main(argv=None):
         else:
             b.rows.append({"name": f"full_ftrl_bf16_{big}", "status": "not run: its plan does not fit"})
     if 8 not in skip:
-        lean = [x for x in a.lean.split(",") if x]
         for batch in (small, big):
             if not any(r["name"] == f"scaled_rowwise_adagrad_{batch}" for r in b.rows):   # step 4's
                 b.job(f"scaled_rowwise_adagrad_{batch}", [*scaled, *rwa], batch)
@@ -229,7 +229,6 @@ def main(argv=None):
             b.job(f"scaled_{name}_profiled_{big}", [*scaled, *LEAN[name], "--profile-steps", "5"], big,
                   steps=40)
     if 9 not in skip:
-        lean = [x for x in a.lean.split(",") if x]
         for name in lean:
             plan(name)
         for batch in (int(x) for x in (a.lean_batches or a.batches).split(",")):

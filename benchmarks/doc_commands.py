@@ -14,7 +14,8 @@ fences only):
 
 A ``bash`` block preceded by ``<!-- expect: TEXT -->`` comments must print each TEXT (the figures
 the docs state next to it). A number written ``X±TOL`` in TEXT matches any printed number within TOL
-of X (for figures of CPU training runs, whose last digits differ between CPU instruction sets). Blocks are found with sybil's Markdown lexer (the tool that runs them).
+of X (for figures of CPU training runs, whose last digits differ between CPU instruction sets).
+Blocks are found with sybil's Markdown lexer (the tool that runs them).
 
     python benchmarks/doc_commands.py --write    # regenerate gpu_doc_commands.sh from the docs
 """

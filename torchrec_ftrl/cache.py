@@ -37,6 +37,7 @@ from .placement import CACHE_ASSOC, cache_slots, check_cache_dims, check_cache_o
 from .row_layout import RowLayout
 from .state_dtype import parse_state_dtypes
 
+
 def _triton_kernels():
     """``(launch.direct, the triton_cache module)``, imported at the first cached step: the cache
     runs on CUDA only, and ``import torchrec_ftrl`` needs no triton."""

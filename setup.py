@@ -1,15 +1,30 @@
-"""Builds the compiled CPU kernel of the FTRL TBE, one library per ISA variant
+"""Writes the Triton kernels' rule module (generated from rule_spec.py, not in git) into the
+package, and builds the compiled CPU kernel of the FTRL TBE, one library per ISA variant
 (torchrec_ftrl/kernels/cpu_build.py), when torch is importable at build time (``pip install
 --no-build-isolation``, ``pip wheel --no-build-isolation``); metadata is in pyproject.toml.
 
-Without torch at build time (pip's default isolated build) the package installs without them and
-builds the variant it needs at first use. ``TORCHREC_FTRL_BUILD_CPU=0`` skips the build.
+Without torch at build time (pip's default isolated build) the package installs without the CPU
+libraries and builds the variant it needs at first use. ``TORCHREC_FTRL_BUILD_CPU=0`` skips that
+build.
 """
 
+import importlib
 import os
 import runpy
+import sys
+import types
 
 from setuptools import setup
+
+
+def generate_triton_rules():
+    """Write the Triton kernels' rule module (torchrec_ftrl/kernels/triton_rule_gen.py, not in git)
+    from rule_spec.py, so the package and its wheel carry it. The generator is pure Python: it is
+    loaded as a package of its own, without torchrec_ftrl's imports (torch)."""
+    pkg = types.ModuleType("_torchrec_ftrl_codegen")
+    pkg.__path__ = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "torchrec_ftrl", "kernels")]
+    sys.modules[pkg.__name__] = pkg
+    importlib.import_module(pkg.__name__ + ".codegen").ensure_triton_module()
 
 
 def cpu_kernel_build():
@@ -30,4 +45,5 @@ def cpu_kernel_build():
     return {"ext_modules": extensions, "cmdclass": {"build_ext": BuildExtension}}
 
 
+generate_triton_rules()
 setup(**cpu_kernel_build())

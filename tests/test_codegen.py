@@ -14,8 +14,44 @@ from torchrec_ftrl.kernels import codegen, cpu_build
 from torchrec_ftrl.kernels.rule_spec import Fn
 
 
-def test_committed_generated_files_are_the_generators_output():
+def test_generated_files_are_the_generators_output():
+    """The committed header, and the Triton module that importing the Triton kernels wrote."""
+    pytest.importorskip("triton")
+    import torchrec_ftrl.kernels.triton_backward  # noqa: F401  (writes triton_rule_gen.py if stale)
     assert codegen.stale() == [], "run: python -m torchrec_ftrl.kernels.codegen --write"
+
+
+def test_the_triton_module_is_written_where_missing_or_stale_and_else_left_alone(tmp_path, monkeypatch):
+    path = tmp_path / "triton_rule_gen.py"
+    monkeypatch.setattr(codegen, "TRITON_PATH", str(path))
+    codegen.ensure_triton_module()                            # missing: written
+    assert path.read_text() == codegen.generate_triton()
+    os.utime(path, (1, 1))
+    codegen.ensure_triton_module()                            # current: not touched
+    assert path.stat().st_mtime == 1
+    path.write_text(codegen.generate_triton().replace("tl.sqrt", "tl.exp"))
+    codegen.ensure_triton_module()                            # stale (an older spec): rewritten
+    assert path.read_text() == codegen.generate_triton()
+    assert [p.name for p in tmp_path.iterdir()] == ["triton_rule_gen.py"]   # no temporary left
+
+
+def test_setup_writes_the_triton_module_without_torch(tmp_path):
+    """setup.py generates the module with the generator alone (pip's isolated build has no torch):
+    run in a Python whose imports of torch fail."""
+    import shutil
+    import subprocess
+    import sys
+    src = tmp_path / "src"
+    shutil.copytree(codegen.HERE, src / "torchrec_ftrl" / "kernels",
+                    ignore=shutil.ignore_patterns("triton_rule_gen.py", "*.so", "__pycache__"))
+    shutil.copy(os.path.join(os.path.dirname(os.path.dirname(codegen.HERE)), "setup.py"), src)
+    (tmp_path / "blocker").mkdir()
+    (tmp_path / "blocker" / "torch.py").write_text("raise ImportError('no torch here')\n")
+    code = ("import runpy, sys; sys.argv = ['setup.py', '--version'];"
+            "runpy.run_path('setup.py')")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "blocker")}
+    subprocess.run([sys.executable, "-c", code], cwd=src, env=env, check=True, capture_output=True)
+    assert (src / "torchrec_ftrl" / "kernels" / "triton_rule_gen.py").read_text() == codegen.generate_triton()
 
 
 def test_check_reports_a_stale_file(tmp_path, monkeypatch, capsys):

@@ -206,6 +206,34 @@ def test_changing_knobs_after_a_capture_warns():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         eval_only.set_learning_rate(0.2)
+    derived = _tbe(ftrl_weights="derived")     # its lookup reads the knobs: a captured one warns
+    derived(idx, off)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        derived(idx, off)
+    with pytest.warns(UserWarning, match="capture the step again"):
+        derived.set_learning_rate(0.2)
+
+
+def test_a_replay_reads_the_knobs_of_its_capture():
+    """The captured kernels read the knob tensor of the hyper-parameters at capture, which the TBE
+    keeps alive: after the learning rate changes (and the old hyper-parameters are dropped
+    elsewhere) a replay still updates with the captured rate, bit for bit as an eager step does."""
+    import gc
+    static = tuple(t.cuda() for t in _batch(0))
+    replayed, eager = _tbe(), _tbe()
+    graph, _ = _capture(replayed, static)
+    eager(static[0], static[1]).backward(static[2])            # the warm-up step of _capture
+    with pytest.warns(UserWarning, match="capture the step again"):
+        replayed.set_learning_rate(0.9)
+    gc.collect()
+    clutter = [torch.full((8,), 7.0, device="cuda") for _ in range(256)]   # reuse freed blocks
+    graph.replay()
+    eager(static[0], static[1]).backward(static[2])            # at the captured learning rate
+    torch.cuda.synchronize()
+    (w_r, s_r), (w_e, s_e) = _tables(replayed), _tables(eager)
+    assert all(torch.equal(a, b) for a, b in zip(w_r, w_e)) and len(clutter) == 256
+    assert all(torch.equal(a, b) for pair_r, pair_e in zip(s_r, s_e) for a, b in zip(pair_r, pair_e))
 
 
 @pytest.mark.parametrize("kind", ["fatal", "caching", "vbe", "torch_backend"])

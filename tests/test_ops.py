@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from conftest import REPO, reference_update
+from conftest import REPO, cuda, needs_cuda, reference_update
 from torchrec_ftrl.fbgemm_enums import PoolingMode
 from torchrec_ftrl.kernels import cpp_backend, cpu_build
 from torchrec_ftrl.kernels.layout import POOL_SUM
@@ -210,3 +210,24 @@ def test_tbe_lookup_compiles_without_graph_break(mode):
         expected = tbe(idx, off)
         got = torch.compile(tbe, fullgraph=True, backend="aot_eager")(idx, off)
     assert torch.equal(got, expected)
+
+
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("weights,accumulator", [("stored", "elementwise"), ("derived", "rowwise")])
+def test_cuda_tbe_lookup_compiles_without_graph_break(weights, accumulator):
+    """The TBE's eval forward on the Triton backend under torch.compile(fullgraph=True, inductor)
+    equals eager bit for bit, with the fused WARNING repair of a bad index; a derived-weights lookup
+    reads the knobs (a constant tensor of the traced graph)."""
+    from torchrec_ftrl import FTRLTableBatchedEmbeddingBags
+    from torchrec_ftrl.fbgemm_enums import BoundsCheckMode
+    tbe = FTRLTableBatchedEmbeddingBags([(50, 8), (30, 16)], device="cuda", learning_rate=0.5,
+                                        ftrl_weights=weights, ftrl_accumulator=accumulator,
+                                        ftrl_l1_reg=0.01, bounds_check_mode=BoundsCheckMode.WARNING)
+    idx = torch.tensor([1, 2, 3, 4, 5, 6, 60], device="cuda")     # 60: past table 1's 30 rows
+    off = torch.tensor([0, 2, 3, 5, 7], device="cuda")
+    tbe(idx, off).sum().backward()                     # non-zero states, so derived weights are too
+    with torch.no_grad():
+        expected = tbe(idx, off)
+        got = torch.compile(tbe, fullgraph=True)(idx, off)
+    assert expected.abs().sum() > 0 and torch.equal(got, expected)

@@ -99,3 +99,29 @@ def test_ops_on_cuda_tensors_run_triton(layout, pooling, psw):
     composite = _train(state_cuda, layout, on_cuda, _by_composite)
     for g, c in zip(got, composite):
         torch.testing.assert_close(g, c, rtol=2e-5, atol=2e-6)
+
+
+def test_knob_tensor_holds_the_knobs_while_its_hyperparams_live():
+    """The Triton kernels' one knob argument: the rule's scalars as fp32 in ``rule_spec.KNOBS``
+    order (lr, -p, l1, the L2 term, beta, 2 s), one tensor per hyper-parameter object, dropped with
+    it; flags from the same knobs."""
+    import gc
+
+    from torchrec_ftrl.hyperparams import FTRLHyperparams
+    from torchrec_ftrl.kernels import triton_backend
+
+    hp = FTRLHyperparams(learning_rate=0.05, learning_rate_power=-0.3, l1_reg=0.01, l2_reg=0.002,
+                         beta=1.5, l2_shrinkage=0.004)           # l2 as tensorflow: 2 * l2_reg
+    expected = torch.tensor([0.05, 0.3, 0.01, 2 * 0.002, 1.5, 2 * 0.004], dtype=torch.float64)
+    knobs = triton_backend.knob_tensor(hp, torch.device("cpu"))
+    assert knobs.dtype == torch.float32 and bits(knobs).equal(bits(expected.float()))
+    assert triton_backend.knob_tensor(hp, torch.device("cpu")) is knobs       # built once
+    twin = FTRLHyperparams(**{f: getattr(hp, f) for f in hp.__dataclass_fields__})
+    assert triton_backend.knob_tensor(twin, torch.device("cpu")) is not knobs  # per object
+    assert triton_backend.knob_flags(hp) == (False, True)
+    assert triton_backend.knob_flags(FTRLHyperparams(learning_rate=0.1)) == (True, False)
+    key = (id(hp), torch.device("cpu"))
+    assert key in triton_backend._knob_tensors
+    del hp
+    gc.collect()
+    assert key not in triton_backend._knob_tensors

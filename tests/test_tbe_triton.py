@@ -807,19 +807,20 @@ def test_cuda_ops_under_torch_compile():
                                            b.unchecked_counter, True, True, True, None, 0, b.max_D,
                                            b.total_rows, b.out_numel, even)
             fixed = lin[4]                                     # repaired offsets
-            lr, neg_p, l1, l2_eff, beta, shrink2 = hp.kernel_scalars()
+            knobs = triton_backend.knob_tensor(hp, idx.device)   # traced: a constant of the graph
+            pow_half, has_shrink = triton_backend.knob_flags(hp)
             out = ops.triton_tbe_forward(w, linear, accum, False, b.indices, fixed, b.bag_feature,
                                          b.bag_out_offset, b.feature_table, b.table_w_offset,
                                          b.table_dim, b.table_rows, b.table_row_base,
                                          b.unchecked_counter, True, lin[0], None, 0, b.out_numel,
                                          b.max_D, torch.float32, vec, even,
                                          None, None, None, None,       # no cache
-                                         lr, neg_p, l1, l2_eff, beta)
+                                         knobs, pow_half)
             ops.triton_tbe_backward_update_(
                 w, accum, linear, nonfinite, False, torch.cos(out), b.indices, fixed, b.bag_feature,
                 b.bag_out_offset, b.feature_table, b.table_w_offset, b.table_dim, b.table_rows,
                 b.table_row_base, True, *lin[:4], None, 0, b.max_D, b.total_rows, vec, even,
-                lr, neg_p, l1, l2_eff, beta, shrink2, m.iter)
+                knobs, pow_half, has_shrink, m.iter)
             return out
         fn = torch.compile(fwd_bwd, fullgraph=True) if compiled else fwd_bwd
         return fn(m.weights_dev, m.accum_dev, m.linear_dev, m.nonfinite_grad_rows)

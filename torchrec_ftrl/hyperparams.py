@@ -103,6 +103,8 @@ class FTRLHyperparams:
         for f in dataclasses.fields(self):
             if f.name != "l2_convention":
                 object.__setattr__(self, f.name, float(getattr(self, f.name)))
+        # computed once: the kernels read them on every training step
+        object.__setattr__(self, "_kernel_scalars", KernelScalars(*(k.of_hparams(self) for k in KNOBS)))
 
     @property
     def l2_effective(self) -> float:
@@ -122,7 +124,7 @@ class FTRLHyperparams:
 
     def kernel_scalars(self) -> "KernelScalars":
         """The fp32 scalars the compiled CPU and Triton kernels compute with (see :class:`KernelScalars`)."""
-        return KernelScalars(*(knob.of_hparams(self) for knob in KNOBS))
+        return self._kernel_scalars
 
 
 class KernelScalars(NamedTuple("_KernelScalars", [(knob.name, float) for knob in KNOBS])):

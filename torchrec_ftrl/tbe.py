@@ -110,7 +110,7 @@ class _FTRLLookupFunction(torch.autograd.Function):
         backend.backward_update_(arrays, batch, bctx, grad_out, module._hp, module.nonfinite_grad_rows)
         if ctx.cache_keys is not None:
             module._after_cached_update(*ctx.cache_keys)
-        module.iter += 1
+        module.iter.add_(1)   # in place: no nn.Module.__setattr__ per step
         return None, None, None, grad_psw, None, None
 
 
@@ -283,7 +283,8 @@ class FTRLTableBatchedEmbeddingBags(BatchMixin, CachedLookupMixin, TableAPIMixin
 
         self._register_tables(rows_dims, feature_table_map, device, placement, bool(uvm_host_mapped))
         self._plain_layout_cache = None   # ((B, device), bag_feature, bag_out_offset) of the last batch
-        self._captured_hp: Optional[FTRLHyperparams] = None   # knobs a CUDA graph captured (see forward)
+        # the knobs each CUDA graph captured reads (kept alive: see kernels.triton_backend.knob_tensor)
+        self._captured_hps: list[FTRLHyperparams] = []
         self.prefetch_pipeline = bool(prefetch_pipeline)
         self._prefetched: list[tuple[torch.Tensor, torch.Tensor]] = []   # (keys, slots) per batch
         self._prefetch_stream = None
@@ -404,14 +405,16 @@ class FTRLTableBatchedEmbeddingBags(BatchMixin, CachedLookupMixin, TableAPIMixin
                 **unused: Any) -> torch.Tensor:
         """Pooled (or sequence) lookup; see the class docstring for shapes. ``feature_requires_grad``
         is accepted for FBGEMM compatibility and ignored (every feature's table is trained)."""
-        capturing = self.linear_dev.is_cuda and torch.cuda.is_current_stream_capturing()
+        capturing = (self.linear_dev.is_cuda and not torch.compiler.is_compiling()
+                     and torch.cuda.is_current_stream_capturing())
         if capturing:
             self._check_capturable(batch_size_per_feature_per_rank)
         batch = self._make_batch(indices, offsets, per_sample_weights, batch_size_per_feature_per_rank)
         cache_keys, release = None, None
         train = torch.is_grad_enabled() and self.placeholder_autograd_tensor.requires_grad
-        if capturing and train:
-            self._captured_hp = self._hp     # the knobs the captured update will replay
+        if capturing and (train or self.row_layout.weights == "derived") and not any(
+                hp is self._hp for hp in self._captured_hps):
+            self._captured_hps.append(self._hp)     # the knobs the captured kernels will replay
         if self.cache is not None:
             batch, keys, locked = self._cached_batch(batch, batch_size_per_feature_per_rank)
             gen = self.cache.generation         # the slots in batch are valid while it lasts
@@ -435,6 +438,9 @@ class FTRLTableBatchedEmbeddingBags(BatchMixin, CachedLookupMixin, TableAPIMixin
     # and FBGEMM's table API and the hooks TorchRec calls (tbe_tables.TableAPIMixin).
 
     def __getattr__(self, name: str) -> Any:
+        buffers = self.__dict__.get("_buffers")    # the arrays, read several times per step
+        if buffers is not None and name in buffers:
+            return buffers[name]
         try:
             return super().__getattr__(name)
         except AttributeError:

@@ -22,8 +22,9 @@ class BatchMixin:
     def _check_capturable(self, bsfpr) -> None:
         """Refuse, before any work, what a CUDA graph cannot replay.
 
-        A captured training step replays its kernels with the learning rate and ``ftrl_*`` knobs of
-        the capture (they are kernel arguments), so the forward remembers them and
+        A captured training step (and a captured lookup of derived weights) replays its kernels
+        with the learning rate and ``ftrl_*`` knobs of the capture (a device tensor of them, kept
+        with the captured hyper-parameters), so the forward remembers them and
         :meth:`set_learning_rate` and :meth:`update_hyper_parameters` warn after such a capture.
 
         Raises:
@@ -45,10 +46,10 @@ class BatchMixin:
             raise RuntimeError(f"FTRLTableBatchedEmbeddingBags cannot be captured in a CUDA graph with {why}")
 
     def _warn_if_captured(self) -> None:
-        if self._captured_hp is not None and self._hp != self._captured_hp:
+        if any(hp != self._hp for hp in self._captured_hps):
             warnings.warn("FTRL hyper-parameters changed after a CUDA graph captured this TBE's step: "
-                          "graphs captured before replay the old values (learning rate and ftrl_* "
-                          "knobs are kernel arguments); capture the step again", stacklevel=3)
+                          "graphs captured before replay the old values (the learning rate and ftrl_* "
+                          "knobs of their capture); capture the step again", stacklevel=3)
 
     def _make_batch(self, indices, offsets, per_sample_weights, bsfpr,
                     warn_counter: Optional[torch.Tensor] = None) -> TBEBatch:

@@ -1,8 +1,11 @@
 """Generates the kernels' FTRL rule from :mod:`.rule_spec`: a C++ header and a Triton module.
 
-``python -m torchrec_ftrl.kernels.codegen --write`` rewrites ``csrc/ftrl_rule_gen.h`` (from
-``SHARED + IEEE``) and ``triton_rule_gen.py`` (from ``SHARED + FAST``); ``--check`` exits 1 when a
-committed file differs from the output. The spec's statements are parsed with :mod:`ast` and
+``csrc/ftrl_rule_gen.h`` (from ``SHARED + IEEE``) is committed: the CPU kernel's build reads it.
+``triton_rule_gen.py`` (from ``SHARED + FAST``) is a build product, not in git: ``setup.py`` writes
+it into the package when it is installed or its wheel built, and the Triton kernels' modules write it
+at import (:func:`ensure_triton_module`) where it is missing or stale, e.g. in a source checkout.
+``python -m torchrec_ftrl.kernels.codegen --write`` rewrites both; ``--check`` exits 1 when one
+differs from the output. The spec's statements are parsed with :mod:`ast` and
 emitted operation for operation (:mod:`.codegen_ast`), with the parentheses each language's
 precedence needs and those the spec writes (:mod:`.codegen_cpp`, :mod:`.codegen_triton`). An
 intrinsic a backend does not have (``fdiv`` in C++, ``copysign`` in Triton, ...) raises
@@ -25,8 +28,32 @@ TRITON_PATH = os.path.join(HERE, "triton_rule_gen.py")
 GENERATED = {CPP_PATH: generate_cpp, TRITON_PATH: generate_triton}
 
 
+def write_if_changed(path: str, text: str) -> bool:
+    """Write ``text`` to ``path`` unless the file holds it already; True when written. The file is
+    replaced in one step (a temporary file renamed over it), so processes importing at once never
+    read half a file."""
+    try:
+        with open(path) as f:
+            if f.read() == text:
+                return False
+    except FileNotFoundError:
+        pass
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+    return True
+
+
+def ensure_triton_module() -> None:
+    """Make ``triton_rule_gen.py`` the generator's output for this :mod:`.rule_spec` (written where
+    missing or stale; an installed package already holds it). Called before the Triton kernels
+    import it."""
+    write_if_changed(TRITON_PATH, generate_triton())
+
+
 def stale() -> list[str]:
-    """Paths of the generated files whose committed text differs from the generator's output."""
+    """Paths of the generated files whose text differs from the generator's output."""
     out = []
     for path, gen in GENERATED.items():
         try:
@@ -47,8 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.write:
         for path, gen in GENERATED.items():
-            with open(path, "w") as f:
-                f.write(gen())
+            write_if_changed(path, gen())
         return 0
     bad = stale()
     for path in bad:

@@ -54,7 +54,8 @@ class TritonEmitter(Emitter):
         return self.spec_call(name, args), ATOM
 
     def lower_spec_call(self, callee: Function, args: list[str]) -> str:
-        return f"{callee.name}({', '.join(args + list(callee.knobs + callee.flags + callee.backend_flags))})"
+        knobs = ["knobs"] if callee.knobs else []
+        return f"{callee.name}({', '.join(args + knobs + list(callee.flags + callee.backend_flags))})"
 
 
 def _triton_body(em: TritonEmitter, stmts: list, indent: str) -> list[str]:
@@ -82,9 +83,15 @@ def _triton_body(em: TritonEmitter, stmts: list, indent: str) -> list[str]:
     return out
 
 
+def _own_knobs(fn: Function) -> list[str]:
+    """The knobs ``fn``'s own statements name (its callees take the tuple whole)."""
+    names = {n.id for st in fn.body for n in ast.walk(st) if isinstance(n, ast.Name)}
+    return [k for k in KNOB_NAMES if k in names]
+
+
 def _triton_function(fn: Function, known: dict[str, Function]) -> list[str]:
     params = [p.name + (": tl.constexpr" if p.const else "") for p in fn.params]
-    params += list(fn.knobs) + [f"{f}: tl.constexpr" for f in fn.flags + fn.backend_flags]
+    params += (["knobs"] if fn.knobs else []) + [f"{f}: tl.constexpr" for f in fn.flags + fn.backend_flags]
     signature = [f"def {fn.name}("]
     for i, p in enumerate(params):
         piece = p + ("):" if i == len(params) - 1 else ", ")
@@ -94,13 +101,30 @@ def _triton_function(fn: Function, known: dict[str, Function]) -> list[str]:
         signature[-1] += piece
     doc = textwrap.fill(" ".join(fn.fn.doc.split()), 100, initial_indent='    """',
                         subsequent_indent="    ", break_on_hyphens=False) + '"""'
-    return ["", "", "@triton.jit", *signature, doc, *_triton_body(TritonEmitter(fn, known), fn.body, "    ")]
+    unpack = [f"    {k} = knobs[{KNOB_NAMES.index(k)}]" for k in _own_knobs(fn)]
+    return ["", "", "@triton.jit", *signature, doc, *unpack,
+            *_triton_body(TritonEmitter(fn, known), fn.body, "    ")]
+
+
+def _knobs_loader() -> list[str]:
+    """``ftrl_knobs(knobs_ptr)``: the kernels' one knob argument, read into the tuple the rule
+    functions take."""
+    loads = ", ".join(f"tl.load(knobs_ptr + {i})" for i in range(len(KNOB_NAMES)))
+    names = ", ".join(KNOB_NAMES)
+    return ["", "", "@triton.jit", "def ftrl_knobs(knobs_ptr):",
+            *textwrap.wrap(f'"""The knobs ({names}: rule_spec.KNOBS) from the fp32 tensor '
+                           f'[{len(KNOB_NAMES)}] at knobs_ptr, as the tuple every rule function here '
+                           'takes as its knobs argument."""', 96, initial_indent="    ",
+                           subsequent_indent="    "),
+            *textwrap.wrap(f"return ({loads})", 96, initial_indent="    ",
+                           subsequent_indent="            ")]
 
 
 _TRITON_PRELUDE = '''"""{header}.
 
 The FTRL-Proximal rule and the stochastic-rounding hash of the Triton kernels: the SHARED and FAST
-functions of torchrec_ftrl/kernels/rule_spec.py (knobs fp32 scalars, in rule_spec.KNOBS order).
+functions of torchrec_ftrl/kernels/rule_spec.py. The knobs are one tuple of fp32 scalars in
+rule_spec.KNOBS order, read by ftrl_knobs from the kernels' one knob tensor.
 """
 
 import triton
@@ -113,7 +137,7 @@ def generate_triton(spec_fns: tuple = rule_spec.SHARED + rule_spec.FAST) -> str:
     """The text of ``triton_rule_gen.py`` (of ``spec_fns``, :class:`~.rule_spec.Fn` s)."""
     fns = functions(spec_fns, triton=True)
     known = {f.name: f for f in fns}
-    lines = [_TRITON_PRELUDE.format(header=HEADER)]
+    lines = [_TRITON_PRELUDE.format(header=HEADER), *_knobs_loader()]
     for fn in fns:
         lines += _triton_function(fn, known)
     return "\n".join(lines) + "\n"

@@ -3,8 +3,9 @@
 :mod:`.codegen` (``python -m torchrec_ftrl.kernels.codegen --write``) turns this module into the
 inline functions of the compiled CPU kernel (``csrc/ftrl_rule_gen.h``, included by
 ``csrc/ftrl_tbe_cpu.cpp``) and the ``@triton.jit`` functions of the Triton kernels
-(``triton_rule_gen.py``). Both generated files are committed; ``tests/test_codegen.py`` fails when
-they differ from what this module generates. Imports nothing, so any layer may read it.
+(``triton_rule_gen.py``). The header is committed (``tests/test_codegen.py`` fails when it differs
+from what this module generates); the Triton module is a build product, written at install and at
+import (:func:`.codegen.ensure_triton_module`). Imports nothing, so any layer may read it.
 
 The statement (``docs/ftrl.md``; McMahan et al. 2013, "Ad Click Prediction: a View from the Trenches",
 Algorithm 1, with TensorFlow ``ApplyFtrlV2``'s l2 shrinkage and Keras' beta; the row-wise accumulator
@@ -48,9 +49,10 @@ written (no contraction into an FMA: the C++ build has ``-ffp-contract=off``).
 **Adding a knob** ``ftrl_foo``: validate it in :mod:`torchrec_ftrl.hyperparams` (``FTRL_KWARGS`` and
 ``__post_init__``), add ``Knob("foo", ..., lambda hp: hp.foo)`` to :data:`KNOBS` and use ``foo`` in the
 statements here; run ``python -m torchrec_ftrl.kernels.codegen --write`` (and rebuild the CPU kernel).
-``kernel_scalars``, the C++ struct and op parameters, the ops' schema and the generated Triton
-functions' parameters follow. Not yet: the Triton kernels' own argument lists and their launches
-(``triton_forward``, ``triton_backward``, ``triton_backend``) still name the knobs one by one.
+``kernel_scalars``, the C++ struct and op parameters, the ops' schema and the Triton kernels follow:
+those take the knobs as one fp32 tensor (``triton_backend.knob_tensor``), read into one tuple by the
+generated ``ftrl_knobs`` and passed whole to the generated functions, which name only the knobs they
+use.
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
+import weakref
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -96,9 +97,19 @@ TUNING = {"fwd": {256: (1024, 4, ""), 512: (1024, 4, ""), 1024: (1024, 4, "")},
           "repair_block": 1024, "lookback": 32}
 
 
+_nearest_memo: dict = {}   # (id(table), size) -> (table, entry); a replaced table gets a new id
+
+
 def _nearest(table: dict, size: int):
-    """The entry of ``table`` whose power-of-two key is nearest to ``size`` (the smaller on a tie)."""
-    return table[min(table, key=lambda b: (abs(math.log2(b) - math.log2(size)), b))]
+    """The entry of ``table`` whose power-of-two key is nearest to ``size`` (the smaller on a tie).
+    Memoised per table object (the training step asks several times); a table edited in place is
+    read afresh only if it is replaced, as the tests' ``monkeypatch.setitem`` does."""
+    memo = _nearest_memo.get((id(table), size))
+    if memo is not None and memo[0] is table:
+        return memo[1]
+    entry = table[min(table, key=lambda b: (abs(math.log2(b) - math.log2(size)), b))]
+    _nearest_memo[(id(table), size)] = (table, entry)
+    return entry
 
 
 def tuning_key(derived: bool, rowwise: bool, accum: torch.Tensor, linear: torch.Tensor) -> str:
@@ -213,6 +224,43 @@ def _vec_even(table_dims, block_d: int) -> tuple[int, bool]:
     return vec, all(int(d) == block_d for d in table_dims)
 
 
+_knob_tensors: dict = {}   # (id(hp), device) -> the knob tensor; an entry leaves with its hp
+
+
+def knob_tensor(hp: FTRLHyperparams, device: torch.device) -> torch.Tensor:
+    """The kernels' one knob argument: ``hp.kernel_scalars()`` (:data:`.rule_spec.KNOBS` order) as
+    an fp32 ``[len(KNOBS)]`` tensor on ``device``, read on the device by
+    :func:`.triton_rule_gen.ftrl_knobs`. Built once per hyper-parameter object and device and kept
+    while ``hp`` lives: a CUDA graph that captured a step reads it at every replay, so the TBE keeps
+    each captured ``hp``. A new ``hp`` (e.g. a learning-rate schedule's) costs one asynchronous copy
+    from pinned memory; under capture, fill kernels (no host copy); while ``torch.compile`` traces,
+    a fresh constant of the graph."""
+    values = hp.kernel_scalars()
+    if torch.compiler.is_compiling():
+        return torch.tensor(values, dtype=torch.float32, device=device)
+    key = (id(hp), device)
+    knobs = _knob_tensors.get(key)
+    if knobs is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            knobs = torch.empty(len(values), dtype=torch.float32, device=device)
+            for i, v in enumerate(values):
+                knobs[i].fill_(v)
+        elif device.type == "cuda":     # a pinned source: the copy does not wait for the stream
+            knobs = torch.tensor(values, dtype=torch.float32, pin_memory=True).to(device, non_blocking=True)
+        else:
+            knobs = torch.tensor(values, dtype=torch.float32, device=device)
+        _knob_tensors[key] = knobs
+        weakref.finalize(hp, _knob_tensors.pop, key, None)
+    return knobs
+
+
+def knob_flags(hp: FTRLHyperparams) -> tuple[bool, bool]:
+    """``(pow_half, has_shrink)``: the kernels' compile-time flags of ``hp`` (learning-rate power
+    -0.5: the sqrt path; a non-zero l2 shrinkage)."""
+    scalars = hp.kernel_scalars()
+    return scalars.neg_power == 0.5, scalars.shrink2 != 0.0
+
+
 def _forward_impl(weights: Optional[torch.Tensor], linear: torch.Tensor, accum: torch.Tensor,
                   rowwise: bool, indices: torch.Tensor, offsets: torch.Tensor,
                   bag_feature: torch.Tensor, bag_out_offset: torch.Tensor,
@@ -223,10 +271,11 @@ def _forward_impl(weights: Optional[torch.Tensor], linear: torch.Tensor, accum: 
                   max_D: int, out_dtype: torch.dtype, vec: int, even_d: bool,
                   cache_locations: Optional[torch.Tensor],
                   cache_weights: Optional[torch.Tensor], cache_accum: Optional[torch.Tensor],
-                  cache_linear: Optional[torch.Tensor], lr: float, neg_p: float, l1: float,
-                  l2_eff: float, beta: float) -> torch.Tensor:
+                  cache_linear: Optional[torch.Tensor], knobs: torch.Tensor,
+                  pow_half: bool) -> torch.Tensor:
     """The pooled lookup of :func:`.triton_forward.tbe_forward_kernel`. ``weights`` None: derived
-    weights, ``prox(linear, accum)`` with the knobs ``lr`` .. ``beta`` (:meth:`kernel_scalars` order);
+    weights, ``prox(linear, accum)`` with the knobs (:func:`knob_tensor`; ``pow_half``: the
+    learning-rate power is -0.5);
     ``rowwise``: ``accum`` holds one value per row. A cached batch (``cache_locations``) reads its
     cached rows from ``cache_weights``, or for derived weights from ``cache_linear`` and
     ``cache_accum``."""
@@ -250,11 +299,11 @@ def _forward_impl(weights: Optional[torch.Tensor], linear: torch.Tensor, accum: 
     _k(tbe_forward_kernel)[(_cdiv(num_bags, bags),)](
         w, out, keys if use_keys else indices, offsets, bag_feature, bag_out_offset,
         feature_table, table_w_offset, table_dim, table_rows, row_base, psw, warn,
-        cache_locations if cached else offsets, cw, cn, linear, accum,
-        num_bags, max_D, cw.stride(0) if cached else 0, lr, l1, l2_eff, beta, neg_p,
+        cache_locations if cached else offsets, cw, cn, linear, accum, knobs,
+        num_bags, max_D, cw.stride(0) if cached else 0,
         POOL=pooling_mode, HAS_PSW=has_psw, CHECK=check and not use_keys, KEYS=use_keys, BAGS=bags,
         UNROLL=unroll, BLOCK_D=BLOCK_D, VEC=vec, EVEN_D=even_d, WEVICT=evict,
-        CACHED=cached, DERIVED=derived, ROWWISE=derived and rowwise, POW_HALF=neg_p == 0.5,
+        CACHED=cached, DERIVED=derived, ROWWISE=derived and rowwise, POW_HALF=pow_half,
         LIBDEVICE_POW=isinstance(tbe_forward_kernel, JITFunction), num_warps=warps)
     return out
 
@@ -337,14 +386,16 @@ def _backward_impl(weights: Optional[torch.Tensor], accum: torch.Tensor, linear:
                    check: bool, lin_key: Optional[torch.Tensor], lin_gofs: Optional[torch.Tensor],
                    lin_scale: Optional[torch.Tensor], lin_tid: Optional[torch.Tensor],
                    per_sample_weights: Optional[torch.Tensor], pooling_mode: int, max_D: int,
-                   total_rows: int, vec: int, even_d: bool, lr: float, neg_p: float, l1: float,
-                   l2_eff: float, beta: float, shrink2: float, step: torch.Tensor) -> None:
+                   total_rows: int, vec: int, even_d: bool, knobs: torch.Tensor, pow_half: bool,
+                   has_shrink: bool, step: torch.Tensor) -> None:
     """The fused backward + update of an uncached batch, every row layout: ``weights`` None for
-    derived weights; ``rowwise``: ``accum`` ``[total_rows]``, one value per row."""
+    derived weights; ``rowwise``: ``accum`` ``[total_rows]``, one value per row. ``knobs``:
+    :func:`knob_tensor`; ``pow_half`` / ``has_shrink``: the learning-rate power is -0.5 / the l2
+    shrinkage is not 0 (the kernels' flags)."""
     _backward_kernels(weights, accum, linear, nonfinite_rows, grad, indices, offsets, bag_feature,
                       bag_out_offset, feature_table, table_w_offset, table_dim, table_rows, row_base,
                       check, lin_key, lin_gofs, lin_scale, lin_tid, per_sample_weights, pooling_mode,
-                      max_D, total_rows, vec, even_d, lr, neg_p, l1, l2_eff, beta, shrink2, step,
+                      max_D, total_rows, vec, even_d, knobs, pow_half, has_shrink, step,
                       rowwise=rowwise)
 
 
@@ -360,8 +411,8 @@ def _backward_cached_impl(weights: Optional[torch.Tensor], accum: torch.Tensor, 
                           lin_gofs: Optional[torch.Tensor], lin_scale: Optional[torch.Tensor],
                           lin_tid: Optional[torch.Tensor], per_sample_weights: Optional[torch.Tensor],
                           pooling_mode: int, max_D: int, total_rows: int, vec: int, even_d: bool,
-                          lr: float, neg_p: float, l1: float, l2_eff: float, beta: float,
-                          shrink2: float, step: torch.Tensor) -> None:
+                          knobs: torch.Tensor, pow_half: bool, has_shrink: bool,
+                          step: torch.Tensor) -> None:
     """:func:`_backward_impl` of a batch whose rows may sit in the HBM cache (``cache_locations``
     int32 ``[N]``, the weight cache ``[slots, S]`` (``[slots, 0]``, unused, for derived weights) and
     the state caches ``[slots, S]`` each (``cache_accum`` ``[slots, 1]`` when ``rowwise``), one row
@@ -369,7 +420,7 @@ def _backward_cached_impl(weights: Optional[torch.Tensor], accum: torch.Tensor, 
     _backward_kernels(weights, accum, linear, nonfinite_rows, grad, indices, offsets, bag_feature,
                       bag_out_offset, feature_table, table_w_offset, table_dim, table_rows, row_base,
                       check, lin_key, lin_gofs, lin_scale, lin_tid, per_sample_weights, pooling_mode,
-                      max_D, total_rows, vec, even_d, lr, neg_p, l1, l2_eff, beta, shrink2, step,
+                      max_D, total_rows, vec, even_d, knobs, pow_half, has_shrink, step,
                       cache_locations, cache_weights, (cache_accum, cache_linear), rowwise)
 
 
@@ -399,7 +450,7 @@ def _mark_segments(key, gofs, scale, tid, cache_locations, total_rows: int, SEG:
 def _backward_kernels(weights, accum, linear, nonfinite_rows, grad, indices, offsets, bag_feature,
                       bag_out_offset, feature_table, table_w_offset, table_dim, table_rows, row_base,
                       check, lin_key, lin_gofs, lin_scale, lin_tid, per_sample_weights, pooling_mode,
-                      max_D, total_rows, vec, even_d, lr, neg_p, l1, l2_eff, beta, shrink2, step,
+                      max_D, total_rows, vec, even_d, knobs, pow_half, has_shrink, step,
                       cache_locations=None, cache_weights=None, cache_states=None,
                       rowwise=False) -> None:
     N = indices.numel()
@@ -429,8 +480,6 @@ def _backward_kernels(weights, accum, linear, nonfinite_rows, grad, indices, off
     tile, rows, cap = _update_tuning(BLOCK_D, tuning_key(derived, rowwise, accum, linear),
                                      derived or rowwise)
     G, R, warps = segment_config(BLOCK_D, tile, rows)
-    pow_half = neg_p == 0.5
-    has_shrink = shrink2 != 0.0
     libdev = isinstance(segment_update_kernel, JITFunction)
     update = _k(segment_update_kernel)
     # The caches: weights [slots, S], accum [slots, S] ([slots, 1] row-wise), linear [slots, S], one
@@ -443,8 +492,8 @@ def _backward_kernels(weights, accum, linear, nonfinite_rows, grad, indices, off
         weights = cw = grad     # read-only placeholders, never dereferenced
     update[(_cdiv(bound, G),)](
         seg, count, sorted_key, sgofs, sscale, stid, sloc, grad, weights, accum, linear, cw, cn, cz,
-        table_w_offset, table_dim, row_base, part, nonfinite_rows, step,
-        N, cache_stride, lr, l1, l2_eff, beta, shrink2, neg_p,
+        table_w_offset, table_dim, row_base, part, nonfinite_rows, step, knobs,
+        N, cache_stride,
         SEG=SEG, HAS_SCALE=has_scale, POW_HALF=pow_half, HAS_SHRINK=has_shrink,
         LIBDEVICE_POW=libdev, G=G, R=R, BLOCK_D=BLOCK_D, VEC=vec, EVEN_D=even_d,
         CACHED=cached, N_BF16=n_bf16, Z_BF16=z_bf16, DERIVED=derived, ROWWISE=rowwise,
@@ -454,8 +503,8 @@ def _backward_kernels(weights, accum, linear, nonfinite_rows, grad, indices, off
         cp = int(TUNING["combine_cp"])
         _k(segment_combine_kernel)[(_cdiv(nmult, cp),)](
             sorted_key, stid, sloc, part, weights, accum, linear, cw, cn, cz,
-            table_w_offset, table_dim, row_base, nonfinite_rows, step,
-            N, cache_stride, lr, l1, l2_eff, beta, shrink2, neg_p,
+            table_w_offset, table_dim, row_base, nonfinite_rows, step, knobs,
+            N, cache_stride,
             SEG=SEG, CP=cp, NB=int(TUNING["combine_nb"]), POW_HALF=pow_half,
             HAS_SHRINK=has_shrink, LIBDEVICE_POW=libdev, BLOCK_D=BLOCK_D, VEC=vec, EVEN_D=even_d,
             CACHED=cached, N_BF16=n_bf16, Z_BF16=z_bf16, DERIVED=derived, ROWWISE=rowwise,
@@ -535,7 +584,6 @@ def _lookup(arrays: TableArrays, batch: TBEBatch, offsets: torch.Tensor, out_dty
     (``table_rows`` None: the ``tbe_forward`` op's) is a checked one, whose lookup reads none."""
     check, warn = counter
     _, vec, even_d = shape
-    lr, neg_p, l1, l2_eff, beta, _ = hp.kernel_scalars()
     table_rows = batch.table_dim if batch.table_rows is None else batch.table_rows   # unread if None
     return _call(_forward_op, _forward_impl, arrays.weights, arrays.linear, arrays.accum,
                  arrays.rowwise, batch.indices, offsets,
@@ -544,7 +592,7 @@ def _lookup(arrays: TableArrays, batch: TBEBatch, offsets: torch.Tensor, out_dty
                  batch.per_sample_weights, int(batch.pooling_mode), int(batch.out_numel),
                  int(batch.max_D), out_dtype, vec, even_d, batch.cache_locations, batch.cache_weights,
                  *(batch.cache_states if batch.cache_states is not None else (None, None)),
-                 lr, neg_p, l1, l2_eff, beta)
+                 knob_tensor(hp, batch.indices.device), *knob_flags(hp)[:1])
 
 
 def _checked_offsets(batch: TBEBatch, warn: Optional[torch.Tensor]) -> torch.Tensor:
@@ -647,7 +695,7 @@ def backward_update_(arrays: TableArrays, batch: TBEBatch, ctx: Optional[TritonC
             batch.bag_out_offset, batch.feature_table, batch.table_w_offset, batch.table_dim,
             batch.table_rows, batch.table_row_base, batch.unchecked_counter is not None, *lin,
             batch.per_sample_weights, int(batch.pooling_mode), int(batch.max_D), total_rows,
-            vec, even_d, *hp.kernel_scalars(), step)
+            vec, even_d, knob_tensor(hp, linear.device), *knob_flags(hp), step)
     if batch.cache_locations is None:
         _call(_backward_op, _backward_impl, weights, accum, linear, nonfinite_rows, arrays.rowwise,
               *args)

@@ -68,8 +68,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_forward import MEAN, NONE, bag_table, load_bags, row_columns
-from .triton_rule_gen import ftrl_update, round_bf16_sr, sr_bits, sr_row, sr_seed, sr_top_bits
+from .triton_forward import MEAN, NONE, bag_table, load_bags, row_columns   # generates the next one
+from .triton_rule_gen import (ftrl_knobs, ftrl_update, round_bf16_sr, sr_bits, sr_row, sr_seed,
+                              sr_top_bits)
 
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
@@ -339,9 +340,8 @@ def store_row_state(ptr, x, rm, key, step_ptr, STATE: tl.constexpr, BF16: tl.con
 
 @triton.jit
 def ftrl_update_store(wp, np_, zp, nonfinite_ptr, w, n, z, m, rmask, g, dimf,
-                      lr, l1, l2_eff, beta, shrink2, neg_p, key, cols, step_ptr,
-                      POW_HALF: tl.constexpr, HAS_SHRINK: tl.constexpr, LIBDEVICE_POW: tl.constexpr,
-                      N_BF16: tl.constexpr, Z_BF16: tl.constexpr, DERIVED: tl.constexpr,
+                      knobs_ptr, key, cols, step_ptr, POW_HALF: tl.constexpr,
+                      HAS_SHRINK: tl.constexpr, LIBDEVICE_POW: tl.constexpr, N_BF16: tl.constexpr, Z_BF16: tl.constexpr, DERIVED: tl.constexpr,
                       ROWWISE: tl.constexpr):
     """One FTRL step (:func:`.triton_rule_gen.ftrl_update`) of rows ``rmask`` ``[R]`` with summed
     gradients ``g`` ``[R, BLOCK_D]`` and their loaded states (fp32, :func:`load_states`), stored;
@@ -350,17 +350,13 @@ def ftrl_update_store(wp, np_, zp, nonfinite_ptr, w, n, z, m, rmask, g, dimf,
     ``[R]``, columns ``cols``, step at ``step_ptr``). ``DERIVED``: no weight buffer; only ``n`` and
     ``z`` are stored. ``ROWWISE``: ``n`` is ``[R]``, one per row (``dimf``: fp32, ``[R]`` or scalar,
     the table's D), stored once per row (:func:`store_row_state`, column 0)."""
-    # fp32 knobs whatever the caller's scalar type (torch.compile may pass Python floats as fp64).
-    lr, l1, l2_eff = tl.cast(lr, tl.float32), tl.cast(l1, tl.float32), tl.cast(l2_eff, tl.float32)
-    beta, shrink2 = tl.cast(beta, tl.float32), tl.cast(shrink2, tl.float32)
-    neg_p = tl.cast(neg_p, tl.float32)
     bad_el = (tl.abs(g) <= _FLT_MAX) == 0
     row_bad = tl.max((bad_el & m).to(tl.int32), axis=1) > 0
     nbad = tl.sum((rmask & row_bad).to(tl.int64), axis=0)
     tl.atomic_add(nonfinite_ptr, nbad, mask=nbad > 0)
     sm = m & (row_bad == 0)[:, None]
-    w_new, n_new, z_new = ftrl_update(w, n, z, g, m, dimf, lr, neg_p, l1, l2_eff, beta, shrink2,
-                                      POW_HALF, HAS_SHRINK, DERIVED, ROWWISE, LIBDEVICE_POW)
+    w_new, n_new, z_new = ftrl_update(w, n, z, g, m, dimf, ftrl_knobs(knobs_ptr), POW_HALF, HAS_SHRINK,
+                                      DERIVED, ROWWISE, LIBDEVICE_POW)
     # Streaming stores (.cs): the rows are not read again in this step; keeps L2 for the gradients.
     if not DERIVED:
         tl.store(wp, w_new.to(wp.dtype.element_ty), mask=sm, cache_modifier=".cs")
@@ -399,7 +395,7 @@ def sum_gradient_rows(grad_ptr, go, sc, lm, m3c, cols, HAS_SCALE: tl.constexpr, 
 def segment_update_kernel(
     seg_ptr, count_ptr, sk_ptr, sgofs_ptr, sscale_ptr, stid_ptr, sloc_ptr, grad_ptr,
     w_ptr, n_ptr, z_ptr, cw_ptr, cn_ptr, cz_ptr, table_w_offset_ptr, table_dim_ptr, row_base_ptr,
-    part_ptr, nonfinite_ptr, step_ptr, N, cache_stride, lr, l1, l2_eff, beta, shrink2, neg_p,
+    part_ptr, nonfinite_ptr, step_ptr, knobs_ptr, N, cache_stride,
     SEG: tl.constexpr, HAS_SCALE: tl.constexpr, POW_HALF: tl.constexpr, HAS_SHRINK: tl.constexpr,
     LIBDEVICE_POW: tl.constexpr, G: tl.constexpr, R: tl.constexpr, BLOCK_D: tl.constexpr,
     VEC: tl.constexpr, EVEN_D: tl.constexpr, CACHED: tl.constexpr, N_BF16: tl.constexpr,
@@ -461,15 +457,15 @@ def segment_update_kernel(
         slot = 2 * (s // SEG) + ((s % SEG) != 0).to(tl.int64)
         tl.store(part_ptr + slot[:, None] * BLOCK_D + cols[None, :], acc, mask=partial[:, None] & m2)
         ftrl_update_store(wp, np_, zp, nonfinite_ptr, w, n, z, sm, complete, acc, dimf,
-                          lr, l1, l2_eff, beta, shrink2, neg_p, key, cols, step_ptr, POW_HALF,
-                          HAS_SHRINK, LIBDEVICE_POW, N_BF16, Z_BF16, DERIVED, ROWWISE)
+                          knobs_ptr, key, cols, step_ptr, POW_HALF, HAS_SHRINK, LIBDEVICE_POW,
+                          N_BF16, Z_BF16, DERIVED, ROWWISE)
 
 
 @triton.jit(do_not_specialize=["N"])
 def segment_combine_kernel(
     sk_ptr, stid_ptr, sloc_ptr, part_ptr,
     w_ptr, n_ptr, z_ptr, cw_ptr, cn_ptr, cz_ptr, table_w_offset_ptr, table_dim_ptr, row_base_ptr,
-    nonfinite_ptr, step_ptr, N, cache_stride, lr, l1, l2_eff, beta, shrink2, neg_p,
+    nonfinite_ptr, step_ptr, knobs_ptr, N, cache_stride,
     SEG: tl.constexpr, CP: tl.constexpr, NB: tl.constexpr, POW_HALF: tl.constexpr,
     HAS_SHRINK: tl.constexpr, LIBDEVICE_POW: tl.constexpr, BLOCK_D: tl.constexpr,
     VEC: tl.constexpr, EVEN_D: tl.constexpr, CACHED: tl.constexpr, N_BF16: tl.constexpr,
@@ -540,9 +536,9 @@ def segment_combine_kernel(
                     go = tl.sum(selj.to(tl.int32), axis=0) == NB
                     j0 += NB
                 ftrl_update_store(wp, np_, zp, nonfinite_ptr, w, n, z, sm, rmask,
-                                  acc[None, :], dimf, lr, l1, l2_eff, beta, shrink2, neg_p,
-                                  kb + one * 0, cols, step_ptr, POW_HALF, HAS_SHRINK,
-                                  LIBDEVICE_POW, N_BF16, Z_BF16, DERIVED, ROWWISE)
+                                  acc[None, :], dimf, knobs_ptr, kb + one * 0, cols, step_ptr,
+                                  POW_HALF, HAS_SHRINK, LIBDEVICE_POW, N_BF16, Z_BF16, DERIVED,
+                                  ROWWISE)
 
 
 @triton.jit

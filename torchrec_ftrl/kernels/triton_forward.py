@@ -34,8 +34,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .codegen import ensure_triton_module
 from .layout import POOL_MEAN, POOL_NONE
-from .triton_rule_gen import ftrl_power, ftrl_prox, ftrl_prox_rowwise, ftrl_row_rate
+
+ensure_triton_module()     # the generated module below (codegen.py: a build product)
+from .triton_rule_gen import (ftrl_knobs, ftrl_power, ftrl_prox, ftrl_prox_rowwise,  # noqa: E402
+                              ftrl_row_rate)
 
 # The pooling modes as the kernels compare them (layout.POOL_*; Triton reads only constexpr globals).
 MEAN = tl.constexpr(POOL_MEAN)
@@ -101,7 +105,7 @@ def store_pooled(out_ptr, bag_out_ptr, acc, bags, bmask, length, cols, cmask2, P
 
 @triton.jit
 def derived_rows(z_ptr, n_ptr, rowp, roff, idx, rbase, loc, cache_n_ptr, cache_stride, cols, m3, lmask,
-                 lr, l1, l2_eff, beta, neg_p, WEVICT: tl.constexpr, KEYS: tl.constexpr,
+                 knobs, WEVICT: tl.constexpr, KEYS: tl.constexpr,
                  CACHED: tl.constexpr, ROWWISE: tl.constexpr, POW_HALF: tl.constexpr,
                  LIBDEVICE_POW: tl.constexpr):
     """fp32 ``[BAGS, UNROLL, BLOCK_D]`` derived weights ``prox(z, n)`` of the looked-up rows (mask
@@ -125,8 +129,8 @@ def derived_rows(z_ptr, n_ptr, rowp, roff, idx, rbase, loc, cache_n_ptr, cache_s
         else:
             nptr = n_ptr + nkey
         n = tl.load(nptr, mask=lmask, other=0.0).to(tl.float32)
-        rate = ftrl_row_rate(ftrl_power(n, neg_p, POW_HALF, LIBDEVICE_POW), lr, l2_eff, beta)
-        rows = ftrl_prox_rowwise(z, rate[:, :, None], l1)
+        rate = ftrl_row_rate(ftrl_power(n, knobs, POW_HALF, LIBDEVICE_POW), knobs)
+        rows = ftrl_prox_rowwise(z, rate[:, :, None], knobs)
     else:
         if CACHED:
             nrow = tl.where(loc >= 0, cache_n_ptr + loc.to(tl.int64) * cache_stride, n_ptr + roff)
@@ -134,7 +138,7 @@ def derived_rows(z_ptr, n_ptr, rowp, roff, idx, rbase, loc, cache_n_ptr, cache_s
         else:
             nptr = n_ptr + offs
         n = tl.load(nptr, mask=m3, other=0.0, eviction_policy=WEVICT).to(tl.float32)
-        rows = ftrl_prox(z, ftrl_power(n, neg_p, POW_HALF, LIBDEVICE_POW), lr, l1, l2_eff, beta)
+        rows = ftrl_prox(z, ftrl_power(n, knobs, POW_HALF, LIBDEVICE_POW), knobs)
     return rows
 
 
@@ -142,8 +146,7 @@ def derived_rows(z_ptr, n_ptr, rowp, roff, idx, rbase, loc, cache_n_ptr, cache_s
 def tbe_forward_kernel(
     w_ptr, out_ptr, indices_ptr, offsets_ptr, bag_feature_ptr, bag_out_ptr, feature_table_ptr,
     table_w_offset_ptr, table_dim_ptr, table_rows_ptr, row_base_ptr, psw_ptr, warn_ptr,
-    loc_ptr, cache_ptr, cache_n_ptr, z_ptr, n_ptr, num_bags, out_row_stride, cache_stride,
-    lr, l1, l2_eff, beta, neg_p,
+    loc_ptr, cache_ptr, cache_n_ptr, z_ptr, n_ptr, knobs_ptr, num_bags, out_row_stride, cache_stride,
     POOL: tl.constexpr, HAS_PSW: tl.constexpr, CHECK: tl.constexpr, KEYS: tl.constexpr,
     BAGS: tl.constexpr, UNROLL: tl.constexpr, BLOCK_D: tl.constexpr,
     VEC: tl.constexpr, EVEN_D: tl.constexpr, WEVICT: tl.constexpr, CACHED: tl.constexpr,
@@ -160,9 +163,8 @@ def tbe_forward_kernel(
         rbase = tl.load(row_base_ptr + tab, mask=bmask, other=0)
     else:
         rbase = woff   # unused placeholder
-    if DERIVED:  # fp32 knobs, as the update takes them
-        lr, l1, l2_eff = tl.cast(lr, tl.float32), tl.cast(l1, tl.float32), tl.cast(l2_eff, tl.float32)
-        beta, neg_p = tl.cast(beta, tl.float32), tl.cast(neg_p, tl.float32)
+    if DERIVED:
+        knobs = ftrl_knobs(knobs_ptr)
     nbad = tl.zeros([BAGS, UNROLL], dtype=tl.int32)
 
     cols = row_columns(BLOCK_D)
@@ -198,8 +200,8 @@ def tbe_forward_kernel(
             rowp = w_ptr + roff
         if DERIVED:
             rows = derived_rows(z_ptr, n_ptr, rowp, roff, idx, rbase, loc, cache_n_ptr, cache_stride,
-                                cols, m3, lmask, lr, l1, l2_eff, beta, neg_p, WEVICT, KEYS, CACHED,
-                                ROWWISE, POW_HALF, LIBDEVICE_POW)
+                                cols, m3, lmask, knobs, WEVICT, KEYS, CACHED, ROWWISE, POW_HALF,
+                                LIBDEVICE_POW)
         else:
             rows = tl.load(rowp[:, :, None] + cols[None, None, :], mask=m3, other=0.0,
                            eviction_policy=WEVICT)

@@ -1,5 +1,5 @@
 """The kernels' rule is generated from ``kernels/rule_spec.py`` (``kernels/codegen.py``): the committed
-generated files are the generator's output, the generator refuses what a backend cannot compute, and
+header is the generator's output, the Triton module is written where missing or stale, the generator refuses what a backend cannot compute, and
 the CPU kernel's build digest covers the generated header. That the generated kernels compute the rule
 bit for bit is checked against the independent torch transcription by the backend suites
 (``test_layouts_cpp.py``, ``test_state_dtype.py``, ``test_tbe_triton.py``, ...)."""
@@ -14,11 +14,29 @@ from torchrec_ftrl.kernels import codegen, cpu_build
 from torchrec_ftrl.kernels.rule_spec import Fn
 
 
-def test_generated_files_are_the_generators_output():
-    """The committed header, and the Triton module that importing the Triton kernels wrote."""
-    pytest.importorskip("triton")
-    import torchrec_ftrl.kernels.triton_backward  # noqa: F401  (writes triton_rule_gen.py if stale)
+def test_committed_header_is_the_generators_output():
     assert codegen.stale() == [], "run: python -m torchrec_ftrl.kernels.codegen --write"
+
+
+def test_importing_the_triton_kernels_writes_their_rule_module(tmp_path):
+    """The Triton kernels' import is where the module gets written (a fresh checkout has none)."""
+    pytest.importorskip("triton")
+    import subprocess
+    import sys
+    path = tmp_path / "triton_rule_gen.py"
+    code = ("import sys; from torchrec_ftrl.kernels import codegen; codegen.TRITON_PATH = sys.argv[1]; "
+            "import torchrec_ftrl.kernels.triton_forward")
+    subprocess.run([sys.executable, "-c", code, str(path)], check=True, capture_output=True)
+    assert path.read_text() == codegen.generate_triton()
+
+
+def test_a_spec_name_that_is_a_knob_is_refused():
+    fn = Fn("f", "z, l1", "f32", doc="test", body="return z * l1\n")
+    with pytest.raises(ValueError, match=r"^f: parameters or locals named like knobs \['l1'\]"):
+        codegen.generate_triton((fn,))
+    fn = Fn("g", "z", "f32", doc="test", body="beta = z * 2.0\nreturn beta\n")
+    with pytest.raises(ValueError, match=r"^g: .*\['beta'\]"):
+        codegen.generate_triton((fn,))
 
 
 def test_the_triton_module_is_written_where_missing_or_stale_and_else_left_alone(tmp_path, monkeypatch):
@@ -57,7 +75,8 @@ def test_setup_writes_the_triton_module_without_torch(tmp_path):
 def test_check_reports_a_stale_file(tmp_path, monkeypatch, capsys):
     stale = tmp_path / "ftrl_rule_gen.h"
     stale.write_text(codegen.generate_cpp() + "// edited by hand\n")
-    monkeypatch.setattr(codegen, "GENERATED", {str(stale): codegen.generate_cpp})
+    monkeypatch.setattr(codegen, "COMMITTED", {str(stale): codegen.generate_cpp})
+    monkeypatch.setattr(codegen, "TRITON_PATH", str(tmp_path / "triton_rule_gen.py"))
     assert codegen.main(["--check"]) == 1
     assert "ftrl_rule_gen.h is stale" in capsys.readouterr().err
     assert codegen.main(["--write"]) == 0

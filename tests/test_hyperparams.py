@@ -115,3 +115,16 @@ def test_kernel_scalars_to_hyperparams():
             hp.l2_shrinkage) == (0.2, -0.3, 0.5, 3.0, 0.75, 0.125)
     with pytest.raises(ValueError, match=r"learning_rate \(lr\) must be > 0 .*got -0.2"):
         KernelScalars(-0.2, 0.5, 0.0, 0.0, 0.0, 0.0).to_hyperparams()
+
+
+def test_pickles_carry_the_knobs_not_the_cached_kernel_scalars():
+    """The kernel scalars are recomputed on load (from the knobs as the loading code defines them),
+    also for a pickle written before they were cached on the object."""
+    import pickle
+    hp = FTRLHyperparams(learning_rate=0.5, l2_reg=0.25, l2_shrinkage=0.125)
+    assert "_kernel_scalars" not in hp.__getstate__()
+    loaded = pickle.loads(pickle.dumps(hp))
+    assert loaded == hp and tuple(loaded.kernel_scalars()) == (0.5, 0.5, 0.0, 0.5, 0.0, 0.25)
+    old = FTRLHyperparams.__new__(FTRLHyperparams)
+    old.__setstate__({k: v for k, v in hp.__dict__.items() if k != "_kernel_scalars"})
+    assert tuple(old.kernel_scalars()) == (0.5, 0.5, 0.0, 0.5, 0.0, 0.25)

@@ -125,3 +125,33 @@ def test_knob_tensor_holds_the_knobs_while_its_hyperparams_live():
     del hp
     gc.collect()
     assert key not in triton_backend._knob_tensors
+
+
+def test_knob_tensor_made_under_capture_is_not_cached(monkeypatch):
+    """Under CUDA-graph capture the knobs are written by recorded fill kernels (empty until a
+    replay), so that tensor never serves a later eager use: the next eager call builds its own.
+    (Capture is stood in for on the CPU, where the fills run at once.)"""
+    from torchrec_ftrl.hyperparams import FTRLHyperparams
+    from torchrec_ftrl.kernels import triton_backend
+
+    hp = FTRLHyperparams(learning_rate=0.25, l1_reg=0.5)
+    monkeypatch.setattr(triton_backend, "_capturing", lambda device: True)
+    captured = triton_backend.knob_tensor(hp, torch.device("cpu"))
+    assert (id(hp), torch.device("cpu")) not in triton_backend._knob_tensors
+    assert captured.tolist() == [0.25, 0.5, 0.5, 0.0, 0.0, 0.0]      # lr, -p, l1, l2, beta, 2 s
+    monkeypatch.setattr(triton_backend, "_capturing", lambda device: False)
+    eager = triton_backend.knob_tensor(hp, torch.device("cpu"))
+    assert eager is not captured and (id(hp), torch.device("cpu")) in triton_backend._knob_tensors
+
+
+def test_setting_the_same_knobs_keeps_the_hyperparameter_object():
+    """TorchRec's fused optimizer sets the learning rate at every step: an unchanged value keeps the
+    TBE's hyper-parameter object (and so the kernels' knob tensor); a new one replaces it."""
+    from torchrec_ftrl import FTRLTableBatchedEmbeddingBags
+    tbe = FTRLTableBatchedEmbeddingBags([(10, 4)], backend="torch", learning_rate=0.1)
+    hp = tbe.hyperparams
+    tbe.set_learning_rate(0.1)
+    tbe.update_hyper_parameters({"ftrl_l1_reg": 0.0})
+    assert tbe.hyperparams is hp
+    tbe.set_learning_rate(0.2)
+    assert tbe.hyperparams is not hp and tbe.hyperparams.learning_rate == 0.2

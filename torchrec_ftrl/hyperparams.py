@@ -103,8 +103,21 @@ class FTRLHyperparams:
         for f in dataclasses.fields(self):
             if f.name != "l2_convention":
                 object.__setattr__(self, f.name, float(getattr(self, f.name)))
-        # computed once: the kernels read them on every training step
+        self._cache_kernel_scalars()
+
+    def _cache_kernel_scalars(self) -> None:
+        # computed once per object: the kernels read them on every training step
         object.__setattr__(self, "_kernel_scalars", KernelScalars(*(k.of_hparams(self) for k in KNOBS)))
+
+    def __getstate__(self) -> dict:
+        """Pickled without the cached scalars (recomputed on load, from the knobs as defined then)."""
+        state = dict(self.__dict__)
+        state.pop("_kernel_scalars", None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._cache_kernel_scalars()
 
     @property
     def l2_effective(self) -> float:

@@ -412,9 +412,9 @@ class FTRLTableBatchedEmbeddingBags(BatchMixin, CachedLookupMixin, TableAPIMixin
         batch = self._make_batch(indices, offsets, per_sample_weights, batch_size_per_feature_per_rank)
         cache_keys, release = None, None
         train = torch.is_grad_enabled() and self.placeholder_autograd_tensor.requires_grad
-        if capturing and (train or self.row_layout.weights == "derived") and not any(
-                hp is self._hp for hp in self._captured_hps):
-            self._captured_hps.append(self._hp)     # the knobs the captured kernels will replay
+        if capturing and (train or self.row_layout.weights == "derived"):
+            # the knobs the captured kernels will replay, kept alive; the latest capture's last
+            self._captured_hps = [hp for hp in self._captured_hps if hp is not self._hp] + [self._hp]
         if self.cache is not None:
             batch, keys, locked = self._cached_batch(batch, batch_size_per_feature_per_rank)
             gen = self.cache.generation         # the slots in batch are valid while it lasts

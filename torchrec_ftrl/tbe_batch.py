@@ -46,7 +46,7 @@ class BatchMixin:
             raise RuntimeError(f"FTRLTableBatchedEmbeddingBags cannot be captured in a CUDA graph with {why}")
 
     def _warn_if_captured(self) -> None:
-        if any(hp != self._hp for hp in self._captured_hps):
+        if self._captured_hps and self._hp != self._captured_hps[-1]:   # the latest capture
             warnings.warn("FTRL hyper-parameters changed after a CUDA graph captured this TBE's step: "
                           "graphs captured before replay the old values (the learning rate and ftrl_* "
                           "knobs of their capture); capture the step again", stacklevel=3)

@@ -90,8 +90,7 @@ class TableAPIMixin:
 
     def set_learning_rate(self, lr: float) -> None:
         """Raises ValueError (nothing changed) unless ``lr`` is finite and > 0."""
-        self._hp = self._hp.with_learning_rate(lr)
-        self._warn_if_captured()
+        self._set_hp(self._hp.with_learning_rate(lr))
 
     def set_optimizer_step(self, step: int) -> None:
         self.iter.fill_(int(step))
@@ -106,8 +105,14 @@ class TableAPIMixin:
         if "ftrl_initial_accumulator_value" in params_dict:
             raise ValueError("ftrl_initial_accumulator_value only applies when states are created; "
                              "use reset_optimizer_state() after constructing with the new value")
-        self._hp = parse_options(params_dict, base=self._hp, strict=True, where="update_hyper_parameters")
-        self._warn_if_captured()
+        self._set_hp(parse_options(params_dict, base=self._hp, strict=True, where="update_hyper_parameters"))
+
+    def _set_hp(self, hp) -> None:
+        """Take ``hp`` unless it equals the current knobs: the object, and with it the kernels' knob
+        tensor, is kept (TorchRec's fused optimizer sets the learning rate at every step)."""
+        if hp != self._hp:
+            self._hp = hp
+            self._warn_if_captured()
 
     def reset_optimizer_state(self) -> None:
         """accum := initial_accumulator_value (rounded to nearest in a bf16 accum), linear := 0."""

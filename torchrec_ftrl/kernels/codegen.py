@@ -4,8 +4,8 @@
 ``triton_rule_gen.py`` (from ``SHARED + FAST``) is a build product, not in git: ``setup.py`` writes
 it into the package when it is installed or its wheel built, and the Triton kernels' modules write it
 at import (:func:`ensure_triton_module`) where it is missing or stale, e.g. in a source checkout.
-``python -m torchrec_ftrl.kernels.codegen --write`` rewrites both; ``--check`` exits 1 when one
-differs from the output. The spec's statements are parsed with :mod:`ast` and
+``python -m torchrec_ftrl.kernels.codegen --write`` rewrites both; ``--check`` exits 1 when the
+committed header differs from the output. The spec's statements are parsed with :mod:`ast` and
 emitted operation for operation (:mod:`.codegen_ast`), with the parentheses each language's
 precedence needs and those the spec writes (:mod:`.codegen_cpp`, :mod:`.codegen_triton`). An
 intrinsic a backend does not have (``fdiv`` in C++, ``copysign`` in Triton, ...) raises
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 
 from .codegen_cpp import generate_cpp
 from .codegen_triton import generate_triton
@@ -25,7 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 CPP_PATH = os.path.join(HERE, "csrc", "ftrl_rule_gen.h")
 TRITON_PATH = os.path.join(HERE, "triton_rule_gen.py")
 
-GENERATED = {CPP_PATH: generate_cpp, TRITON_PATH: generate_triton}
+COMMITTED = {CPP_PATH: generate_cpp}     # generated files kept in git (``--check`` reads them)
 
 
 def write_if_changed(path: str, text: str) -> bool:
@@ -33,15 +34,20 @@ def write_if_changed(path: str, text: str) -> bool:
     replaced in one step (a temporary file renamed over it), so processes importing at once never
     read half a file."""
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             if f.read() == text:
                 return False
     except FileNotFoundError:
         pass
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=os.path.basename(path) + ".",
+                               suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
     return True
 
 
@@ -53,11 +59,11 @@ def ensure_triton_module() -> None:
 
 
 def stale() -> list[str]:
-    """Paths of the generated files whose text differs from the generator's output."""
+    """Paths of the committed generated files whose text differs from the generator's output."""
     out = []
-    for path, gen in GENERATED.items():
+    for path, gen in COMMITTED.items():
         try:
-            with open(path) as f:
+            with open(path, encoding="utf-8") as f:
                 current = f.read()
         except FileNotFoundError:
             current = None
@@ -70,11 +76,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     mode = ap.add_mutually_exclusive_group(required=True)
     mode.add_argument("--write", action="store_true", help="rewrite the generated files")
-    mode.add_argument("--check", action="store_true", help="exit 1 when a generated file is stale")
+    mode.add_argument("--check", action="store_true", help="exit 1 when a committed generated file is stale")
     args = ap.parse_args(argv)
     if args.write:
-        for path, gen in GENERATED.items():
+        for path, gen in COMMITTED.items():
             write_if_changed(path, gen())
+        ensure_triton_module()
         return 0
     bad = stale()
     for path in bad:

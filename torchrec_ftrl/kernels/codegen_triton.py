@@ -84,8 +84,19 @@ def _triton_body(em: TritonEmitter, stmts: list, indent: str) -> list[str]:
 
 
 def _own_knobs(fn: Function) -> list[str]:
-    """The knobs ``fn``'s own statements name (its callees take the tuple whole)."""
-    names = {n.id for st in fn.body for n in ast.walk(st) if isinstance(n, ast.Name)}
+    """The knobs ``fn``'s own statements name (its callees take the tuple whole).
+
+    Raises:
+        ValueError: a parameter or local of ``fn`` named like a knob (the unpacked knob would
+            overwrite it).
+    """
+    nodes = [n for st in fn.body for n in ast.walk(st)]
+    bound = {p.name for p in fn.params} | {n.id for n in nodes
+                                           if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    clash = sorted(bound & set(KNOB_NAMES))
+    if clash:
+        raise ValueError(f"{fn.name}: parameters or locals named like knobs {clash}")
+    names = {n.id for n in nodes if isinstance(n, ast.Name)}
     return [k for k in KNOB_NAMES if k in names]
 
 
@@ -109,7 +120,8 @@ def _triton_function(fn: Function, known: dict[str, Function]) -> list[str]:
 def _knobs_loader() -> list[str]:
     """``ftrl_knobs(knobs_ptr)``: the kernels' one knob argument, read into the tuple the rule
     functions take."""
-    loads = ", ".join(f"tl.load(knobs_ptr + {i})" for i in range(len(KNOB_NAMES)))
+    loads = "".join(f"tl.load(knobs_ptr + {i}), " for i in range(len(KNOB_NAMES)))[:-2]
+    loads += "," if len(KNOB_NAMES) == 1 else ""     # a tuple of one
     names = ", ".join(KNOB_NAMES)
     return ["", "", "@triton.jit", "def ftrl_knobs(knobs_ptr):",
             *textwrap.wrap(f'"""The knobs ({names}: rule_spec.KNOBS) from the fp32 tensor '

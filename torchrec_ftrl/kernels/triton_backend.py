@@ -233,25 +233,35 @@ def knob_tensor(hp: FTRLHyperparams, device: torch.device) -> torch.Tensor:
     :func:`.triton_rule_gen.ftrl_knobs`. Built once per hyper-parameter object and device and kept
     while ``hp`` lives: a CUDA graph that captured a step reads it at every replay, so the TBE keeps
     each captured ``hp``. A new ``hp`` (e.g. a learning-rate schedule's) costs one asynchronous copy
-    from pinned memory; under capture, fill kernels (no host copy); while ``torch.compile`` traces,
-    a fresh constant of the graph."""
+    from pinned memory. Made under CUDA-graph capture (an ``hp`` no eager step used): fill kernels
+    recorded in the graph, not cached. While ``torch.compile`` traces: a fresh constant of the
+    graph."""
     values = hp.kernel_scalars()
     if torch.compiler.is_compiling():
         return torch.tensor(values, dtype=torch.float32, device=device)
     key = (id(hp), device)
     knobs = _knob_tensors.get(key)
+    if knobs is None and _capturing(device):
+        # Recorded fill kernels: the tensor holds the knobs from each replay's fills on, so it is
+        # not cached (an eager use of it before a replay would read it empty); stream order keeps
+        # it intact until the captured kernels have read it, like any temporary of the graph.
+        knobs = torch.empty(len(values), dtype=torch.float32, device=device)
+        for i, v in enumerate(values):
+            knobs[i].fill_(v)
+        return knobs
     if knobs is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            knobs = torch.empty(len(values), dtype=torch.float32, device=device)
-            for i, v in enumerate(values):
-                knobs[i].fill_(v)
-        elif device.type == "cuda":     # a pinned source: the copy does not wait for the stream
+        if device.type == "cuda":     # a pinned source: the copy does not wait for the stream
             knobs = torch.tensor(values, dtype=torch.float32, pin_memory=True).to(device, non_blocking=True)
         else:
             knobs = torch.tensor(values, dtype=torch.float32, device=device)
         _knob_tensors[key] = knobs
         weakref.finalize(hp, _knob_tensors.pop, key, None)
     return knobs
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether the current stream of CUDA ``device`` is capturing a CUDA graph."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def knob_flags(hp: FTRLHyperparams) -> tuple[bool, bool]:

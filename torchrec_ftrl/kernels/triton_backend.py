@@ -21,6 +21,9 @@
 * ``torch.ops.torchrec_ftrl.triton_repair_offsets``: the WARNING repair of offsets before an eval
   forward (mutates ``warn``).
 
+The ops that run the rule take the knobs as one fp32 tensor (:func:`knob_tensor`) and their
+compile-time flags (:func:`knob_flags`), so no kernel or launch names a knob.
+
 All are ``torch.library.triton_op`` s, so ``torch.compile`` / ``torch.export`` see the Triton kernels
 inside them. Neither synchronises with the host: every buffer is sized from ``indices.numel()`` and
 the number of unique rows never leaves the device. Under ``TRITON_INTERPRET=1`` the same code runs on

@@ -29,16 +29,21 @@ TRITON_PATH = os.path.join(HERE, "triton_rule_gen.py")
 COMMITTED = {CPP_PATH: generate_cpp}     # generated files kept in git (``--check`` reads them)
 
 
+def _read(path: str) -> str | None:
+    """The text of ``path``, or None where there is no such file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
 def write_if_changed(path: str, text: str) -> bool:
     """Write ``text`` to ``path`` unless the file holds it already; True when written. The file is
     replaced in one step (a temporary file renamed over it), so processes importing at once never
     read half a file."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            if f.read() == text:
-                return False
-    except FileNotFoundError:
-        pass
+    if _read(path) == text:
+        return False
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=os.path.basename(path) + ".",
                                suffix=".tmp")
     try:
@@ -60,16 +65,7 @@ def ensure_triton_module() -> None:
 
 def stale() -> list[str]:
     """Paths of the committed generated files whose text differs from the generator's output."""
-    out = []
-    for path, gen in COMMITTED.items():
-        try:
-            with open(path, encoding="utf-8") as f:
-                current = f.read()
-        except FileNotFoundError:
-            current = None
-        if current != gen():
-            out.append(path)
-    return out
+    return [path for path, gen in COMMITTED.items() if _read(path) != gen()]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -49,7 +49,7 @@ from torch import nn
 
 import torchrec_ftrl
 from torchrec_ftrl import FTRLTableBatchedEmbeddingBags
-from torchrec_ftrl.kernels import triton_backend
+from torchrec_ftrl.kernels import calls, triton_backend
 from torchrec_ftrl.row_layout import ACCUMULATORS, WEIGHTS, RowLayout
 from torchrec_ftrl.fbgemm_enums import BoundsCheckMode, ComputeDevice, EmbOptimType, PoolingMode, SparseType
 from torchrec_ftrl.state_dtype import parse_state_dtypes, state_bytes_per_element as _state_bytes
@@ -277,7 +277,7 @@ def tune(T, E, B, L, batches_by_dist, log):
 
 def tune_forward(T, E, B, L, batches_by_dist, log):
     """Sweep of the training forward's launch table ``TUNING["fwd"]`` (elements per step, indices
-    per bag in flight, eviction policy) per weight row size: forward-only time (``forward_train``:
+    per bag in flight, eviction policy) per weight row size: forward-only time (``calls.forward_train``:
     linearise + lookup by row keys), uniform + Zipf summed. Logs the three fastest settings of each
     row size; the table is not changed."""
     base = dict(triton_backend.TUNING["fwd"])
@@ -289,7 +289,7 @@ def tune_forward(T, E, B, L, batches_by_dist, log):
         lists = [[(m._make_batch(i, o, None, None), None) for i, o in b] for b in batches_by_dist.values()]
 
         def fwd(batch, _):
-            return triton_backend.forward_train(m.table_arrays, batch, torch.float32, m.hyperparams)[0]
+            return calls.forward_train(m._backend, m.table_arrays, batch, torch.float32, m.hyperparams)[0]
 
         res = []
         for tile, unroll, ev in itertools.product((1024, 2048, 4096), (1, 2, 4), ("", "evict_last")):

@@ -1,10 +1,9 @@
-"""``torchrec_ftrl.kernels.backend``: every backend module implements the ``Backend`` contract, and
-``resolve_backend`` picks and checks them. (What the backends compute: tests/test_tbe.py for "cpp" and
-"torch", tests/test_tbe_triton.py for "triton".)"""
+"""``torchrec_ftrl.kernels.backend``: every backend is a ``Backend`` record (its ops' ``OpTable``
+and its ``Capabilities``), and ``resolve_backend`` picks and checks them. (What the backends
+compute: tests/test_tbe.py for "cpp" and "torch", tests/test_tbe_triton.py for "triton".)"""
 
+import dataclasses
 import importlib
-import sys
-import types
 
 import pytest
 import torch
@@ -12,39 +11,44 @@ import torch
 from torchrec_ftrl import FTRLTableBatchedEmbeddingBags
 from torchrec_ftrl.kernels import backend as backend_mod
 from torchrec_ftrl.kernels.backend import BACKENDS, Backend, resolve_backend
+from torchrec_ftrl.kernels.capabilities import Capabilities, OpTable
+from torchrec_ftrl.kernels.ops import SCHEMAS
 
-MEMBERS = ("fuses_bounds_check", "count_invalid", "forward", "forward_train", "per_sample_weight_grad",
-           "backward_update_")
+MEMBERS = ("forward", "linearize", "backward_update_", "count_invalid", "repair_offsets")
+MODULES = {"triton": "triton_backend", "cpp": "cpp_backend", "torch": "composite"}
 
 
 @pytest.mark.parametrize("name", BACKENDS)
 def test_backend_modules_implement_the_protocol(name):
     if name == "triton":
         pytest.importorskip("triton")
-    module = importlib.import_module(f"torchrec_ftrl.kernels.{name}_backend")
-    assert isinstance(module, Backend)
+    backend = backend_mod._load(name)
+    assert isinstance(backend, Backend) and backend.name == name
+    assert isinstance(backend.ops, OpTable) and isinstance(backend.capabilities, Capabilities)
     for member in MEMBERS:
-        assert callable(getattr(module, member)), member
+        assert callable(getattr(backend.ops, member)), member
 
 
 def test_protocol_lists_the_members():
-    assert {m for m in vars(Backend) if not m.startswith("_")} == set(MEMBERS)
+    assert tuple(f.name for f in dataclasses.fields(OpTable)) == MEMBERS
+    assert {f"tbe_{m}" for m in MEMBERS} == set(SCHEMAS)           # one entry per op
+    assert tuple(f.name for f in dataclasses.fields(Backend)) == ("name", "ops", "capabilities")
 
-    class Partial:
-        forward = forward_train = staticmethod(lambda *a: None)
-    assert not isinstance(Partial(), Backend)
+    with pytest.raises(TypeError):
+        OpTable(forward=lambda *a: None)
 
 
 @pytest.mark.parametrize("name", ["cpp", "torch"])
 def test_resolve_backend_returns_the_module(name):
-    got, module = resolve_backend(name, torch.device("cpu"))
-    assert got == name and module is importlib.import_module(f"torchrec_ftrl.kernels.{name}_backend")
+    got = resolve_backend(name, torch.device("cpu"))
+    module = importlib.import_module(f"torchrec_ftrl.kernels.{MODULES[name]}")
+    assert got.name == name and got.ops is module.OPS and got.capabilities is module.CAPABILITIES
 
 
 def test_default_cpu_backend_is_cpp():
     m = FTRLTableBatchedEmbeddingBags([(10, 4)])
-    assert m.backend == "cpp"
-    assert resolve_backend(None, torch.device("cpu"))[0] == "cpp"
+    assert m.backend == "cpp" and m._backend.name == "cpp"
+    assert resolve_backend(None, torch.device("cpu")).name == "cpp"
 
 
 def test_bad_backend_names_are_refused():
@@ -54,9 +58,8 @@ def test_bad_backend_names_are_refused():
         resolve_backend("triton", torch.device("cpu"))
 
 
-def test_load_names_missing_members(monkeypatch):
-    fake = types.ModuleType("torchrec_ftrl.kernels.fake_backend")
-    fake.forward = lambda *a: None
-    monkeypatch.setitem(sys.modules, "torchrec_ftrl.kernels.fake_backend", fake)
-    with pytest.raises(TypeError, match=r"does not implement Backend: missing \['CAPABILITIES', 'fuses_bounds_check'"):
-        backend_mod._load("fake")
+def test_load_names_missing_members():
+    """A backend's OpTable names every op: one that lacks some is refused, naming them."""
+    with pytest.raises(TypeError, match=r"missing 4 required positional arguments: 'linearize', "
+                                        r"'backward_update_', 'count_invalid', and 'repair_offsets'"):
+        OpTable(forward=lambda *a: None)

@@ -28,7 +28,7 @@ from reference import reference_knobs  # noqa: E402
 from torchrec_ftrl import FTRLTableBatchedEmbeddingBags  # noqa: E402
 from torchrec_ftrl.fbgemm_enums import (BoundsCheckMode, CacheAlgorithm, ComputeDevice,  # noqa: E402
                                         EmbeddingLocation, PoolingMode, SparseType)
-from torchrec_ftrl.kernels import triton_backend  # noqa: E402
+from torchrec_ftrl.kernels import calls  # noqa: E402
 
 KNOBS = dict(learning_rate=0.05, ftrl_l1_reg=0.002, ftrl_l2_reg=0.01, ftrl_beta=0.3)
 BF16_STATES = {"accum": SparseType.BF16, "linear": SparseType.BF16}
@@ -105,10 +105,10 @@ def test_interp_cached_rows_are_read_and_updated_in_the_cache(interp, pooling, s
     flat_before = [t.clone() for t in (m.weights_dev, m.accum_dev, m.linear_dev)]
     cache_before = (cache_w.clone(), cache_s.clone())
 
-    out, ctx = triton_backend.forward_train(m.table_arrays, batch, torch.float32, m.hyperparams)
+    out, ctx = calls.forward_train(m._backend, m.table_arrays, batch, torch.float32, m.hyperparams)
     g = torch.randn(out.shape, generator=torch.Generator().manual_seed(5))
-    triton_backend.backward_update_(m.table_arrays, batch, ctx, g,
-                                    m.hyperparams, m.nonfinite_grad_rows)
+    calls.backward_update_(m._backend, m.table_arrays, batch, ctx, g,
+                           m.hyperparams, m.nonfinite_grad_rows)
 
     ref = reference_update(logical_w, [a for a, _ in logical_s], [z for _, z in logical_s], fmap,
                            pooling, indices, offsets, g, reference_knobs(m.hyperparams), psw=weights)
@@ -694,11 +694,32 @@ class _FakeRowCache(torch.nn.Module):
         pass
 
 
+def _flat_rows(op):
+    """``op`` (``tbe_forward`` / ``tbe_backward_update_`` of the CPU backend, whose kernels take no
+    cache) for a batch of :class:`_FakeRowCache`: every slot is -1 (asserted), so the rows are read
+    and updated in the flat buffers and the cache arguments (the schemas' last four) are dropped."""
+    def call(*args):
+        locations = args[-4]
+        assert locations is None or bool((locations == -1).all()), "the fake cache holds no row"
+        return op(*args[:-4], None, None, None, None)
+    return call
+
+
+def _fake_cache_backend(backend):
+    """``backend`` (the CPU one) as the TBE's calls see it with :class:`_FakeRowCache`: its layouts
+    run "cached" (``calls`` refuses a cached batch otherwise), the kernels on the flat buffers."""
+    ops = dataclasses.replace(backend.ops, forward=_flat_rows(backend.ops.forward),
+                              backward_update_=_flat_rows(backend.ops.backward_update_))
+    capabilities = dataclasses.replace(backend.capabilities, cached_layouts=backend.capabilities.layouts)
+    return dataclasses.replace(backend, ops=ops, capabilities=capabilities)
+
+
 def _cpu_tbes(lock):
     ref = FTRLTableBatchedEmbeddingBags([(50, 8), (45, 8)], device="cpu", **KNOBS)
     m = FTRLTableBatchedEmbeddingBags([(50, 8), (45, 8)], device="cpu", **KNOBS)
     m.load_state_dict(ref.state_dict())
     m.cache = _FakeRowCache(lock)
+    m._backend = _fake_cache_backend(m._backend)
     m.prefetch_pipeline = lock
     return ref, m
 

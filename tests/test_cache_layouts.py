@@ -2,7 +2,7 @@
 exactly the layout's arrays (no weight for derived weights, one ``accum`` value per slot when
 row-wise), and the kernels read and update a cached row there.
 
-* Interpreter (CI, ``TRITON_INTERPRET=1`` child pytest): the Triton backend's functions on a cache
+* Interpreter (CI, ``TRITON_INTERPRET=1`` child pytest): the Triton backend's ops' calls on a cache
   laid out by hand (FBGEMM's cache ops are CUDA-only), whose unified-memory copies of the cached rows
   hold other values: each step's output and the logical tables (cache copy where cached) against the
   same layout uncached, bit for bit, and against the float64 oracle (``tests/reference.py``, through
@@ -33,7 +33,7 @@ from test_layouts_triton import (LAYOUTS, Case, Tables, backend_stepper, batch_m
 from torchrec_ftrl import FTRLTableBatchedEmbeddingBags  # noqa: E402
 from torchrec_ftrl.fbgemm_enums import (BoundsCheckMode, CacheAlgorithm, ComputeDevice,  # noqa: E402
                                         EmbeddingLocation, SparseType)
-from torchrec_ftrl.kernels import triton_backend  # noqa: E402
+from torchrec_ftrl.kernels import torch_backend, triton_backend  # noqa: E402
 from torchrec_ftrl.kernels.layout import TableArrays  # noqa: E402
 from torchrec_ftrl.row_layout import RowLayout  # noqa: E402
 
@@ -231,9 +231,10 @@ def test_interp_cached_tbe_trains_reads_writes_and_resets_like_uncached(interp, 
 
 @pytest.mark.parametrize("weights,accumulator", LAYOUTS)
 def test_per_sample_weight_gradient_reads_cached_rows(weights, accumulator):
-    """The gradient of trainable per-sample weights (``per_sample_weight_grad``, PyTorch code shared
-    by the Triton backend) reads a cached row's weight in the cache: the weight cache's, or ``prox``
-    of the cached ``linear`` and ``accum``; bit for bit the gradient of the same tables uncached."""
+    """The gradient of trainable per-sample weights (``torch_backend.per_sample_weight_grad``, PyTorch
+    code the TBE runs for every backend, the Triton one included) reads a cached row's weight in the
+    cache: the weight cache's, or ``prox`` of the cached ``linear`` and ``accum``; bit for bit the
+    gradient of the same tables uncached."""
     case = Case(weights, accumulator, psw=True, seed=6)
     geo = Tables(case.specs)
     m = batch_maker(case, "cpu")
@@ -242,8 +243,8 @@ def test_per_sample_weight_gradient_reads_cached_rows(weights, accumulator):
     indices, offsets, psw = random_batch(case, np.random.default_rng(6), "cpu")
     batch = m._make_batch(indices, offsets, psw, None)
     grad = torch.randn(batch.out_numel, generator=torch.Generator().manual_seed(6))
-    got = triton_backend.per_sample_weight_grad(cache.arrays, cache.batch(batch), None, grad, m.hyperparams)
-    want = triton_backend.per_sample_weight_grad(start, batch, None, grad, m.hyperparams)
+    got = torch_backend.per_sample_weight_grad(cache.arrays, cache.batch(batch), grad, m.hyperparams)
+    want = torch_backend.per_sample_weight_grad(start, batch, grad, m.hyperparams)
     assert got.abs().sum() > 0 and torch.equal(bits(got), bits(want))
 
 

@@ -221,17 +221,17 @@ def test_a_replay_reads_the_knobs_of_its_capture():
     for bit as an eager step at that rate does."""
     import gc
 
-    from torchrec_ftrl.kernels import triton_backend
+    from torchrec_ftrl.kernels import knobs
     static = tuple(t.cuda() for t in _batch(0))
     replayed, eager = _tbe(), _tbe()
     graph, _ = _capture(replayed, static)
     key = (id(replayed.hyperparams), replayed.linear_dev.device)
-    captured_knobs = triton_backend._knob_tensors[key]        # made by the warm-up, read by the graph
+    captured_knobs = knobs._knob_tensors[key]        # made by the warm-up, read by the graph
     eager(static[0], static[1]).backward(static[2])            # the warm-up step of _capture
     with pytest.warns(UserWarning, match="capture the step again"):
         replayed.set_learning_rate(0.9)
     gc.collect()
-    assert triton_backend._knob_tensors.get(key) is captured_knobs     # kept with its hyper-parameters
+    assert knobs._knob_tensors.get(key) is captured_knobs     # kept with its hyper-parameters
     graph.replay()
     eager(static[0], static[1]).backward(static[2])            # at the captured learning rate
     torch.cuda.synchronize()

@@ -1,9 +1,9 @@
 """The compiled CPU kernel ("cpp") in every row layout (stored / derived weights, element-wise /
-row-wise ``accum``, each state fp32 or bf16), called through its backend functions on
-:class:`~torchrec_ftrl.kernels.layout.TableArrays` allocated here: against the float64 oracle
-(``tests/reference.py``) step by step, against the PyTorch backend over several steps, derived
-weights bit for bit against stored ones from a zero start, and bf16 states bit for bit against
-the PyTorch backend wherever the two backends' fp32 updates agree.
+row-wise ``accum``, each state fp32 or bf16), called through the ops' calls
+(:mod:`torchrec_ftrl.kernels.calls`) on :class:`~torchrec_ftrl.kernels.layout.TableArrays` allocated
+here: against the float64 oracle (``tests/reference.py``) step by step, against the PyTorch backend
+over several steps, derived weights bit for bit against stored ones from a zero start, and bf16
+states bit for bit against the PyTorch backend wherever the two backends' fp32 updates agree.
 
 The two backends' fp32 arithmetic is not bitwise the same: torch's CPU fp32 ``sqrt`` is not
 correctly rounded for about 16% of the inputs (the C++ kernel's is), and the gradient sums of
@@ -25,7 +25,7 @@ import torch
 
 from torchrec_ftrl import FTRLTableBatchedEmbeddingBags
 from torchrec_ftrl.fbgemm_enums import PoolingMode, SparseType
-from torchrec_ftrl.kernels import cpp_backend, torch_backend
+from torchrec_ftrl.kernels import backend, calls, cpp_backend, torch_backend
 from torchrec_ftrl.kernels.layout import TableArrays
 from torchrec_ftrl.state_dtype import store_state
 
@@ -116,11 +116,27 @@ def _grad(m, inputs, out_numel, dtype=F32, seed=0):
     return g.to(dtype)
 
 
-def _step(backend, arrays, m, inputs, grad):
+def _forward(kernels, arrays, batch, out_dtype, hp):
+    """The lookup of ``kernels``: ``cpp_backend`` through the ops' calls (the compiled kernel),
+    ``torch_backend`` its vectorised function."""
+    if kernels is torch_backend:
+        return torch_backend.forward(arrays, batch, out_dtype, hp)
+    return calls.forward(backend._load("cpp"), arrays, batch, out_dtype, hp)
+
+
+def _backward_update_(kernels, arrays, batch, grad, hp, nonfinite_rows):
+    """The fused update of ``kernels`` (see :func:`_forward`), no training forward's context."""
+    if kernels is torch_backend:
+        torch_backend.backward_update_(arrays, batch, grad, hp, nonfinite_rows)
+    else:
+        calls.backward_update_(backend._load("cpp"), arrays, batch, None, grad, hp, nonfinite_rows)
+
+
+def _step(kernels, arrays, m, inputs, grad):
     """Forward, then the fused update; returns (fp32 output, rows skipped as non-finite)."""
-    out = backend.forward(arrays, inputs.batch, F32, m.hyperparams)
+    out = _forward(kernels, arrays, inputs.batch, F32, m.hyperparams)
     skipped = torch.zeros(1, dtype=torch.int64)
-    backend.backward_update_(arrays, inputs.batch, None, grad, m.hyperparams, skipped)
+    _backward_update_(kernels, arrays, inputs.batch, grad, m.hyperparams, skipped)
     return out, int(skipped)
 
 
@@ -260,14 +276,14 @@ def test_half_outputs_and_gradients_match_the_torch_backend(layout, out_dtype):
     ours = _arrays(layout, STATES["fp32"], SPECS)
     theirs = _clone(ours)
     inputs = _inputs(m, "vbe", 0)
-    outs = [b.forward(a, inputs.batch, out_dtype, m.hyperparams) for b, a in
+    outs = [_forward(b, a, inputs.batch, out_dtype, m.hyperparams) for b, a in
             ((cpp_backend, ours), (torch_backend, theirs))]
     assert outs[0].dtype == out_dtype
     torch.testing.assert_close(outs[0], outs[1])
     grad = _grad(m, inputs, inputs.batch.out_numel, dtype=out_dtype)
-    for backend, arrays in ((cpp_backend, ours), (torch_backend, theirs)):
-        backend.backward_update_(arrays, inputs.batch, None, grad, m.hyperparams,
-                                 torch.zeros(1, dtype=torch.int64))
+    for kernels, arrays in ((cpp_backend, ours), (torch_backend, theirs)):
+        _backward_update_(kernels, arrays, inputs.batch, grad, m.hyperparams,
+                          torch.zeros(1, dtype=torch.int64))
     for name in ("weights", "accum", "linear"):
         if getattr(ours, name) is not None:
             torch.testing.assert_close(getattr(ours, name), getattr(theirs, name), rtol=2e-5, atol=1e-6)
@@ -320,7 +336,7 @@ def _kernel_weights(arrays, hp, specs):
     idx = torch.cat([torch.arange(r) for r, _ in specs])
     lengths = [int(b < r) for r, _ in specs for b in range(R)]
     batch = m._make_batch(idx, torch.tensor([0] + np.cumsum(lengths).tolist()), None, None)
-    out = cpp_backend.forward(arrays, batch, F32, hp).view(R, -1)
+    out = _forward(cpp_backend, arrays, batch, F32, hp).view(R, -1)
     cols = np.cumsum([0] + [d for _, d in specs])
     return [out[:r, cols[t]:cols[t + 1]] for t, (r, _) in enumerate(specs)]
 
@@ -359,7 +375,7 @@ def test_derived_weights_train_bitwise_as_stored_ones(accumulator, case, knobs):
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids="-".join)
 def test_tbe_trains_every_layout_on_the_cpp_backend(layout):
-    """The TBE allocates the layout and its cpp backend trains it as the backend functions do."""
+    """The TBE allocates the layout and its cpp backend trains it as the ops' calls do."""
     weights, accumulator = layout
     m = FTRLTableBatchedEmbeddingBags(list(SPECS), feature_table_map=list(FMAP), backend="cpp",
                                       ftrl_weights=weights, ftrl_accumulator=accumulator,
@@ -377,11 +393,11 @@ def test_tbe_trains_every_layout_on_the_cpp_backend(layout):
         out = m(inputs.indices, inputs.offsets, inputs.psw)
         grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(step))
         batch = dataclasses.replace(inputs.batch, step=m.iter.clone())
-        want = cpp_backend.forward(twin, batch, F32, m.hyperparams)
+        want = _forward(cpp_backend, twin, batch, F32, m.hyperparams)
         assert torch.equal(bits(out.reshape(-1)), bits(want))
         out.backward(grad)
-        cpp_backend.backward_update_(twin, batch, None, grad.reshape(-1), m.hyperparams,
-                                     torch.zeros(1, dtype=torch.int64))
+        _backward_update_(cpp_backend, twin, batch, grad.reshape(-1), m.hyperparams,
+                          torch.zeros(1, dtype=torch.int64))
     for name in ("weights", "accum", "linear"):
         if getattr(twin, name) is not None:
             assert torch.equal(bits(getattr(m.table_arrays, name)), bits(getattr(twin, name))), name
@@ -399,10 +415,10 @@ def test_arrays_that_do_not_match_the_layout_are_refused_unchanged():
     wrong = dataclasses.replace(arrays, rowwise=True)
     with pytest.raises(RuntimeError, match=rf"a row-wise accum must have one element per row \({rows}\), "
                                            rf"got {total}"):
-        cpp_backend.backward_update_(wrong, inputs.batch, None, grad, m.hyperparams,
-                                     torch.zeros(1, dtype=torch.int64))
+        _backward_update_(cpp_backend, wrong, inputs.batch, grad, m.hyperparams,
+                          torch.zeros(1, dtype=torch.int64))
     short = dataclasses.replace(arrays, weights=torch.zeros(total - 1))
     with pytest.raises(RuntimeError,
                        match=rf"weights must have as many elements as linear \({total}\), got {total - 1}"):
-        cpp_backend.forward(short, inputs.batch, F32, m.hyperparams)
+        _forward(cpp_backend, short, inputs.batch, F32, m.hyperparams)
     assert torch.equal(before[0], bits(arrays.accum)) and torch.equal(before[1], bits(arrays.linear))

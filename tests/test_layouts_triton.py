@@ -1,9 +1,10 @@
 """The row layouts in the Triton kernels: derived weights and the row-wise accumulator.
 
 Every ``(weights, accumulator)`` layout of :class:`torchrec_ftrl.row_layout.RowLayout`, each with fp32
-or bf16 ``accum`` / ``linear``, through the Triton backend's functions (``forward_train``,
-``backward_update_``) on :class:`~torchrec_ftrl.kernels.layout.TableArrays` allocated here and batches
-made by a TBE (``_make_batch``), over several steps. Expected values:
+or bf16 ``accum`` / ``linear``, through the ops' calls of the Triton backend
+(:mod:`torchrec_ftrl.kernels.calls`: ``forward_train``, ``backward_update_``) on
+:class:`~torchrec_ftrl.kernels.layout.TableArrays` allocated here and batches made by a TBE
+(``_make_batch``), over several steps. Expected values:
 
 * the float64 oracle, transcribed from ``docs/ftrl.md`` in ``tests/reference.py``
   (``ftrl_reference_weight``, ``ftrl_reference_step``, ``ftrl_reference_step_rowwise``), with the
@@ -39,7 +40,7 @@ from reference import (ftrl_reference_step, ftrl_reference_step_rowwise,  # noqa
 from tbe_harness import bf16_spacing  # noqa: E402
 from torchrec_ftrl import FTRLTableBatchedEmbeddingBags  # noqa: E402
 from torchrec_ftrl.fbgemm_enums import BoundsCheckMode, PoolingMode  # noqa: E402
-from torchrec_ftrl.kernels import torch_backend, triton_backend  # noqa: E402
+from torchrec_ftrl.kernels import backend, calls, torch_backend, triton_backend  # noqa: E402
 from torchrec_ftrl.kernels.layout import TableArrays  # noqa: E402
 
 KNOBS = dict(learning_rate=0.05, ftrl_l1_reg=0.002, ftrl_l2_reg=0.01, ftrl_beta=0.3)
@@ -142,11 +143,19 @@ def copy_arrays(a: TableArrays, device=None) -> TableArrays:
     return TableArrays(None if a.weights is None else c(a.weights), c(a.accum), c(a.linear), a.rowwise)
 
 
-def run_step(backend, arrays: TableArrays, batch, grad: torch.Tensor, hp, out_dtype) -> tuple:
-    """One training step through ``backend``'s functions: ``(out, nonfinite rows counted)``."""
-    out, ctx = backend.forward_train(arrays, batch, out_dtype, hp)
+def run_step(kernels, arrays: TableArrays, batch, grad: torch.Tensor, hp, out_dtype) -> tuple:
+    """One training step through ``kernels``: ``triton_backend`` by the ops' calls
+    (``calls.forward_train``, then ``calls.backward_update_`` with its context), ``torch_backend`` by
+    its vectorised functions; ``(out, nonfinite rows counted)``."""
+    if kernels is torch_backend:
+        out = torch_backend.forward(arrays, batch, out_dtype, hp)
+    else:
+        out, ctx = calls.forward_train(backend._load("triton"), arrays, batch, out_dtype, hp)
     count = torch.zeros(1, dtype=torch.int64, device=out.device)
-    backend.backward_update_(arrays, batch, ctx, grad.to(out.device), hp, count)
+    if kernels is torch_backend:
+        torch_backend.backward_update_(arrays, batch, grad.to(out.device), hp, count)
+    else:
+        calls.backward_update_(backend._load("triton"), arrays, batch, ctx, grad.to(out.device), hp, count)
     return out, int(count)
 
 
@@ -246,13 +255,13 @@ def out_tol(case: Case) -> dict:
     return dict(rtol=1.6e-2, atol=2e-3) if low else dict(rtol=5e-5, atol=1e-5)
 
 
-def backend_stepper(backend, arrays: TableArrays, hp, case: Case):
+def backend_stepper(kernels, arrays: TableArrays, hp, case: Case):
     """``(arrays, step(batch, grad, k) -> (flat out, rows counted))``: training steps through
-    ``backend``'s functions on ``arrays``, bf16 states rounded with step ``7 + k``."""
+    ``kernels`` (:func:`run_step`) on ``arrays``, bf16 states rounded with step ``7 + k``."""
     def step(batch, grad, k):
         batch = dataclasses.replace(batch, step=torch.tensor([7 + k], dtype=torch.int64,
                                                              device=arrays.linear.device))
-        return run_step(backend, arrays, batch, grad, hp, case.out_dtype)
+        return run_step(kernels, arrays, batch, grad, hp, case.out_dtype)
     return arrays, step
 
 
@@ -369,7 +378,7 @@ def every_row_reader(case: Case, device):
     cols = np.concatenate([[0], np.cumsum([d for _, d in case.specs])])
 
     def read(arrays: TableArrays, hp) -> list:
-        out = triton_backend.forward(arrays, batch, torch.float32, hp).view(B, -1).cpu()
+        out = calls.forward(backend._load("triton"), arrays, batch, torch.float32, hp).view(B, -1).cpu()
         return [out[:r, cols[t]:cols[t + 1]] for t, (r, _) in enumerate(case.specs)]
     return read
 
@@ -502,11 +511,12 @@ def test_layout_outside_the_cached_capabilities_refused_with_a_cached_batch(monk
     batch = dataclasses.replace(m._make_batch(indices, offsets, None, None),
                                 cache_locations=torch.full((indices.numel(),), -1, dtype=torch.int32))
     grad = torch.ones(batch.out_numel)
-    calls = [lambda: triton_backend.forward(arrays, batch, torch.float32, m.hyperparams),
-             lambda: triton_backend.forward_train(arrays, batch, torch.float32, m.hyperparams),
-             lambda: triton_backend.backward_update_(arrays, batch, None, grad, m.hyperparams,
-                                                     torch.zeros(1, dtype=torch.int64))]
-    for call in calls:
+    triton = backend._load("triton")    # after the monkeypatch: its capabilities are the narrowed ones
+    attempts = [lambda: calls.forward(triton, arrays, batch, torch.float32, m.hyperparams),
+                lambda: calls.forward_train(triton, arrays, batch, torch.float32, m.hyperparams),
+                lambda: calls.backward_update_(triton, arrays, batch, None, grad, m.hyperparams,
+                                               torch.zeros(1, dtype=torch.int64))]
+    for call in attempts:
         with pytest.raises(ValueError, match=f"ftrl_weights='{weights}', ftrl_accumulator='{accumulator}'"):
             call()
     for name in ("weights", "accum", "linear"):

@@ -13,7 +13,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from conftest import REPO, cuda, needs_cuda, reference_update
 from torchrec_ftrl.fbgemm_enums import PoolingMode
+from torchrec_ftrl.hyperparams import KernelScalars
 from torchrec_ftrl.kernels import cpp_backend, cpu_build
+from torchrec_ftrl.kernels.knobs import knob_args
 from torchrec_ftrl.kernels.layout import POOL_SUM
 
 ops = torch.ops.torchrec_ftrl
@@ -41,14 +43,24 @@ def _kernel_knobs():
                 shrink2=0.0)
 
 
+def _knob_args(device):
+    """The ops' knob arguments ``(knobs, pow_half, has_shrink)`` of :func:`_kernel_knobs`."""
+    return knob_args(KernelScalars(**_kernel_knobs()).to_hyperparams(), device)
+
+
+def _batch_args(layout):
+    """The ops' batch arguments (plain SUM bags, no per-sample weights)."""
+    return (layout["table_w_offset"], layout["table_dim"], torch.tensor(ROWS), torch.tensor([0, ROWS[0]]),
+            layout["feature_table"], layout["bag_feature"], layout["bag_out_offset"], layout["indices"],
+            layout["offsets"], None, POOL_SUM, max(DIMS), DIMS, sum(ROWS))
+
+
 def _forward_args(weights, layout, out_dtype=torch.float32, accum=None, linear=None, rowwise=False):
     """Stored ``weights``, or derived ones (``weights`` None) from ``accum`` and ``linear``."""
     if weights is not None:
         accum = linear = torch.zeros_like(weights)
-    return (weights, accum, linear, rowwise, layout["table_w_offset"], layout["table_dim"],
-            layout["feature_table"], layout["bag_feature"], layout["bag_out_offset"], layout["indices"],
-            layout["offsets"], None, POOL_SUM, max(DIMS), torch.tensor([0, ROWS[0]]),
-            *_kernel_knobs().values(), 24, out_dtype)
+    return (weights, accum, linear, rowwise, *_batch_args(layout), *_knob_args(linear.device), 24, out_dtype,
+            None, None, None, None, None, None)
 
 
 def _tables(seed=0):
@@ -57,10 +69,9 @@ def _tables(seed=0):
 
 
 def _update_args(weights, accum, linear, layout, grad_out, nonfinite, rowwise=False, step=0):
-    return (weights, accum, linear, rowwise, layout["table_w_offset"], layout["table_dim"],
-            torch.tensor(ROWS), layout["feature_table"], layout["bag_feature"], layout["bag_out_offset"],
-            layout["indices"], layout["offsets"], None, POOL_SUM, max(DIMS), grad_out,
-            *_kernel_knobs().values(), nonfinite, step)
+    return (weights, accum, linear, rowwise, *_batch_args(layout), grad_out, *_knob_args(linear.device),
+            nonfinite, torch.tensor([step], device=linear.device), False, None, None, None, None, None, None,
+            None, None)
 
 
 def test_forward_and_update_match_the_float64_reference():

@@ -17,7 +17,9 @@ from conftest import REPO, assert_same_bits, bits, reference_forward, tbe_state
 from reference import ftrl_reference_step, ftrl_reference_step_rowwise, ftrl_reference_weight
 from torchrec_ftrl import FTRLTableBatchedEmbeddingBags
 from torchrec_ftrl.fbgemm_enums import PoolingMode, SparseType
+from torchrec_ftrl.hyperparams import KernelScalars
 from torchrec_ftrl.kernels import composite, cpp_backend
+from torchrec_ftrl.kernels.knobs import knob_args
 from torchrec_ftrl.kernels.ops import NAMESPACE
 
 ops = torch.ops.torchrec_ftrl
@@ -62,16 +64,26 @@ def _state(layout) -> tuple:
     return weights, accum, linear
 
 
-def _forward_args(state, layout, b, out_dtype=torch.float32):
-    return (*state, layout[1] == "rowwise", b["table_w_offset"], b["table_dim"], b["feature_table"],
+def _knob_args(device):
+    """The ops' knob arguments ``(knobs, pow_half, has_shrink)`` of :data:`SCALARS` on ``device``."""
+    return knob_args(KernelScalars(*SCALARS).to_hyperparams(), device)
+
+
+def _batch_args(b):
+    return (b["table_w_offset"], b["table_dim"], b["table_rows"], b["table_row_base"], b["feature_table"],
             b["bag_feature"], b["bag_out_offset"], b["indices"], b["offsets"], b["per_sample_weights"],
-            b["pooling_mode"], MAX_D, b["table_row_base"], *SCALARS, b["out_numel"], out_dtype)
+            b["pooling_mode"], MAX_D, DIMS, sum(ROWS))
+
+
+def _forward_args(state, layout, b, out_dtype=torch.float32):
+    return (*state, layout[1] == "rowwise", *_batch_args(b), *_knob_args(state[2].device), b["out_numel"],
+            out_dtype, None, None, None, None, None, None)
 
 
 def _update_args(state, layout, b, grad_out, nonfinite, step=0):
-    return (*state, layout[1] == "rowwise", b["table_w_offset"], b["table_dim"], b["table_rows"],
-            b["feature_table"], b["bag_feature"], b["bag_out_offset"], b["indices"], b["offsets"],
-            b["per_sample_weights"], b["pooling_mode"], MAX_D, grad_out, *SCALARS, nonfinite, step)
+    step = torch.tensor([step], device=b["indices"].device)
+    return (*state, layout[1] == "rowwise", *_batch_args(b), grad_out, *_knob_args(state[2].device),
+            nonfinite, step, False, None, None, None, None, None, None, None, None)
 
 
 def _grad_out(b) -> torch.Tensor:
@@ -247,7 +259,8 @@ def test_bad_knob_is_refused_by_name():
     layout = ("stored", "elementwise")
     b = _batch(PoolingMode.SUM, False)
     args = list(_forward_args(_state(layout), layout, b))
-    args[15] = 0.0                                 # lr
+    args[18] = args[18].clone()                    # the knob tensor
+    args[18][0] = 0.0                              # lr
     with pytest.raises(ValueError, match=r"learning_rate \(lr\) must be > 0"):
         _by_composite(ops.tbe_forward.default, *args)
 

@@ -19,12 +19,14 @@ from torchrec_ftrl.fbgemm_enums import PoolingMode
 
 pytest.importorskip("triton")
 
+CUDA = torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA)
+
 
 def _by_triton(op, *args):
-    """The op's CUDA implementation (the Triton backend), called directly: CPU tensors run it under
-    the interpreter."""
-    from torchrec_ftrl.kernels import cuda_impls
-    return getattr(cuda_impls, op._schema.name.split("::")[1])(*args)
+    """The op's CUDA implementation (the Triton backend, registered by ``cuda_impls``), called
+    directly through its dispatch key, whatever the tensors' device: CPU tensors run it under the
+    interpreter."""
+    return op.redispatch(CUDA, *args)
 
 
 @interpreter_parent
@@ -70,7 +72,7 @@ def test_interp_cuda_impls_run_the_triton_backend(interp, monkeypatch):
     backend's)."""
     from torchrec_ftrl.kernels import torch_backend, triton_backend
     calls = []
-    for module, name in ((triton_backend, "forward"), (triton_backend, "backward_update_"),
+    for module, name in ((triton_backend, "tbe_forward"), (triton_backend, "tbe_backward_update_"),
                          (torch_backend, "forward"), (torch_backend, "backward_update_")):
         def spy(*args, _f=getattr(module, name), _key=f"{module.__name__.rsplit('.', 1)[1]}.{name}"):
             calls.append(_key)
@@ -78,7 +80,7 @@ def test_interp_cuda_impls_run_the_triton_backend(interp, monkeypatch):
         monkeypatch.setattr(module, name, spy)
     layout = ("derived", "rowwise")
     _train(_state(layout), layout, _batch(PoolingMode.SUM, False), _by_triton)
-    assert calls == ["triton_backend.forward", "triton_backend.backward_update_"]
+    assert calls == ["triton_backend.tbe_forward", "triton_backend.tbe_backward_update_"]
 
 
 @cuda
@@ -108,23 +110,23 @@ def test_knob_tensor_holds_the_knobs_while_its_hyperparams_live():
     import gc
 
     from torchrec_ftrl.hyperparams import FTRLHyperparams
-    from torchrec_ftrl.kernels import triton_backend
+    from torchrec_ftrl.kernels import knobs as knobs_module
 
     hp = FTRLHyperparams(learning_rate=0.05, learning_rate_power=-0.3, l1_reg=0.01, l2_reg=0.002,
                          beta=1.5, l2_shrinkage=0.004)           # l2 as tensorflow: 2 * l2_reg
     expected = torch.tensor([0.05, 0.3, 0.01, 2 * 0.002, 1.5, 2 * 0.004], dtype=torch.float64)
-    knobs = triton_backend.knob_tensor(hp, torch.device("cpu"))
+    knobs = knobs_module.knob_tensor(hp, torch.device("cpu"))
     assert knobs.dtype == torch.float32 and bits(knobs).equal(bits(expected.float()))
-    assert triton_backend.knob_tensor(hp, torch.device("cpu")) is knobs       # built once
+    assert knobs_module.knob_tensor(hp, torch.device("cpu")) is knobs       # built once
     twin = FTRLHyperparams(**{f: getattr(hp, f) for f in hp.__dataclass_fields__})
-    assert triton_backend.knob_tensor(twin, torch.device("cpu")) is not knobs  # per object
-    assert triton_backend.knob_flags(hp) == (False, True)
-    assert triton_backend.knob_flags(FTRLHyperparams(learning_rate=0.1)) == (True, False)
+    assert knobs_module.knob_tensor(twin, torch.device("cpu")) is not knobs  # per object
+    assert knobs_module.knob_flags(hp) == (False, True)
+    assert knobs_module.knob_flags(FTRLHyperparams(learning_rate=0.1)) == (True, False)
     key = (id(hp), torch.device("cpu"))
-    assert key in triton_backend._knob_tensors
+    assert key in knobs_module._knob_tensors
     del hp
     gc.collect()
-    assert key not in triton_backend._knob_tensors
+    assert key not in knobs_module._knob_tensors
 
 
 def test_knob_tensor_made_under_capture_is_not_cached(monkeypatch):
@@ -132,16 +134,16 @@ def test_knob_tensor_made_under_capture_is_not_cached(monkeypatch):
     replay), so that tensor never serves a later eager use: the next eager call builds its own.
     (Capture is stood in for on the CPU, where the fills run at once.)"""
     from torchrec_ftrl.hyperparams import FTRLHyperparams
-    from torchrec_ftrl.kernels import triton_backend
+    from torchrec_ftrl.kernels import knobs as knobs_module
 
     hp = FTRLHyperparams(learning_rate=0.25, l1_reg=0.5)
-    monkeypatch.setattr(triton_backend, "_capturing", lambda device: True)
-    captured = triton_backend.knob_tensor(hp, torch.device("cpu"))
-    assert (id(hp), torch.device("cpu")) not in triton_backend._knob_tensors
+    monkeypatch.setattr(knobs_module, "capturing", lambda device: True)
+    captured = knobs_module.knob_tensor(hp, torch.device("cpu"))
+    assert (id(hp), torch.device("cpu")) not in knobs_module._knob_tensors
     assert captured.tolist() == [0.25, 0.5, 0.5, 0.0, 0.0, 0.0]      # lr, -p, l1, l2, beta, 2 s
-    monkeypatch.setattr(triton_backend, "_capturing", lambda device: False)
-    eager = triton_backend.knob_tensor(hp, torch.device("cpu"))
-    assert eager is not captured and (id(hp), torch.device("cpu")) in triton_backend._knob_tensors
+    monkeypatch.setattr(knobs_module, "capturing", lambda device: False)
+    eager = knobs_module.knob_tensor(hp, torch.device("cpu"))
+    assert eager is not captured and (id(hp), torch.device("cpu")) in knobs_module._knob_tensors
 
 
 def test_setting_the_same_knobs_keeps_the_hyperparameter_object():

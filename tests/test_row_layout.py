@@ -46,21 +46,21 @@ def test_kernel_layouts():
 
 def test_tbe_takes_the_layout_and_refuses_what_its_kernels_lack():
     from torchrec_ftrl import FTRLTableBatchedEmbeddingBags
-    from torchrec_ftrl.kernels import torch_backend
+    from torchrec_ftrl.kernels import composite   # the "torch" backend's OPS and CAPABILITIES
     from torchrec_ftrl.kernels.capabilities import Capabilities
     tbe = FTRLTableBatchedEmbeddingBags([(10, 4)], optimizer_state_dtypes={"accum": BF16}, backend="torch")
     assert tbe.row_layout == RowLayout(accum_dtype=BF16)
     with pytest.raises(ValueError, match=r"^FTRLTableBatchedEmbeddingBags\(\.\.\.\): ftrl_weights must be one "
                                          r"of \('stored', 'derived'\), got 'bogus'$"):
         FTRLTableBatchedEmbeddingBags([(10, 4)], ftrl_weights="bogus", backend="torch")
-    original = torch_backend.CAPABILITIES
+    original = composite.CAPABILITIES
     try:   # a backend that declares only the default layout refuses the others before allocating
-        torch_backend.CAPABILITIES = Capabilities()
+        composite.CAPABILITIES = Capabilities()
         with pytest.raises(ValueError, match=r"^FTRLTableBatchedEmbeddingBags\(\.\.\.\): the torch backend "
                                              r"implements .*got ftrl_weights='stored', ftrl_accumulator='rowwise'$"):
             FTRLTableBatchedEmbeddingBags([(10, 4)], ftrl_accumulator="rowwise", backend="torch")
     finally:
-        torch_backend.CAPABILITIES = original
+        composite.CAPABILITIES = original
 
 
 def test_fused_params_layout_is_checked_by_the_sharders_before_any_kernel():

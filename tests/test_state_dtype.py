@@ -351,15 +351,18 @@ def test_tbe_state_dtype_surface():
 
 
 def test_backends_refuse_bf16_state_without_a_step():
-    from torchrec_ftrl.kernels import cpp_backend, torch_backend
+    from torchrec_ftrl.kernels import backend, calls, torch_backend
     m = _tbe_module("torch", STATES["linear"])
     idx, off = torch.tensor([1, 2]), torch.tensor([0, 1, 2, 2, 2, 2, 2, 2, 2, 2])
     batch = dataclasses.replace(m._make_batch(idx, off, None, None), step=None)
     g = torch.ones(3 * m.total_D)
-    for backend in (torch_backend, cpp_backend):
+    updates = [lambda: torch_backend.backward_update_(m.table_arrays, batch, g, m.hyperparams,
+                                                      m.nonfinite_grad_rows),
+               lambda: calls.backward_update_(backend._load("cpp"), m.table_arrays, batch, None, g,
+                                              m.hyperparams, m.nonfinite_grad_rows)]
+    for update in updates:
         with pytest.raises(ValueError, match="step"):
-            backend.backward_update_(m.table_arrays, batch, None, g,
-                                     m.hyperparams, m.nonfinite_grad_rows)
+            update()
 
 
 # ------------------------------------------------------------------ Triton under the interpreter
@@ -403,7 +406,7 @@ def test_interp_cached_rows_with_bf16_state_match_the_flat_update(interp, states
     an fp32 state) copies of the same rows: after one step the cached copies equal, bit for bit,
     the same rows of a twin updated in its flat buffers (the same kernels, same rounding keys), and
     the flat copies of cached rows are untouched."""
-    from torchrec_ftrl.kernels import triton_backend
+    from torchrec_ftrl.kernels import calls
     cached, flat = (_tbe_module("triton", STATES[states]) for _ in range(2))
     for m in (cached, flat):
         _train(m, _batches(1, seed=9))                       # non-trivial states (iter 1)
@@ -429,10 +432,11 @@ def test_interp_cached_rows_with_bf16_state_match_the_flat_update(interp, states
     loc = torch.tensor([slot_of.get(k, -1) for k in keys], dtype=torch.int32)
     batch = dataclasses.replace(batch, cache_locations=loc, cache_weights=cw, cache_states=(cn, cz))
     flat_before = [t.clone() for t in (cached.weights_dev, cached.accum_dev, cached.linear_dev)]
-    out, ctx = triton_backend.forward_train(cached.table_arrays, batch, torch.float32, cached.hyperparams)
+    out, ctx = calls.forward_train(cached._backend, cached.table_arrays, batch, torch.float32,
+                                   cached.hyperparams)
     g = torch.randn(out.shape, generator=torch.Generator().manual_seed(g_seed)).reshape(-1)
-    triton_backend.backward_update_(cached.table_arrays, batch,
-                                    ctx, g, cached.hyperparams, cached.nonfinite_grad_rows)
+    calls.backward_update_(cached._backend, cached.table_arrays, batch,
+                           ctx, g, cached.hyperparams, cached.nonfinite_grad_rows)
     out_flat = flat(idx, off)
     out_flat.backward(g.view(out_flat.shape))                # flat.iter was 1 too: same step
     for k, s in slot_of.items():

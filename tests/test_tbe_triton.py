@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import INTERP, cuda, interpreter_parent, needs_cuda, reference_update, run_interpreter_suite
+from conftest import cuda, interpreter_parent, needs_cuda, reference_update, run_interpreter_suite
 
 pytest.importorskip("triton")
 
@@ -26,7 +26,8 @@ import tbe_harness as H  # noqa: E402
 from reference import reference_knobs  # noqa: E402
 from torchrec_ftrl import FTRLTableBatchedEmbeddingBags  # noqa: E402
 from torchrec_ftrl.fbgemm_enums import BoundsCheckMode, PoolingMode, SparseType  # noqa: E402
-from torchrec_ftrl.kernels import triton_backend  # noqa: E402
+from torchrec_ftrl.kernels import calls, triton_backend  # noqa: E402
+from torchrec_ftrl.kernels.knobs import knob_args  # noqa: E402
 
 KNOBS = dict(learning_rate=0.05, ftrl_l1_reg=0.002, ftrl_l2_reg=0.01, ftrl_beta=0.3)
 
@@ -282,7 +283,7 @@ def test_interp_eval_forward_matches_training_forward(interp):
 
 @pytest.mark.parametrize("pooling", [PoolingMode.SUM, PoolingMode.MEAN])
 def test_interp_backward_without_training_forward(interp, pooling):
-    """``backward_update_`` on a batch that the training forward did not linearise (it linearises
+    """``calls.backward_update_`` on a batch that the training forward did not linearise (it linearises
     itself, without counting bad indices again) updates the states exactly as the training path."""
     specs, fmap = [(9, 4), (5, 6)], [0, 1, 0]
     case = make_case(44, specs=specs, fmap=fmap, B=5, pooling=pooling, hot=True)
@@ -293,13 +294,13 @@ def test_interp_backward_without_training_forward(interp, pooling):
     for m, train in zip(mods, (True, False)):
         b = m._make_batch(idx, case["offsets"], None, None)
         if train:
-            out, ctx = triton_backend.forward_train(m.table_arrays, b, torch.float32, m.hyperparams)
-            assert isinstance(ctx, triton_backend.TritonContext) and len(ctx.linearized) == 4
+            out, ctx = calls.forward_train(m._backend, m.table_arrays, b, torch.float32, m.hyperparams)
+            assert isinstance(ctx, calls.Linearized) and len(ctx.lin) == 4
         else:
-            out, ctx = triton_backend.forward(m.table_arrays, b, torch.float32, m.hyperparams), None
+            out, ctx = calls.forward(m._backend, m.table_arrays, b, torch.float32, m.hyperparams), None
         g = torch.cos(out.double() * 3).float()
-        triton_backend.backward_update_(m.table_arrays, b, ctx, g,
-                                        m.hyperparams, m.nonfinite_grad_rows)
+        calls.backward_update_(m._backend, m.table_arrays, b, ctx, g,
+                               m.hyperparams, m.nonfinite_grad_rows)
         outs.append(out)
         assert int(m.bounds_check_warning) == 2
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
@@ -370,7 +371,7 @@ def test_interp_repair_offsets_matches_cummax(interp, monkeypatch, n, bags_per_t
     N = 50
     off = rng.randint(-10, N + 10, n)
     warn = torch.zeros(1, dtype=torch.int64)
-    fixed = triton_backend.repair_offsets(torch.tensor(off), N, warn)
+    fixed = triton_backend.tbe_repair_offsets(torch.tensor(off), warn, N)
     exp = np.maximum.accumulate(np.clip(off, 0, N))
     exp[-1] = N
     exp[0] = 0                                   # zero bags: offsets [x] become [0]
@@ -535,10 +536,10 @@ def test_interp_linearize_repairs_offsets(interp, monkeypatch, num_bags, bags_pe
     warn = torch.zeros(1, dtype=torch.int64)
     bag_feature = torch.zeros(num_bags, dtype=torch.int64)
     zeros = torch.zeros(1, dtype=torch.int64)
-    key, gofs, _, _, fixed = triton_backend._linearize_impl(
-        idx, torch.tensor(off), bag_feature, torch.arange(num_bags) * 4, zeros, zeros,
-        torch.tensor([5]), warn, True, True, True, None, int(PoolingMode.SUM), 4, 5, num_bags * 4,
-        True)
+    # one table of 5 rows x 4 (table_w_offset, table_dim, table_rows, table_row_base, feature_table)
+    key, gofs, _, _, fixed = triton_backend.tbe_linearize(
+        zeros, torch.tensor([4]), torch.tensor([5]), zeros, zeros, bag_feature, torch.arange(num_bags) * 4,
+        idx, torch.tensor(off), None, int(PoolingMode.SUM), 4, (4,), 5, num_bags * 4, warn)
     exp = np.maximum.accumulate(np.clip(off, 0, N))
     exp[0], exp[-1] = 0, N
     assert fixed.tolist() == exp.tolist()
@@ -583,19 +584,17 @@ def test_interp_empty_batch_changes_nothing(interp):
 
 
 def test_ops_registered():
-    assert hasattr(torch.ops.torchrec_ftrl, "triton_tbe_forward")
-    for op, want in (("triton_tbe_forward", {"warn"}), ("triton_repair_offsets", {"warn"})):
+    """The unified ops whose CUDA kernels are the Triton functions (torchrec_ftrl/kernels/cuda_impls.py),
+    with the arguments their schemas mutate."""
+    update_mutates = {"weights", "accum", "linear", "nonfinite_rows", "cache_weights", "cache_accum",
+                      "cache_linear"}
+    for op, want in (("tbe_forward", {"warn"}), ("tbe_linearize", {"warn"}),
+                     ("tbe_repair_offsets", {"warn"}), ("tbe_backward_update_", update_mutates)):
+        assert hasattr(torch.ops.torchrec_ftrl, op)
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"torchrec_ftrl::{op}", "CUDA"), op
         schema = getattr(torch.ops.torchrec_ftrl, op).default._schema
         assert {a.name for a in schema.arguments
-                if a.alias_info is not None and a.alias_info.is_write} == want
-    assert hasattr(torch.ops.torchrec_ftrl, "triton_tbe_backward_update_")
-    schema = torch.ops.torchrec_ftrl.triton_tbe_backward_update_.default._schema
-    mutated = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
-    assert mutated == {"weights", "accum", "linear", "nonfinite_rows"}
-    schema = torch.ops.torchrec_ftrl.triton_tbe_backward_update_cached_.default._schema
-    mutated = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
-    assert mutated == {"weights", "accum", "linear", "nonfinite_rows", "cache_weights", "cache_accum",
-                       "cache_linear"}
+                if a.alias_info is not None and a.alias_info.is_write} == want, op
 
 
 def test_register_cap_only_for_direct_compiled_launches(monkeypatch):
@@ -608,9 +607,7 @@ def test_register_cap_only_for_direct_compiled_launches(monkeypatch):
         pytest.skip("kernels are interpreted in this process")
     gpu = torch.device("cuda", 0)
     monkeypatch.setattr(torch.version, "hip", None)
-    monkeypatch.setattr(triton_backend._eager, "on", False, raising=False)
-    assert triton_backend._register_cap(triton_backend._k(kernel), 40, gpu) == {}   # wrap_triton
-    monkeypatch.setattr(triton_backend._eager, "on", True)
+    assert triton_backend._register_cap(torch.library.wrap_triton(kernel), 40, gpu) == {}   # wrap_triton
     assert triton_backend._register_cap(triton_backend._k(kernel), 40, gpu) == {"maxnreg": 40}
     assert triton_backend._register_cap(kernel, None, gpu) == {}
     assert triton_backend._register_cap(lambda: None, 40, gpu) == {}
@@ -795,32 +792,27 @@ def test_cuda_ops_under_torch_compile():
 
     def step(m, compiled):
         b = m._make_batch(idx, off, None, None)
-        vec, even = triton_backend._vec_even(b.table_dims, triton_backend._block_d(b.max_D))
         hp = m.hyperparams
+
+        def batch(offsets):
+            # the ops' batch arguments (torchrec_ftrl/kernels/ops.py): no per-sample weights, SUM (0)
+            return (b.table_w_offset, b.table_dim, b.table_rows, b.table_row_base, b.feature_table,
+                    b.bag_feature, b.bag_out_offset, b.indices, offsets, None, 0, b.max_D, b.table_dims,
+                    b.total_rows)
 
         def fwd_bwd(w, accum, linear, nonfinite):
             # The training path: linearise once (with the WARNING check and the offsets repair),
             # look up by row keys, then the backward reuses the linearised batch.
             assert b.unchecked_counter is not None                # a raw batch: the kernels check it
-            lin = ops.triton_tbe_linearize(b.indices, b.offsets, b.bag_feature, b.bag_out_offset,
-                                           b.feature_table, b.table_row_base, b.table_rows,
-                                           b.unchecked_counter, True, True, True, None, 0, b.max_D,
-                                           b.total_rows, b.out_numel, even)
+            lin = ops.tbe_linearize(*batch(b.offsets), b.out_numel, b.unchecked_counter)
             fixed = lin[4]                                     # repaired offsets
-            knobs = triton_backend.knob_tensor(hp, idx.device)   # traced: a constant of the graph
-            pow_half, has_shrink = triton_backend.knob_flags(hp)
-            out = ops.triton_tbe_forward(w, linear, accum, False, b.indices, fixed, b.bag_feature,
-                                         b.bag_out_offset, b.feature_table, b.table_w_offset,
-                                         b.table_dim, b.table_rows, b.table_row_base,
-                                         b.unchecked_counter, True, lin[0], None, 0, b.out_numel,
-                                         b.max_D, torch.float32, vec, even,
-                                         None, None, None, None,       # no cache
-                                         knobs, pow_half)
-            ops.triton_tbe_backward_update_(
-                w, accum, linear, nonfinite, False, torch.cos(out), b.indices, fixed, b.bag_feature,
-                b.bag_out_offset, b.feature_table, b.table_w_offset, b.table_dim, b.table_rows,
-                b.table_row_base, True, *lin[:4], None, 0, b.max_D, b.total_rows, vec, even,
-                knobs, pow_half, has_shrink, m.iter)
+            # (knobs, pow_half, has_shrink); the knob tensor, traced: a constant of the graph
+            knobs = knob_args(hp, idx.device)
+            out = ops.tbe_forward(w, accum, linear, False, *batch(fixed), *knobs, b.out_numel,
+                                  torch.float32, b.unchecked_counter, lin[0],
+                                  None, None, None, None)       # no cache
+            ops.tbe_backward_update_(w, accum, linear, False, *batch(fixed), torch.cos(out), *knobs,
+                                     nonfinite, m.iter, True, *lin[:4], None, None, None, None)
             return out
         fn = torch.compile(fwd_bwd, fullgraph=True) if compiled else fwd_bwd
         return fn(m.weights_dev, m.accum_dev, m.linear_dev, m.nonfinite_grad_rows)

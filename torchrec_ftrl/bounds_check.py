@@ -4,16 +4,17 @@ A batch is ``indices`` / ``offsets`` (int64, FBGEMM's layout: bag ``k`` holds
 ``indices[offsets[k]:offsets[k+1]]``) with ``bag_feature`` (``[num_bags]`` feature of each bag);
 ``table_rows`` ``[T]`` and ``feature_table`` ``[F]`` locate each index's table. Modes:
 
-* ``FATAL``: a valid batch passes unchanged after one count (the backend's parallel kernel, else
-  :func:`count_invalid` on the device, read once); otherwise ``ValueError`` names the first bad offset
-  or index and its table, before anything changes.
+* ``FATAL``: a valid batch passes unchanged after one count (the backend's ``tbe_count_invalid``:
+  the compiled CPU kernel's parallel count, else :func:`count_invalid` on the device; read once);
+  otherwise ``ValueError`` names the first bad offset or index and its table, before anything
+  changes.
 * ``WARNING``: FBGEMM's repair, with no host sync: offsets become ``cummax(clamp(offsets, 0, N))``
   with the first 0 and the last ``N``; an index outside its table reads row 0; the number of
   repaired entries is added to a counter.
 * ``IGNORE`` / ``NONE``: the batch is trusted.
 
-Backends that fuse the check into their kernels (``fuses_bounds_check``) get the raw batch instead
-(:mod:`torchrec_ftrl.kernels.backend`).
+Backends that fuse the check into their kernels (``Capabilities.fused_check``) get the raw batch
+instead (:mod:`torchrec_ftrl.kernels.backend`).
 """
 
 from __future__ import annotations
@@ -61,34 +62,36 @@ def _raise_first_problem(table_rows, feature_table, table_names: Sequence[str], 
                          f"{int(bad.sum())} bad index(es)")
 
 
+def repair_offsets(offsets: torch.Tensor, num_indices: int) -> torch.Tensor:
+    """FBGEMM's ``WARNING`` repair of raw offsets by torch ops (see the module docstring): a new
+    tensor ``cummax(clamp(offsets, 0, N))`` with the first entry 0 and the last ``N``; ``[0]`` for
+    zero bags."""
+    fixed = torch.cummax(offsets.clamp(0, num_indices), 0).values
+    if fixed.numel() <= 1:
+        return fixed.new_zeros(1)
+    return torch.cat([fixed.new_zeros(1), fixed[1:-1], fixed.new_full((1,), num_indices)])
+
+
 def repair(table_rows, feature_table, bag_feature, indices, offsets, counter: torch.Tensor,
-           backend) -> tuple[torch.Tensor, torch.Tensor]:
+           ops) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``WARNING`` repair (see the module docstring): ``(indices, offsets)`` repaired, the number
     of repaired entries added to ``counter`` (int64 ``[1]``), no host sync. The offsets by the
-    backend's one-pass kernel where it has one (``CAPABILITIES.repairs_offsets``; it counts into
-    ``counter`` itself), else by torch ops."""
+    backend's ``tbe_repair_offsets`` (``ops``: its :class:`~torchrec_ftrl.kernels.capabilities.OpTable`)."""
     N = indices.numel()
-    if backend.CAPABILITIES.repairs_offsets:
-        fixed_off, n_off_bad = backend.repair_offsets(offsets, N, counter), 0
-    else:
-        fixed_off = offsets.clamp(0, N)
-        fixed_off = torch.cummax(fixed_off, 0).values
-        fixed_off = torch.cat([fixed_off.new_zeros(1), fixed_off[1:-1], fixed_off.new_full((1,), N)]) \
-            if fixed_off.numel() > 1 else fixed_off.new_zeros(1)
-        n_off_bad = (fixed_off != offsets).sum()
+    fixed_off = ops.repair_offsets(offsets, counter, N)
     lens = fixed_off[1:] - fixed_off[:-1]
     idx_bag = torch.repeat_interleave(torch.arange(lens.numel(), device=indices.device), lens,
                                       output_size=N)
     rows = table_rows[feature_table[bag_feature[idx_bag]]]
     bad = (indices < 0) | (indices >= rows)
-    counter += bad.sum() + n_off_bad
+    counter += bad.sum()
     return torch.where(bad, torch.zeros_like(indices), indices), fixed_off
 
 
 def check_batch(mode: BoundsCheckMode, table_rows: torch.Tensor, feature_table: torch.Tensor,
                 table_names: Sequence[str], bag_feature: torch.Tensor, indices: torch.Tensor,
                 offsets: torch.Tensor, counter: Optional[torch.Tensor],
-                backend) -> tuple[torch.Tensor, torch.Tensor]:
+                ops) -> tuple[torch.Tensor, torch.Tensor]:
     """Check a batch by ``mode``; returns ``(indices, offsets)`` (repaired under ``WARNING``, counted
     in ``counter``), the inputs themselves otherwise.
 
@@ -98,12 +101,9 @@ def check_batch(mode: BoundsCheckMode, table_rows: torch.Tensor, feature_table: 
     if mode in (BoundsCheckMode.IGNORE, BoundsCheckMode.NONE):
         return indices, offsets
     if mode != BoundsCheckMode.FATAL:
-        return repair(table_rows, feature_table, bag_feature, indices, offsets, counter, backend)
-    if offsets.numel() > 0:
-        n = backend.count_invalid(table_rows, feature_table, bag_feature, indices, offsets)
-        if n is None:     # no backend kernel: the device count, read once (the one host sync)
-            n = int(count_invalid(table_rows, feature_table, bag_feature, indices, offsets))
-        if n == 0:
+        return repair(table_rows, feature_table, bag_feature, indices, offsets, counter, ops)
+    if offsets.numel() > 0:   # the backend's tbe_count_invalid, read once (the one host sync)
+        if int(ops.count_invalid(table_rows, feature_table, bag_feature, indices, offsets)) == 0:
             return indices, offsets
     _raise_first_problem(table_rows, feature_table, table_names, bag_feature, indices, offsets)
     return indices, offsets

@@ -4,7 +4,7 @@ Forward does the multi-table lookup + pooling; backward sums gradients per touch
 applies one FTRL-Proximal update per row in place, never materialising a weight gradient. The API is
 shaped after FBGEMM's ``SplitTableBatchedEmbeddingBagsCodegen`` so TorchRec's kernel wrappers and
 ``EmbeddingFusedOptimizer`` can hold it. The update rule: :mod:`torchrec_ftrl.rule` (``docs/ftrl.md``).
-The kernels are reached only through the :class:`~torchrec_ftrl.kernels.backend.Backend` contract.
+The kernels are reached only through the ops' calls of :mod:`torchrec_ftrl.kernels.calls`.
 Placements (HBM / host, unified memory, unified memory behind an HBM cache): :mod:`torchrec_ftrl.placement`;
 the cache: :mod:`torchrec_ftrl.cache`.
 """
@@ -21,7 +21,9 @@ from .cache import RowCache
 from .fbgemm_enums import (BoundsCheckMode, CacheAlgorithm, ComputeDevice, EmbeddingLocation,
                            PoolingMode, SparseType)
 from .hyperparams import DEFAULT_LEARNING_RATE, FTRLHyperparams, parse_options
+from .kernels import calls
 from .kernels.backend import resolve_backend
+from .kernels.torch_backend import per_sample_weight_grad
 from .kernels.layout import TableArrays
 from .optim_type import emb_optim_type
 from .row_layout import RowLayout, require_kernel_layout
@@ -92,22 +94,22 @@ class _FTRLLookupFunction(torch.autograd.Function):
         ctx.psw_needs_grad = per_sample_weights is not None and per_sample_weights.requires_grad
         backend, out_dtype = module._backend, module._output_torch_dtype
         if not train:
-            ctx.backend_ctx = None
-            return backend.forward(module.table_arrays, batch, out_dtype, module._hp)
-        out, ctx.backend_ctx = backend.forward_train(module.table_arrays, batch, out_dtype, module._hp)
+            ctx.linearized = None
+            return calls.forward(backend, module.table_arrays, batch, out_dtype, module._hp)
+        out, ctx.linearized = calls.forward_train(backend, module.table_arrays, batch, out_dtype, module._hp)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        module, batch, bctx = ctx.module, ctx.batch, ctx.backend_ctx
+        module, batch = ctx.module, ctx.batch
         if ctx.cache_keys is not None:
             batch = module._relocate_cached_rows(batch, *ctx.cache_keys)
         grad_out = grad_out.contiguous().reshape(-1)
-        backend = module._backend
         arrays = module.table_arrays
-        grad_psw = (backend.per_sample_weight_grad(arrays, batch, bctx, grad_out, module._hp)
+        grad_psw = (per_sample_weight_grad(arrays, batch, grad_out, module._hp)
                     if ctx.psw_needs_grad else None)
-        backend.backward_update_(arrays, batch, bctx, grad_out, module._hp, module.nonfinite_grad_rows)
+        calls.backward_update_(module._backend, arrays, batch, ctx.linearized, grad_out, module._hp,
+                               module.nonfinite_grad_rows)
         if ctx.cache_keys is not None:
             module._after_cached_update(*ctx.cache_keys)
         module.iter.add_(1)   # in place: no nn.Module.__setattr__ per step
@@ -274,16 +276,17 @@ class FTRLTableBatchedEmbeddingBags(BatchMixin, CachedLookupMixin, TableAPIMixin
         self.embedding_specs = [(r, d, location, compute) for r, d in rows_dims]
         self._total_rows = sum(r for r, _ in rows_dims)
         self._table_dims = tuple(d for _, d in rows_dims)
-        self.backend, self._backend = resolve_backend(backend, device)
-        if placement == EmbeddingLocation.MANAGED_CACHING and not self._backend.CAPABILITIES.cached_placement:
+        self._backend = resolve_backend(backend, device)
+        self.backend = self._backend.name
+        if placement == EmbeddingLocation.MANAGED_CACHING and not self._backend.capabilities.cached_placement:
             raise ValueError(f"embedding_specs location MANAGED_CACHING runs on the triton backend, "
                              f"got backend={backend!r}")
-        require_kernel_layout(self.row_layout, where, self._backend.CAPABILITIES, self.backend,
+        require_kernel_layout(self.row_layout, where, self._backend.capabilities, self.backend,
                               cached=placement == EmbeddingLocation.MANAGED_CACHING)
 
         self._register_tables(rows_dims, feature_table_map, device, placement, bool(uvm_host_mapped))
         self._plain_layout_cache = None   # ((B, device), bag_feature, bag_out_offset) of the last batch
-        # the knobs each CUDA graph captured reads (kept alive: see kernels.triton_backend.knob_tensor)
+        # the knobs each CUDA graph captured reads (kept alive: see kernels.knobs.knob_tensor)
         self._captured_hps: list[FTRLHyperparams] = []
         self.prefetch_pipeline = bool(prefetch_pipeline)
         self._prefetched: list[tuple[torch.Tensor, torch.Tensor]] = []   # (keys, slots) per batch

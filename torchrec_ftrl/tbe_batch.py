@@ -33,7 +33,7 @@ class BatchMixin:
                 on the host), or a backend other than ``"triton"``.
         """
         why = None
-        if not self._backend.CAPABILITIES.graph_capture:
+        if not self._backend.capabilities.graph_capture:
             why = f"backend={self.backend!r} (only 'triton' is capturable)"
         elif self.bounds_check_mode == BoundsCheckMode.FATAL:
             why = ("bounds_check_mode=FATAL (it reads its count on the host once per forward; use "
@@ -93,8 +93,10 @@ class BatchMixin:
         counter = (self._fatal_count if fatal else self.bounds_check_warning) \
             if warn_counter is None else warn_counter
         # A cached batch is checked here: FBGEMM's populate reads the indices before any kernel.
-        if self.cache is None and self._backend.fuses_bounds_check(self.bounds_check_mode,
-                                                                    needs_psw_grad):
+        # The kernels check a raw batch (Capabilities.fused_check): FATAL, and WARNING unless the
+        # per-sample weights' gradient (which reads a checked batch) is needed.
+        fused = fatal or (self.bounds_check_mode == BoundsCheckMode.WARNING and not needs_psw_grad)
+        if self.cache is None and fused and self._backend.capabilities.fused_check:
             unchecked_counter = counter   # the backend checks and counts
         else:
             indices64, offsets64 = self._bounds_check(indices64, offsets64, bag_feature, counter)
@@ -165,4 +167,4 @@ class BatchMixin:
 
     def _bounds_check(self, indices, offsets, bag_feature, counter):
         return check_batch(self.bounds_check_mode, self._table_rows, self._feature_table, self.table_names,
-                           bag_feature, indices, offsets, counter, self._backend)
+                           bag_feature, indices, offsets, counter, self._backend.ops)

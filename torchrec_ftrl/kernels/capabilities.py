@@ -1,8 +1,22 @@
-"""What a kernel backend of the FTRL TBE supports, declared as data (see :mod:`.backend`)."""
+"""What a kernel backend of the FTRL TBE runs and supports, declared as data (see :mod:`.backend`)."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class OpTable:
+    """The ops (:mod:`.ops`) as a backend runs them: one callable per op, each taking that op's
+    schema's arguments (``torch.ops.torchrec_ftrl.<op>`` itself, or its implementation called
+    directly)."""
+
+    forward: Callable
+    linearize: Callable
+    backward_update_: Callable
+    count_invalid: Callable
+    repair_offsets: Callable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -10,18 +24,25 @@ class Capabilities:
     """What a backend supports, as data (the TBE reads these, never a backend's name).
 
     Attributes:
+        fused_check: its forward checks a raw batch itself (the ``warn`` argument of
+            ``tbe_forward`` / ``tbe_linearize``): FBGEMM's ``WARNING`` (unless the per-sample
+            weights need a gradient, which reads a checked batch) and ``FATAL`` (the TBE reads the
+            count once after the forward and raises before any update).
+        linearizes: has ``tbe_linearize``: a training forward linearises the batch once, looks up
+            by its row keys and hands it to the backward.
         cached_placement: runs the ``MANAGED_CACHING`` (``fused_uvm_caching``) placement: batches
-            whose rows may sit in the HBM cache (:mod:`torchrec_ftrl.cache`).
+            whose rows may sit in the HBM cache (:mod:`torchrec_ftrl.cache`; the ``cache_*``
+            arguments).
         graph_capture: a training step can be captured in a CUDA graph (no host sync, no host-side
             state per step).
-        repairs_offsets: has ``repair_offsets`` (the WARNING repair of offsets on the device).
         layouts: the ``(weights, accumulator)`` row layouts
             (:class:`torchrec_ftrl.row_layout.RowLayout`) its kernels implement.
         cached_layouts: those of them it implements under ``cached_placement``.
     """
 
+    fused_check: bool = False
+    linearizes: bool = False
     cached_placement: bool = False
     graph_capture: bool = False
-    repairs_offsets: bool = False
     layouts: frozenset = frozenset({("stored", "elementwise")})
     cached_layouts: frozenset = frozenset()

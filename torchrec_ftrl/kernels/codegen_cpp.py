@@ -98,7 +98,6 @@ def generate_cpp(spec_fns: tuple = rule_spec.SHARED + rule_spec.IEEE) -> str:
     fns = functions(spec_fns, triton=False)
     known = {f.name: f for f in fns}
     knobs = [f"  float {k.name};  // {k.meaning}" for k in rule_spec.KNOBS]
-    make_hp = ", ".join(f"static_cast<float>({k})" for k in KNOB_NAMES)
     lines = [f"// {HEADER}.", "//",
              "// The FTRL-Proximal rule and the stochastic-rounding hash of the compiled CPU kernel",
              "// (ftrl_tbe_cpu.cpp): the SHARED and IEEE functions of torchrec_ftrl/kernels/rule_spec.py.",
@@ -108,9 +107,8 @@ def generate_cpp(spec_fns: tuple = rule_spec.SHARED + rule_spec.IEEE) -> str:
              "namespace {", "",
              "// The knob scalars in fp32 (FTRLHyperparams.kernel_scalars(), rule_spec.KNOBS).",
              "struct FtrlHp {", *knobs, "};", "",
-             "// The ops' knob parameters, in rule_spec.KNOBS order (ops.py's schema), and their FtrlHp.",
-             "#define FTRL_KNOB_PARAMS " + ", ".join(f"double {k}" for k in KNOB_NAMES),
-             f"#define FTRL_MAKE_HP() (FtrlHp{{{make_hp}}})", "",
+             "// The number of knobs: the ops' knob tensor holds them in FtrlHp's order (ops.py).",
+             f"constexpr int64_t kFtrlKnobs = {len(KNOB_NAMES)};", "",
              "// The bit pattern of an fp32 value.",
              "inline uint32_t f32_bits(float x) {", "  uint32_t u;", "  std::memcpy(&u, &x, sizeof(u));",
              "  return u;", "}", ""]

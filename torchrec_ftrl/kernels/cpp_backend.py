@@ -9,8 +9,9 @@ so on stderr; later processes reuse the build. That needs a C++17 compiler and n
 :func:`torchrec_ftrl.kernels.backend.resolve_backend` falls back to the PyTorch backend with a warning
 when it raises.
 
-Implements :class:`~torchrec_ftrl.kernels.backend.Backend` for every row layout (stored or derived
-weights, element-wise or row-wise ``accum``; template flags of the kernels). Its rule and
+Its :data:`OPS` are the ops by the dispatcher, for every row layout (stored or derived weights,
+element-wise or row-wise ``accum``; template flags of the kernels); the kernels take no fused
+check, linearised batch or cache (:data:`CAPABILITIES`). Its rule and
 stochastic-rounding hash are ``csrc/ftrl_rule_gen.h``, generated from :mod:`.rule_spec` (the ``IEEE``
 form: the operations of :func:`torchrec_ftrl.rule.ftrl_rule`, :func:`~torchrec_ftrl.rule.ftrl_rule_rowwise`
 and :func:`~torchrec_ftrl.rule.ftrl_prox` in their order, in fp32), computed from
@@ -30,14 +31,9 @@ import threading
 
 import torch
 
-from typing import Any
-
-from ..hyperparams import FTRLHyperparams
 from ..row_layout import KERNEL_LAYOUTS
 from . import cpu_build, ops  # noqa: F401  (ops: the schemas the library implements)
-from .capabilities import Capabilities
-from .layout import TableArrays, TBEBatch
-from .torch_backend import per_sample_weight_grad  # noqa: F401  (the Backend member, shared)
+from .capabilities import Capabilities, OpTable
 
 CAPABILITIES = Capabilities(layouts=KERNEL_LAYOUTS)
 
@@ -108,80 +104,21 @@ def load_extension() -> str:
     return _library
 
 
-def _psw(batch: TBEBatch):
-    p = batch.per_sample_weights
-    return None if p is None else p.float().contiguous()
+def _dispatched(name: str):
+    """The op ``name`` by the dispatcher, its compiled CPU kernel loaded first."""
+    op = getattr(torch.ops.torchrec_ftrl, name).default
+
+    def call(*args):
+        if _library is None:
+            load_extension()
+        return op(*args)
+    call.__name__ = name
+    return call
 
 
-def fuses_bounds_check(mode: Any, needs_psw_grad: bool) -> bool:
-    """Never: the TBE checks the batch (with :func:`count_invalid` as the FATAL fast path)."""
-    return False
-
-
-def count_invalid(table_rows: torch.Tensor, feature_table: torch.Tensor, bag_feature: torch.Tensor,
-                  indices: torch.Tensor, offsets: torch.Tensor) -> int:
-    """Number of problems in int64 ``offsets``/``indices`` (bad offsets, indices outside their table);
-    0 when the batch is valid. Parallel, read-only: the FATAL bounds check's fast path."""
-    load_extension()
-    return int(torch.ops.torchrec_ftrl.tbe_count_invalid(table_rows, feature_table, bag_feature.contiguous(),
-                                                         indices.contiguous(), offsets.contiguous()))
-
-
-def _arrays(arrays: TableArrays) -> tuple:
-    """The ``weights?, accum, linear, rowwise`` arguments of the ops (:mod:`.ops`)."""
-    return arrays.weights, arrays.accum, arrays.linear, bool(arrays.rowwise)
-
-
-def forward(arrays: TableArrays, batch: TBEBatch, out_dtype: torch.dtype,
-            hp: FTRLHyperparams) -> torch.Tensor:
-    """Pooled (SUM/MEAN) or sequence (NONE) lookup, fp32 accumulation, of stored weights or of
-    weights derived as ``prox(linear, accum)`` with ``hp`` in fp32 (the bits the update of a stored
-    layout writes).
-
-    Returns:
-        the flat output ``[batch.out_numel]`` in ``out_dtype``: bag ``k``'s ``D``-vector at
-        ``batch.bag_out_offset[k]`` (index ``i`` at ``i * max_D`` for NONE); empty bags give zeros.
-    """
-    load_extension()
-    return torch.ops.torchrec_ftrl.tbe_forward(
-        *_arrays(arrays), batch.table_w_offset, batch.table_dim, batch.feature_table,
-        batch.bag_feature.contiguous(), batch.bag_out_offset.contiguous(), batch.indices.contiguous(),
-        batch.offsets.contiguous(), _psw(batch), int(batch.pooling_mode), int(batch.max_D),
-        batch.table_row_base.contiguous(), *hp.kernel_scalars(), int(batch.out_numel), out_dtype)
-
-
-def forward_train(arrays: TableArrays, batch: TBEBatch, out_dtype: torch.dtype,
-                  hp: FTRLHyperparams) -> tuple[torch.Tensor, None]:
-    """:func:`forward`; nothing is kept for the backward (context None)."""
-    return forward(arrays, batch, out_dtype, hp), None
-
-
-def backward_update_(arrays: TableArrays, batch: TBEBatch, ctx: Any, grad_out: torch.Tensor,
-                     hp: FTRLHyperparams, nonfinite_rows: torch.Tensor) -> None:
-    """In place: sum the gradient of every touched (table, row), then ONE FTRL update per row.
-
-    Args:
-        arrays: every row layout (:class:`~.layout.TableArrays`): weights flat ``[total]``
-            fp32/fp16/bf16, or None (derived: only n and z are written); linear (z) flat ``[total]``
-            and accum (n) flat ``[total]`` or row-wise ``[batch.total_rows]``, each fp32 or bf16
-            (bf16 ones stored by stochastic rounding with step ``batch.step``).
-        grad_out: flat ``[batch.out_numel]`` gradient of the forward output (fp32/fp16/bf16).
-        nonfinite_rows: int64 ``[1]``, incremented by the number of rows skipped because their summed
-            gradient holds a NaN/Inf (those rows are left bit-for-bit unchanged).
-
-    Raises:
-        ValueError: a bf16 state and ``batch.step`` None.
-    """
-    if batch.indices.numel() == 0:
-        return
-    compact = torch.bfloat16 in (arrays.accum.dtype, arrays.linear.dtype)
-    if compact and batch.step is None:
-        raise ValueError("a bf16 optimizer state needs batch.step (the TBE's iter) for its "
-                         "stochastic rounding, got None")
-    step = int(batch.step) if compact else 0   # a CPU tensor: no device sync
-    load_extension()
-    torch.ops.torchrec_ftrl.tbe_backward_update_(
-        *_arrays(arrays), batch.table_w_offset, batch.table_dim, batch.table_rows,
-        batch.feature_table, batch.bag_feature.contiguous(), batch.bag_out_offset.contiguous(),
-        batch.indices.contiguous(), batch.offsets.contiguous(), _psw(batch), int(batch.pooling_mode),
-        int(batch.max_D), grad_out.contiguous(), *hp.kernel_scalars(), nonfinite_rows, step)
+# The compiled CPU kernels: forward, backward update and count; the offsets repair is the ops'
+# PyTorch implementation; there is no tbe_linearize (CAPABILITIES.linearizes is False).
+OPS = OpTable(forward=_dispatched("tbe_forward"), linearize=_dispatched("tbe_linearize"),
+              backward_update_=_dispatched("tbe_backward_update_"),
+              count_invalid=_dispatched("tbe_count_invalid"),
+              repair_offsets=_dispatched("tbe_repair_offsets"))

@@ -1,31 +1,30 @@
-"""The CUDA implementations of the registered ops ``torch.ops.torchrec_ftrl.tbe_forward`` and
-``tbe_backward_update_`` (:mod:`.ops`): the Triton backend (:mod:`.triton_backend`), through
-:func:`.composite.implementations`, so an op called on CUDA tensors runs the Triton kernels that
-``backend="triton"`` runs. ``tbe_count_invalid`` keeps its composite implementation there (torch ops).
+"""The CUDA kernels of the registered ops ``torch.ops.torchrec_ftrl.*`` (:mod:`.ops`): the Triton
+implementations of :mod:`.triton_backend` for ``tbe_forward``, ``tbe_linearize``,
+``tbe_backward_update_`` and ``tbe_repair_offsets``, registered with ``torch.library.impl`` (an op
+whose CPU kernel is C++ cannot be a ``triton_op``, whose function is its kernel on every device).
+``tbe_count_invalid`` keeps its PyTorch implementation there.
 
-Registered when ``torchrec_ftrl`` is imported; :mod:`.triton_backend` itself is imported at the
+Registered when ``torchrec_ftrl`` is imported; :mod:`.triton_backend` (and Triton) is imported at the
 first call.
-
-The TBE does not call these: ``FTRLTableBatchedEmbeddingBags`` calls the Triton backend's own ops,
-which also fuse the bounds check and keep the linearised batch from the forward for the backward.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .composite import implementations
 from .ops import NAMESPACE
 
 DISPATCH_KEY = "CUDA"
+OPS_WITH_CUDA_KERNELS = ("tbe_forward", "tbe_linearize", "tbe_backward_update_", "tbe_repair_offsets")
 
 
-def _triton_backend():
-    from . import triton_backend
-    return triton_backend
+def _kernel(name: str):
+    def call(*args):
+        from . import triton_backend
+        return getattr(triton_backend, name)(*args)
+    call.__name__ = name
+    return call
 
 
-tbe_forward, _, tbe_backward_update_ = implementations(_triton_backend)
-
-for _impl in (tbe_forward, tbe_backward_update_):
-    torch.library.impl(f"{NAMESPACE}::{_impl.__name__}", DISPATCH_KEY, _impl)
+for _name in OPS_WITH_CUDA_KERNELS:
+    torch.library.impl(f"{NAMESPACE}::{_name}", DISPATCH_KEY, _kernel(_name))

@@ -95,7 +95,7 @@ ENABLED = True   # False: every launch goes through JITFunction.run (benchmarks 
 
 def direct(kernel: Any) -> Any:
     """The :class:`DirectLauncher` of a ``JITFunction`` (one per kernel); anything else (an
-    interpreted kernel, a ``wrap_triton`` wrapper) unchanged, and every kernel unchanged while
+    interpreted kernel) unchanged, and every kernel unchanged while
     :data:`ENABLED` is False."""
     if not ENABLED or not isinstance(kernel, JITFunction):
         return kernel

@@ -86,7 +86,7 @@ class TBEBatch:
         table_row_base: ``[T]`` first linearised row id of each table (``cumsum(rows) - rows``).
         unchecked_counter: None when ``indices`` and ``offsets`` are checked (and, under WARNING,
             repaired). Otherwise the int64 ``[1]`` WARNING counter: the batch is raw, and the backend
-            (whose ``fuses_bounds_check`` asked for it) repairs the offsets, reads an index outside
+            (whose ``Capabilities.fused_check`` asked for it) repairs the offsets, reads an index outside
             ``[0, rows)`` as row 0 and adds the number of such repairs here, once per forward.
         cache_locations: int32 ``[N]`` cache slot of each index's row (-1: not cached), or None.
         cache_weights: ``[slots, S]`` weight cache in the weights' dtype (``S >= max_D``; ``[slots,

@@ -1,74 +1,126 @@
 """The FTRL TBE's registered operators, ``torch.ops.torchrec_ftrl.*``: their schemas and Meta (fake)
 implementations, stated once here.
 
-Kernels attach by dispatch key: the compiled CPU kernel (``csrc/ftrl_tbe_cpu.cpp``, loaded by
-:func:`torchrec_ftrl.kernels.cpp_backend.load_extension`) registers the ``CPU`` implementation of each;
-the vectorised PyTorch backend is the ``CompositeExplicitAutograd`` implementation of each
-(:mod:`.composite`), which runs on every device without a kernel of its own (e.g. the CPU when the
-compiled kernel is not loaded).
-The Meta implementations give shapes and dtypes only, so the ops run under fake tensors and
-``torch.compile`` traces them without a graph break. Arguments follow the batch layout of
-:mod:`torchrec_ftrl.kernels.layout` (int64 index tensors, flat buffers).
+Every implementation implements these schemas: the compiled CPU kernel (``csrc/ftrl_tbe_cpu.cpp``,
+``CPU``, loaded by :func:`torchrec_ftrl.kernels.cpp_backend.load_extension`), the Triton kernels
+(``CUDA``, :mod:`.cuda_impls`) and the vectorised PyTorch implementation
+(``CompositeExplicitAutograd``, :mod:`.composite`: every device without a kernel of its own, e.g.
+the CPU when the compiled kernel is not loaded). The Meta implementations give shapes and dtypes
+only, so the ops run under fake tensors and ``torch.compile`` traces them without a graph break. The
+TBE calls them through :mod:`.calls`; which optional arguments an implementation takes is declared in
+its :class:`~.capabilities.Capabilities`, and one it does not take raises ``RuntimeError``.
 
-Every op that reads the tables takes their arrays by row layout (:class:`~.layout.TableArrays`) as
-``weights?, accum, linear, rowwise``: ``weights`` flat ``[total]`` fp32/fp16/bf16, or None for
-derived weights (``w = prox(linear, accum)`` computed where it is read, from the knobs); ``accum`` (n)
-and ``linear`` (z) fp32 or bf16, ``linear`` ``[total]``, ``accum`` ``[total]`` or, with
-``rowwise``, ``[total_rows]`` (row ``r`` of table ``t`` at ``table_row_base[t] + r``). The knobs are
-the scalars of :meth:`~torchrec_ftrl.hyperparams.FTRLHyperparams.kernel_scalars`, one ``float`` each in
-the order of :data:`.rule_spec.KNOBS` (``lr, neg_power, l1, l2, beta, shrink2``).
+Arguments, in this order:
 
-* ``tbe_forward(weights?, accum, linear, rowwise, table_w_offset, table_dim, feature_table,
-  bag_feature, bag_out_offset, indices, offsets, per_sample_weights?, pooling_mode, max_D,
-  table_row_base, <knobs>, out_numel, out_dtype) -> Tensor``: the flat pooled (SUM / MEAN) or
+* the tables' arrays by row layout (:class:`~.layout.TableArrays`) ``weights?, accum, linear,
+  rowwise``: ``weights`` flat ``[total]`` fp32/fp16/bf16, or None for derived weights (``w =
+  prox(linear, accum)`` computed where it is read); ``accum`` (n) and ``linear`` (z) fp32 or bf16,
+  ``linear`` ``[total]``, ``accum`` ``[total]`` or, with ``rowwise``, ``[total_rows]`` (row ``r`` of
+  table ``t`` at ``table_row_base[t] + r``);
+* the batch (:class:`~.layout.TBEBatch`, int64 index tensors): ``table_w_offset, table_dim,
+  table_rows, table_row_base, feature_table, bag_feature, bag_out_offset, indices, offsets,
+  per_sample_weights?, pooling_mode, max_D, table_dims, total_rows`` (``table_dims`` and
+  ``total_rows``: ``table_dim`` and the sum of ``table_rows`` as host integers, which a kernel
+  specialises on without reading the device);
+* the knobs (:mod:`.knobs`): ``knobs`` fp32 ``[len(KNOBS)]`` on the tables' device,
+  ``pow_half, has_shrink``.
+
+Ops:
+
+* ``tbe_forward(<arrays>, <batch>, <knobs>, out_numel, out_dtype, warn?, row_keys?, cache_locations?,
+  cache_weights?, cache_accum?, cache_linear?) -> Tensor``: the flat pooled (SUM / MEAN) or
   sequence (NONE) output ``[out_numel]`` in ``out_dtype`` (fp32, fp16 or bf16), fp32 accumulation;
-  empty bags give zeros. Reads the weights, or derives them (``shrink2`` unused).
+  empty bags give zeros. ``offsets`` are valid. ``warn`` (int64 ``[1]``; ``fused_check``): indices
+  are unchecked; one outside ``[0, rows)`` reads row 0 and is counted in ``warn``. ``row_keys``
+  (``linearizes``): the checked row keys of :func:`tbe_linearize`, read instead of ``indices``.
+  ``cache_*`` (``cached_placement``): rows with a cache slot (``cache_locations[i] >= 0``) are read
+  from the HBM cache (:mod:`.layout`).
+* ``tbe_linearize(<batch>, out_numel, warn?) -> (key, gofs, scale, tid, offsets)`` (``linearizes``):
+  each index's row key ``table_row_base[t] + index`` (int32 when the tables have fewer than 2**31
+  rows, else int64), its gradient offset (int32 / int64), its fp32 factor (per-sample weight and 1/L
+  of MEAN; ``[1]`` when there is none), its table (int32); with ``warn``, the raw ``offsets`` are
+  repaired (returned; otherwise the fifth result is empty) and bad offsets and indices counted.
+* ``tbe_backward_update_(<arrays>!, <batch>, grad_out, <knobs>, nonfinite_rows!, step?, check,
+  lin_key?, lin_gofs?, lin_scale?, lin_tid?, cache_locations?, cache_weights!?, cache_accum!?,
+  cache_linear!?) -> ()``: sums the gradient (``grad_out`` flat ``[out_numel]``, fp32, fp16 or
+  bf16) of every touched row and applies ONE FTRL update per row in place
+  (:func:`torchrec_ftrl.rule.ftrl_update_rows_`'s rule for the layout); rows whose summed gradient
+  holds a NaN/Inf are left unchanged and counted in ``nonfinite_rows`` (int64 ``[1]``); a bf16 state
+  is stored by stochastic rounding keyed by ``step`` (int64 ``[1]``; a bf16 state without it raises).
+  ``offsets`` are valid; ``check``: an index outside its table is read as row 0 (not counted).
+  ``lin_*`` (all or none): the first four results of :func:`tbe_linearize` for this batch.
 * ``tbe_count_invalid(table_rows, feature_table, bag_feature, indices, offsets) -> Tensor``: int64
   ``[1]``, the number of malformed offsets plus indices outside ``[0, rows)`` of their table (0 for a
   valid batch); reads only.
-* ``tbe_backward_update_(weights!?, accum!, linear!, rowwise, table_w_offset, table_dim, table_rows,
-  feature_table, bag_feature, bag_out_offset, indices, offsets, per_sample_weights?, pooling_mode,
-  max_D, grad_out, <knobs>, nonfinite_rows!, step) -> ()``: sums the gradient (``grad_out`` flat
-  ``[out_numel]``, fp32, fp16 or bf16) of every touched row and applies ONE FTRL update per row in
-  place (:func:`torchrec_ftrl.rule.ftrl_update_rows_`'s rule for the layout); rows whose summed gradient holds a NaN/Inf are left unchanged and counted
-  in ``nonfinite_rows`` (int64 ``[1]``); a bf16 state is stored by stochastic rounding keyed by
-  ``step``.
+* ``tbe_repair_offsets(offsets, warn!, num_indices) -> Tensor``: FBGEMM's ``WARNING`` repair of raw
+  offsets, ``cummax(clamp(offsets, 0, N))`` with the first entry 0 and the last ``N`` (``[0]`` for
+  zero bags), the number of changed entries added to ``warn``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .rule_spec import KNOBS
-
 NAMESPACE = "torchrec_ftrl"
 
-_BATCH = ("Tensor table_w_offset, Tensor table_dim, Tensor feature_table, Tensor bag_feature, "
-          "Tensor bag_out_offset, Tensor indices, Tensor offsets, Tensor? per_sample_weights, "
-          "int pooling_mode, int max_D")
-_KNOBS = ", ".join(f"float {k.name}" for k in KNOBS)
+_ARRAYS = "Tensor? weights, Tensor accum, Tensor linear, bool rowwise"
+_ARRAYS_MUT = "Tensor(a!)? weights, Tensor(b!) accum, Tensor(c!) linear, bool rowwise"
+_BATCH = ("Tensor table_w_offset, Tensor table_dim, Tensor table_rows, Tensor table_row_base, "
+          "Tensor feature_table, Tensor bag_feature, Tensor bag_out_offset, Tensor indices, "
+          "Tensor offsets, Tensor? per_sample_weights, int pooling_mode, int max_D, int[] table_dims, "
+          "int total_rows")
+_KNOBS = "Tensor knobs, bool pow_half, bool has_shrink"
 SCHEMAS = {
-    "tbe_forward": (f"(Tensor? weights, Tensor accum, Tensor linear, bool rowwise, {_BATCH}, "
-                    f"Tensor table_row_base, {_KNOBS}, int out_numel, ScalarType out_dtype) -> Tensor"),
+    "tbe_forward": (f"({_ARRAYS}, {_BATCH}, {_KNOBS}, int out_numel, ScalarType out_dtype, "
+                    "Tensor(d!)? warn, Tensor? row_keys, Tensor? cache_locations, Tensor? cache_weights, "
+                    "Tensor? cache_accum, Tensor? cache_linear) -> Tensor"),
+    "tbe_linearize": (f"({_BATCH}, int out_numel, Tensor(d!)? warn) "
+                      "-> (Tensor, Tensor, Tensor, Tensor, Tensor)"),
+    "tbe_backward_update_": (
+        f"({_ARRAYS_MUT}, {_BATCH}, Tensor grad_out, {_KNOBS}, Tensor(d!) nonfinite_rows, Tensor? step, "
+        "bool check, Tensor? lin_key, Tensor? lin_gofs, Tensor? lin_scale, Tensor? lin_tid, "
+        "Tensor? cache_locations, Tensor(e!)? cache_weights, Tensor(f!)? cache_accum, "
+        "Tensor(g!)? cache_linear) -> ()"),
     "tbe_count_invalid": ("(Tensor table_rows, Tensor feature_table, Tensor bag_feature, Tensor indices, "
                           "Tensor offsets) -> Tensor"),
-    "tbe_backward_update_": (
-        "(Tensor(a!)? weights, Tensor(b!) accum, Tensor(c!) linear, bool rowwise, Tensor table_w_offset, "
-        "Tensor table_dim, Tensor table_rows, Tensor feature_table, Tensor bag_feature, "
-        "Tensor bag_out_offset, Tensor indices, Tensor offsets, Tensor? per_sample_weights, "
-        f"int pooling_mode, int max_D, Tensor grad_out, {_KNOBS}, Tensor(d!) nonfinite_rows, "
-        "int step) -> ()"),
+    "tbe_repair_offsets": "(Tensor offsets, Tensor(a!) warn, int num_indices) -> Tensor",
 }
+# Positions in the argument lists (the implementations unpack the batch by these).
+N_ARRAYS, N_BATCH, N_KNOBS = 4, 14, 3
 
 _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
 for _name, _schema in SCHEMAS.items():
     _LIB.define(_name + _schema)
 
 
+def linearized_like(indices: torch.Tensor, offsets: torch.Tensor, per_sample_weights, pooling_mode: int,
+                    total_rows: int, out_numel: int, repair: bool) -> tuple:
+    """Uninitialised results of ``tbe_linearize`` (shapes and dtypes: see the module docstring)."""
+    from .layout import POOL_MEAN, POOL_NONE
+    N, dev, i32_max = indices.numel(), indices.device, 2 ** 31 - 1
+    has_scale = (per_sample_weights is not None and pooling_mode != POOL_NONE) or pooling_mode == POOL_MEAN
+    return (torch.empty(N, dtype=torch.int32 if 0 <= total_rows < i32_max else torch.int64, device=dev),
+            torch.empty(N, dtype=torch.int32 if out_numel < i32_max else torch.int64, device=dev),
+            torch.empty(N if has_scale else 1, dtype=torch.float32, device=dev),
+            torch.empty(N, dtype=torch.int32, device=dev),
+            torch.empty(offsets.numel() if repair else 0, dtype=offsets.dtype, device=dev))
+
+
 @torch.library.register_fake(f"{NAMESPACE}::tbe_forward")
-def _tbe_forward_fake(weights, accum, linear, *args):
-    out_numel, out_dtype = args[-2:]
+def _tbe_forward_fake(weights, accum, linear, rowwise, *args):
+    out_numel, out_dtype = args[N_BATCH + N_KNOBS:N_BATCH + N_KNOBS + 2]
     return linear.new_empty(out_numel, dtype=out_dtype)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::tbe_linearize")
+def _tbe_linearize_fake(*args):
+    (_, _, _, _, _, _, _, indices, offsets, psw, pooling_mode, _, _, total_rows, out_numel, warn) = args
+    return linearized_like(indices, offsets, psw, pooling_mode, total_rows, out_numel, warn is not None)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::tbe_backward_update_")
+def _tbe_backward_update_fake(*args):
+    return None
 
 
 @torch.library.register_fake(f"{NAMESPACE}::tbe_count_invalid")
@@ -76,7 +128,6 @@ def _tbe_count_invalid_fake(table_rows, feature_table, bag_feature, indices, off
     return indices.new_empty(1, dtype=torch.int64)
 
 
-@torch.library.register_fake(f"{NAMESPACE}::tbe_backward_update_")
-def _tbe_backward_update_fake(*args):
-    return None
-
+@torch.library.register_fake(f"{NAMESPACE}::tbe_repair_offsets")
+def _tbe_repair_offsets_fake(offsets, warn, num_indices):
+    return torch.empty_like(offsets)

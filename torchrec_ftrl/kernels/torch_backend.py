@@ -1,35 +1,19 @@
 """Vectorised PyTorch implementation of the FTRL TBE forward and fused backward + update.
 
 The fallback where the compiled CPU kernel cannot be built, and the readable statement of what the
-compiled and Triton kernels compute; also the ops' implementation on devices without a kernel of
-their own (:mod:`.composite`). Implements :class:`~torchrec_ftrl.kernels.backend.Backend`; the
-per-sample-weight gradient here serves the other backends too.
+compiled and Triton kernels compute, run by the ops' PyTorch implementation (:mod:`.composite`,
+``backend="torch"``). The per-sample-weight gradient here serves every backend.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
 
 import torch
 
 from ..hyperparams import FTRLHyperparams
 from ..rule import ftrl_prox, ftrl_update_rows_
-from .capabilities import Capabilities
 from .layout import POOL_NONE, TableArrays, TBEBatch
-
-CAPABILITIES = Capabilities(layouts=frozenset({("stored", "elementwise"), ("stored", "rowwise"),
-                                               ("derived", "elementwise"), ("derived", "rowwise")}))
-
-
-def fuses_bounds_check(mode: Any, needs_psw_grad: bool) -> bool:
-    """Never: the TBE checks the batch before this backend sees it."""
-    return False
-
-
-def count_invalid(table_rows, feature_table, bag_feature, indices, offsets) -> Optional[int]:
-    """No fast FATAL check here: the TBE's own check runs."""
-    return None
 
 
 def gather_index_rows(buf: torch.Tensor, batch: TBEBatch, base: torch.Tensor):
@@ -71,12 +55,6 @@ def forward(arrays: TableArrays, batch: TBEBatch, out_dtype: torch.dtype,
     return out.to(out_dtype)
 
 
-def forward_train(arrays: TableArrays, batch: TBEBatch, out_dtype: torch.dtype,
-                  hp: FTRLHyperparams) -> tuple[torch.Tensor, None]:
-    """:func:`forward`; nothing is kept for the backward (context None)."""
-    return forward(arrays, batch, out_dtype, hp), None
-
-
 def index_gradients(grad_out: torch.Tensor, batch: TBEBatch) -> torch.Tensor:
     """``[N, max_D]`` fp32 gradient of each index's row (zero-padded beyond its table's D)."""
     g, _, _ = gather_index_rows(grad_out, batch, batch.index_out_offset())
@@ -84,7 +62,7 @@ def index_gradients(grad_out: torch.Tensor, batch: TBEBatch) -> torch.Tensor:
     return g * scale.unsqueeze(1) if scale is not None else g
 
 
-def per_sample_weight_grad(arrays: TableArrays, batch: TBEBatch, ctx: Any, grad_out: torch.Tensor,
+def per_sample_weight_grad(arrays: TableArrays, batch: TBEBatch, grad_out: torch.Tensor,
                            hp: FTRLHyperparams) -> torch.Tensor:
     """``[N]`` fp32: d loss / d psw[i] = <grad of its bag (/L for MEAN), weight row before the update>.
     Needs a checked batch (``batch.unchecked_counter`` None)."""
@@ -111,7 +89,7 @@ def _cached_weight_rows(arrays: TableArrays, batch: TBEBatch, slots: torch.Tenso
     return ftrl_prox(linear_cache[slots, :batch.max_D], n, hp).float()
 
 
-def backward_update_(arrays: TableArrays, batch: TBEBatch, ctx: Any, grad_out: torch.Tensor,
+def backward_update_(arrays: TableArrays, batch: TBEBatch, grad_out: torch.Tensor,
                      hp: FTRLHyperparams, nonfinite_rows: torch.Tensor) -> None:
     """Sum gradients per unique (table, row), then one FTRL update per touched row, in place.
 
@@ -145,3 +123,4 @@ def backward_update_(arrays: TableArrays, batch: TBEBatch, ctx: Any, grad_out: t
                                skip_nonfinite=True, row_keys=uniq + batch.table_row_base[t],
                                step=batch.step)
         nonfinite_rows += (~ok).sum()
+

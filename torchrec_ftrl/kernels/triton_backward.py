@@ -9,7 +9,7 @@ classes, seconds of compile inside a training run whenever a new class first app
    linearised row id ``row_base[table] + index`` (the sort key), the element offset of its bag's
    gradient vector, its gradient factor (per-sample weight, 1/L for MEAN) and its table. With the
    fused WARNING bounds check an index outside ``[0, rows)`` is read as row 0 (and counted, when it
-   runs in the training forward: ``triton_backend.forward_train`` linearises once, the lookup reads
+   runs in the training forward: ``tbe_linearize`` (``calls.forward_train``) linearises once, the lookup reads
    the checked row keys and the backward reuses them). There it also repairs the raw offsets first
    (clamp + running max over all bags, one pass with decoupled look-back across programs) and writes
    them out for the lookup.

@@ -22,9 +22,8 @@ struct FtrlHp {
   float shrink2;  // 2 s, the l2 shrinkage factor of w in g_s
 };
 
-// The ops' knob parameters, in rule_spec.KNOBS order (ops.py's schema), and their FtrlHp.
-#define FTRL_KNOB_PARAMS double lr, double neg_power, double l1, double l2, double beta, double shrink2
-#define FTRL_MAKE_HP() (FtrlHp{static_cast<float>(lr), static_cast<float>(neg_power), static_cast<float>(l1), static_cast<float>(l2), static_cast<float>(beta), static_cast<float>(shrink2)})
+// The number of knobs: the ops' knob tensor holds them in FtrlHp's order (ops.py).
+constexpr int64_t kFtrlKnobs = 6;
 
 // The bit pattern of an fp32 value.
 inline uint32_t f32_bits(float x) {

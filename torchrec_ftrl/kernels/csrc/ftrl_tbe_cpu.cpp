@@ -47,8 +47,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <memory>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "ftrl_rule_gen.h"
@@ -283,8 +285,44 @@ void check_layout(const at::Tensor* weights, const at::Tensor& accum, const at::
   }
 }
 
-// True when n^(-p) is computed by sqrt (p == -0.5), as rule.py's _power decides.
-bool sqrt_power(double neg_power) { return neg_power == 0.5; }
+// The parameters of the ops' schemas (ops.py) shared by tbe_forward and tbe_backward_update_: the
+// batch (in the schemas' order) and the HBM cache, which this kernel refuses (refuse_unsupported).
+#define FTRL_BATCH_PARAMS                                                                         \
+  const at::Tensor &table_w_offset, const at::Tensor &table_dim, const at::Tensor &table_rows,    \
+      const at::Tensor &table_row_base, const at::Tensor &feature_table,                          \
+      const at::Tensor &bag_feature, const at::Tensor &bag_out_offset, const at::Tensor &indices, \
+      const at::Tensor &offsets, const c10::optional<at::Tensor> &per_sample_weights,             \
+      int64_t pooling_mode, int64_t max_D, at::IntArrayRef table_dims, int64_t total_rows
+#define FTRL_CACHE_PARAMS                                                                        \
+  const c10::optional<at::Tensor> &cache_locations, const c10::optional<at::Tensor> &cache_weights, \
+      const c10::optional<at::Tensor> &cache_accum, const c10::optional<at::Tensor> &cache_linear
+#define FTRL_CACHE_ARGS                                                                          \
+  {"cache_locations", &cache_locations}, {"cache_weights", &cache_weights},                      \
+      {"cache_accum", &cache_accum}, {"cache_linear", &cache_linear}
+
+// The knobs of the ops' knob tensor (fp32 [kFtrlKnobs], FtrlHp's order: knobs.py).
+FtrlHp hp_from(const at::Tensor& knobs) {
+  static_assert(sizeof(FtrlHp) == kFtrlKnobs * sizeof(float), "FtrlHp holds the knobs only");
+  TORCH_CHECK(knobs.device().is_cpu() && knobs.scalar_type() == at::kFloat &&
+                  knobs.numel() == kFtrlKnobs && knobs.is_contiguous(),
+              "knobs must be a contiguous fp32 CPU tensor of ", kFtrlKnobs, " elements, got ",
+              knobs.scalar_type(), " ", knobs.sizes(), " on ", knobs.device());
+  FtrlHp hp;
+  std::memcpy(&hp, knobs.data_ptr<float>(), sizeof(FtrlHp));
+  return hp;
+}
+
+// The arguments of the ops' schemas (ops.py) this kernel does not take (its Capabilities): the fused
+// bounds check, the linearised batch and the HBM cache. One that is given raises.
+void refuse_unsupported(const char* op, bool check,
+                        std::initializer_list<std::pair<const char*, const c10::optional<at::Tensor>*>> args) {
+  TORCH_CHECK(!check, "torchrec_ftrl::", op, ": the compiled CPU kernel does not check indices (check=True)");
+  for (const auto& a : args) {
+    TORCH_CHECK(!a.second->has_value(), "torchrec_ftrl::", op, ": the compiled CPU kernel does not take ",
+                a.first, " (the fused bounds check, the linearised batch and the HBM cache are the "
+                "Triton kernels')");
+  }
+}
 
 // Fills `out` (flat, preallocated, any of fp32/fp16/bf16) from stored weights, or from weights
 // derived from (linear, accum) with `hp` when `weights` is null.
@@ -674,13 +712,14 @@ SortedIndices sort_by_row(BackwardWorkspace& ws, Scratch<K>& kbuf, Scratch<K>& k
 // torchrec_ftrl::tbe_backward_update_ (ops.py): weights None for derived weights, `rowwise` for a
 // row-wise accum (one value per row, at the row's key).
 void backward_update(const c10::optional<at::Tensor>& weights_opt, at::Tensor& accum, at::Tensor& linear,
-                     bool rowwise, const at::Tensor& table_w_offset, const at::Tensor& table_dim,
-                     const at::Tensor& table_rows, const at::Tensor& feature_table,
-                     const at::Tensor& bag_feature, const at::Tensor& bag_out_offset,
-                     const at::Tensor& indices, const at::Tensor& offsets,
-                     const c10::optional<at::Tensor>& per_sample_weights, int64_t pooling_mode,
-                     int64_t max_D, const at::Tensor& grad_out, FTRL_KNOB_PARAMS,
-                     at::Tensor& nonfinite_rows, int64_t step) {
+                     bool rowwise, FTRL_BATCH_PARAMS, const at::Tensor& grad_out, const at::Tensor& knobs,
+                     bool pow_half, bool /*has_shrink*/, at::Tensor& nonfinite_rows,
+                     const c10::optional<at::Tensor>& step_opt, bool check,
+                     const c10::optional<at::Tensor>& lin_key, const c10::optional<at::Tensor>& lin_gofs,
+                     const c10::optional<at::Tensor>& lin_scale, const c10::optional<at::Tensor>& lin_tid,
+                     FTRL_CACHE_PARAMS) {
+  refuse_unsupported("tbe_backward_update_", check, {{"lin_key", &lin_key}, {"lin_gofs", &lin_gofs},
+                     {"lin_scale", &lin_scale}, {"lin_tid", &lin_tid}, FTRL_CACHE_ARGS});
   for (auto* p : {&table_w_offset, &table_dim, &table_rows, &feature_table, &bag_feature,
                   &bag_out_offset, &indices, &offsets}) {
     check_index_tensor(*p, "TBEBatch tensor");
@@ -691,8 +730,8 @@ void backward_update(const c10::optional<at::Tensor>& weights_opt, at::Tensor& a
   const int64_t* rows_p = table_rows.data_ptr<int64_t>();
   std::vector<uint64_t> row_base(static_cast<size_t>(T) + 1);
   for (int64_t t = 0; t < T; ++t) row_base[t + 1] = row_base[t] + static_cast<uint64_t>(rows_p[t]);
-  const uint64_t total_rows = row_base[T];
-  check_layout(weights, accum, linear, rowwise, static_cast<int64_t>(total_rows));
+  const uint64_t rows_total = row_base[T];
+  check_layout(weights, accum, linear, rowwise, static_cast<int64_t>(rows_total));
   const bool nb = accum.scalar_type() == at::kBFloat16;
   const bool zb = linear.scalar_type() == at::kBFloat16;
   TORCH_CHECK(nonfinite_rows.scalar_type() == at::kLong && nonfinite_rows.numel() == 1,
@@ -701,11 +740,14 @@ void backward_update(const c10::optional<at::Tensor>& weights_opt, at::Tensor& a
   const int64_t N = indices.numel();
   const int64_t num_bags = offsets.numel() - 1;
   if (N == 0 || num_bags <= 0) return;
+  TORCH_CHECK(!(nb || zb) || step_opt.has_value(), "a bf16 optimizer state needs step (the TBE's "
+              "iter) for its stochastic rounding, got None");
+  const int64_t step = (nb || zb) ? step_opt->item<int64_t>() : 0;
 
   const int64_t* dim_p = table_dim.data_ptr<int64_t>();
   const int64_t* woff_p = table_w_offset.data_ptr<int64_t>();
   int key_bits = 0;
-  while (key_bits < 64 && ((total_rows - 1) >> key_bits) != 0) ++key_bits;
+  while (key_bits < 64 && ((rows_total - 1) >> key_bits) != 0) ++key_bits;
 
   thread_local BackwardWorkspace ws;
   const bool mean = pooling_mode == kPoolMean;
@@ -726,14 +768,14 @@ void backward_update(const c10::optional<at::Tensor>& weights_opt, at::Tensor& a
                                pooling_mode == kPoolNone, max_D, woff_p, dim_p, want_keys);
   }
   // 4. Sum + FTRL per unique row, parallel over rows; the layout and state dtypes are template flags.
-  const FtrlHp hp = FTRL_MAKE_HP();
+  const FtrlHp hp = hp_from(knobs);
   int64_t bad = 0;
   auto update = [&](auto derived_tag, auto w_tag) {
     constexpr bool kDerived = decltype(derived_tag)::value;
     using W = typename decltype(w_tag)::type;
     FTRL_DISPATCH_FLOATS(grad_out.scalar_type(), "ftrl_bwd_g", [&] {
       using G = scalar_t;
-      bad = with_flag(sqrt_power(neg_power), [&](auto sqrt_tag) {
+      bad = with_flag(pow_half, [&](auto sqrt_tag) {
         return with_flag(rowwise, [&](auto rowwise_tag) {
           return with_flag(nb, [&](auto nb_tag) {
             return with_flag(zb, [&](auto zb_tag) {
@@ -796,20 +838,17 @@ int64_t count_invalid_scalar(const at::Tensor& table_rows, const at::Tensor& fea
 
 // torchrec_ftrl::tbe_forward: the flat output [out_numel] in out_dtype (zeros for empty bags).
 at::Tensor tbe_forward(const c10::optional<at::Tensor>& weights_opt, const at::Tensor& accum,
-                       const at::Tensor& linear, bool rowwise, const at::Tensor& table_w_offset,
-                       const at::Tensor& table_dim, const at::Tensor& feature_table,
-                       const at::Tensor& bag_feature, const at::Tensor& bag_out_offset,
-                       const at::Tensor& indices, const at::Tensor& offsets,
-                       const c10::optional<at::Tensor>& per_sample_weights, int64_t pooling_mode,
-                       int64_t max_D, const at::Tensor& table_row_base, FTRL_KNOB_PARAMS,
-                       int64_t out_numel, at::ScalarType out_dtype) {
+                       const at::Tensor& linear, bool rowwise, FTRL_BATCH_PARAMS, const at::Tensor& knobs,
+                       bool pow_half, bool /*has_shrink*/, int64_t out_numel, at::ScalarType out_dtype,
+                       const c10::optional<at::Tensor>& warn, const c10::optional<at::Tensor>& row_keys,
+                       FTRL_CACHE_PARAMS) {
+  refuse_unsupported("tbe_forward", false, {{"warn", &warn}, {"row_keys", &row_keys}, FTRL_CACHE_ARGS});
   const bool empty = offsets.numel() <= 1 || indices.numel() == 0;
   const auto options = linear.options().dtype(out_dtype);
   at::Tensor out = empty ? at::zeros({out_numel}, options) : at::empty({out_numel}, options);
   forward_into(stored_weights(weights_opt), accum, linear, table_w_offset, table_dim, feature_table,
                bag_feature, bag_out_offset, indices, offsets, per_sample_weights, pooling_mode, max_D,
-               table_row_base, rowwise, FTRL_MAKE_HP(),
-               sqrt_power(neg_power), out);
+               table_row_base, rowwise, hp_from(knobs), pow_half, out);
   return out;
 }
 

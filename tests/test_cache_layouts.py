@@ -33,7 +33,7 @@ from test_layouts_triton import (LAYOUTS, Case, Tables, backend_stepper, batch_m
 from torchrec_ftrl import FTRLTableBatchedEmbeddingBags  # noqa: E402
 from torchrec_ftrl.fbgemm_enums import (BoundsCheckMode, CacheAlgorithm, ComputeDevice,  # noqa: E402
                                         EmbeddingLocation, SparseType)
-from torchrec_ftrl.kernels import torch_backend, triton_backend  # noqa: E402
+from torchrec_ftrl.kernels import index_rows, triton_backend  # noqa: E402
 from torchrec_ftrl.kernels.layout import TableArrays  # noqa: E402
 from torchrec_ftrl.row_layout import RowLayout  # noqa: E402
 
@@ -231,7 +231,7 @@ def test_interp_cached_tbe_trains_reads_writes_and_resets_like_uncached(interp, 
 
 @pytest.mark.parametrize("weights,accumulator", LAYOUTS)
 def test_per_sample_weight_gradient_reads_cached_rows(weights, accumulator):
-    """The gradient of trainable per-sample weights (``torch_backend.per_sample_weight_grad``, PyTorch
+    """The gradient of trainable per-sample weights (``index_rows.per_sample_weight_grad``, PyTorch
     code the TBE runs for every backend, the Triton one included) reads a cached row's weight in the
     cache: the weight cache's, or ``prox`` of the cached ``linear`` and ``accum``; bit for bit the
     gradient of the same tables uncached."""
@@ -243,8 +243,8 @@ def test_per_sample_weight_gradient_reads_cached_rows(weights, accumulator):
     indices, offsets, psw = random_batch(case, np.random.default_rng(6), "cpu")
     batch = m._make_batch(indices, offsets, psw, None)
     grad = torch.randn(batch.out_numel, generator=torch.Generator().manual_seed(6))
-    got = torch_backend.per_sample_weight_grad(cache.arrays, cache.batch(batch), grad, m.hyperparams)
-    want = torch_backend.per_sample_weight_grad(start, batch, grad, m.hyperparams)
+    got = index_rows.per_sample_weight_grad(cache.arrays, cache.batch(batch), grad, m.hyperparams)
+    want = index_rows.per_sample_weight_grad(start, batch, grad, m.hyperparams)
     assert got.abs().sum() > 0 and torch.equal(bits(got), bits(want))
 
 

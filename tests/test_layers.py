@@ -12,7 +12,7 @@ Python's doing, not an edge.
   TorchRec glue) or ``job`` (the CTR job), not even through other modules;
 * only the job itself imports ``job`` (the torchx component names it as a string only), and importing
   the library loads no job module;
-* the TBE reaches its kernels only through the backend contract (no ``*_backend`` module);
+* the TBE reaches its kernels only through the ops' calls (``kernels.calls``; no ``*_backend`` module);
 * the pooling-mode numbers agree in ``kernels/layout.py``, FBGEMM and the C++ kernel.
 """
 
@@ -173,9 +173,9 @@ def test_library_never_imports_the_job():
     assert p.stdout.strip().splitlines()[-1] == "[]"
 
 
-def test_tbe_reaches_kernels_only_through_the_backend_contract():
+def test_tbe_reaches_kernels_only_through_the_ops_calls():
     reached = _reach("torchrec_ftrl.tbe")
-    assert "torchrec_ftrl.kernels.backend" in reached
+    assert {"torchrec_ftrl.kernels.calls", "torchrec_ftrl.kernels.backend"} <= reached
     assert sorted(n for n in reached if n.endswith("_backend")) == []
 
 

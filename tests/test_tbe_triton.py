@@ -411,7 +411,7 @@ def test_sort_positions_fallback_is_a_stable_sort(monkeypatch):
 
 
 def test_sort_positions_under_fake_tensors_keeps_fbgemm(monkeypatch):
-    """Tracing with fake tensors (what torch.compile does to the backward op) takes torch.sort and
+    """Fake tensors (the implementation called under FakeTensorMode) take torch.sort and
     leaves FBGEMM's sort on for later eager calls (it has no fake implementation)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     monkeypatch.setattr(triton_backend, "_fbgemm_sort_devices", {})
@@ -598,16 +598,14 @@ def test_ops_registered():
 
 
 def test_register_cap_only_for_direct_compiled_launches(monkeypatch):
-    """``maxnreg`` goes to compiled kernels launched directly on an NVIDIA GPU; not through
-    ``wrap_triton`` (torch.compile takes no such launch option), not to interpreted kernels, not to
-    other devices or ROCm."""
+    """``maxnreg`` goes to compiled kernels launched directly on an NVIDIA GPU; not to interpreted
+    kernels or other callables, not to other devices or ROCm."""
     from triton.runtime.jit import JITFunction
     kernel = triton_backend.segment_update_kernel
     if not isinstance(kernel, JITFunction):
         pytest.skip("kernels are interpreted in this process")
     gpu = torch.device("cuda", 0)
     monkeypatch.setattr(torch.version, "hip", None)
-    assert triton_backend._register_cap(torch.library.wrap_triton(kernel), 40, gpu) == {}   # wrap_triton
     assert triton_backend._register_cap(triton_backend._k(kernel), 40, gpu) == {"maxnreg": 40}
     assert triton_backend._register_cap(kernel, None, gpu) == {}
     assert triton_backend._register_cap(lambda: None, 40, gpu) == {}

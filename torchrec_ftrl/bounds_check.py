@@ -5,7 +5,7 @@ A batch is ``indices`` / ``offsets`` (int64, FBGEMM's layout: bag ``k`` holds
 ``table_rows`` ``[T]`` and ``feature_table`` ``[F]`` locate each index's table. Modes:
 
 * ``FATAL``: a valid batch passes unchanged after one count (the backend's ``tbe_count_invalid``:
-  the compiled CPU kernel's parallel count, else :func:`count_invalid` on the device; read once);
+  the compiled CPU kernel's parallel count, else a count by torch ops on the device; read once);
   otherwise ``ValueError`` names the first bad offset or index and its table, before anything
   changes.
 * ``WARNING``: FBGEMM's repair, with no host sync: offsets become ``cummax(clamp(offsets, 0, N))``
@@ -13,8 +13,8 @@ A batch is ``indices`` / ``offsets`` (int64, FBGEMM's layout: bag ``k`` holds
   repaired entries is added to a counter.
 * ``IGNORE`` / ``NONE``: the batch is trusted.
 
-Backends that fuse the check into their kernels (``Capabilities.fused_check``) get the raw batch
-instead (:mod:`torchrec_ftrl.kernels.backend`).
+Backends that fuse the check into their kernels (``Capabilities.fused_check``,
+:mod:`torchrec_ftrl.kernels.capabilities`) get the raw batch instead (``TBE._make_batch``).
 """
 
 from __future__ import annotations
@@ -24,21 +24,6 @@ from typing import Optional, Sequence
 import torch
 
 from .fbgemm_enums import BoundsCheckMode
-
-
-def count_invalid(table_rows: torch.Tensor, feature_table: torch.Tensor, bag_feature: torch.Tensor,
-                  indices: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """int64 ``[]`` on the device: bad offsets (first not 0, a decreasing step, last not
-    ``indices.numel()``) plus indices outside their table, 0 for a valid batch; no host sync."""
-    N = indices.numel()
-    num_bags = offsets.numel() - 1
-    lengths = offsets[1:] - offsets[:-1]
-    bad = (offsets[0] != 0).long() + (lengths < 0).sum() + (offsets[-1] != N).long()
-    if N == 0 or num_bags <= 0:
-        return bad + N
-    bag = torch.searchsorted(offsets, torch.arange(N, device=indices.device), right=True) - 1
-    rows = table_rows[feature_table[bag_feature[bag.clamp_(0, num_bags - 1)]]]
-    return bad + ((indices < 0) | (indices >= rows)).sum()
 
 
 def _raise_first_problem(table_rows, feature_table, table_names: Sequence[str], bag_feature, indices,
@@ -60,16 +45,6 @@ def _raise_first_problem(table_rows, feature_table, table_names: Sequence[str], 
         raise ValueError(f"indices[{i}]={int(indices[i])} out of range [0, {int(rows[i])}) of "
                          f"table {table_names[int(feature_table[feature])]!r} (feature {feature}); "
                          f"{int(bad.sum())} bad index(es)")
-
-
-def repair_offsets(offsets: torch.Tensor, num_indices: int) -> torch.Tensor:
-    """FBGEMM's ``WARNING`` repair of raw offsets by torch ops (see the module docstring): a new
-    tensor ``cummax(clamp(offsets, 0, N))`` with the first entry 0 and the last ``N``; ``[0]`` for
-    zero bags."""
-    fixed = torch.cummax(offsets.clamp(0, num_indices), 0).values
-    if fixed.numel() <= 1:
-        return fixed.new_zeros(1)
-    return torch.cat([fixed.new_zeros(1), fixed[1:-1], fixed.new_full((1,), num_indices)])
 
 
 def repair(table_rows, feature_table, bag_feature, indices, offsets, counter: torch.Tensor,

@@ -23,7 +23,6 @@ from .fbgemm_enums import (BoundsCheckMode, CacheAlgorithm, ComputeDevice, Embed
 from .hyperparams import DEFAULT_LEARNING_RATE, FTRLHyperparams, parse_options
 from .kernels import calls
 from .kernels.backend import resolve_backend
-from .kernels.torch_backend import per_sample_weight_grad
 from .kernels.layout import TableArrays
 from .optim_type import emb_optim_type
 from .row_layout import RowLayout, require_kernel_layout
@@ -106,7 +105,7 @@ class _FTRLLookupFunction(torch.autograd.Function):
             batch = module._relocate_cached_rows(batch, *ctx.cache_keys)
         grad_out = grad_out.contiguous().reshape(-1)
         arrays = module.table_arrays
-        grad_psw = (per_sample_weight_grad(arrays, batch, grad_out, module._hp)
+        grad_psw = (calls.per_sample_weight_grad(arrays, batch, grad_out, module._hp)
                     if ctx.psw_needs_grad else None)
         calls.backward_update_(module._backend, arrays, batch, ctx.linearized, grad_out, module._hp,
                                module.nonfinite_grad_rows)

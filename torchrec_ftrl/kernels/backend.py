@@ -5,7 +5,8 @@ entry with its op's schema, :mod:`.ops`) and what it supports (:class:`~.capabil
 The TBE reaches the kernels only through :mod:`.calls`, which turns its batch into the ops' arguments
 the same way for every backend and reads the capabilities, never a backend's name.
 
-* ``"triton"`` (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``): :mod:`.triton_backend`.
+* ``"triton"`` (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``, eager only: a compiled
+  graph calls the ops, whose CPU kernels are the others): :mod:`.triton_backend`.
 * ``"cpp"`` (CPU): the ops by the dispatcher, whose CPU kernels are the compiled
   ``csrc/ftrl_tbe_cpu.cpp`` (:mod:`.cpp_backend`).
 * ``"torch"`` (any device): the ops' vectorised PyTorch implementation, called directly

@@ -17,6 +17,7 @@ import torch
 from ..hyperparams import FTRLHyperparams
 from .backend import Backend
 from .knobs import knob_args
+from .index_rows import per_sample_weight_grad  # noqa: F401  (the TBE's, on every backend)
 from .layout import TableArrays, TBEBatch
 
 
@@ -60,7 +61,7 @@ def _check_layout(backend: Backend, arrays: TableArrays, batch: TBEBatch) -> Non
 def _lookup(backend: Backend, arrays: TableArrays, batch: TBEBatch, offsets: torch.Tensor,
             out_dtype: torch.dtype, hp: FTRLHyperparams, row_keys: Optional[torch.Tensor]) -> torch.Tensor:
     knobs = knob_args(hp, arrays.linear.device)
-    return backend.ops.forward(*_arrays(arrays), *_batch(batch, offsets), *knobs, int(batch.out_numel),
+    return backend.ops.forward(hp, *_arrays(arrays), *_batch(batch, offsets), *knobs, int(batch.out_numel),
                                out_dtype, batch.unchecked_counter, row_keys, *_cache(batch))
 
 
@@ -120,6 +121,7 @@ def backward_update_(backend: Backend, arrays: TableArrays, batch: TBEBatch, ctx
                                                  batch.indices.numel())
     else:
         offsets, lin = ctx
-    backend.ops.backward_update_(*_arrays(arrays), *_batch(batch, offsets), grad_out,
+    backend.ops.backward_update_(hp, *_arrays(arrays), *_batch(batch, offsets), grad_out,
                                  *knob_args(hp, arrays.linear.device), nonfinite_rows, batch.step, raw,
                                  *lin, *_cache(batch))
+

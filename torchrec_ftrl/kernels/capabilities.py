@@ -8,9 +8,11 @@ from typing import Callable
 
 @dataclasses.dataclass(frozen=True)
 class OpTable:
-    """The ops (:mod:`.ops`) as a backend runs them: one callable per op, each taking that op's
-    schema's arguments (``torch.ops.torchrec_ftrl.<op>`` itself, or its implementation called
-    directly)."""
+    """The ops (:mod:`.ops`) as a backend runs them: one callable per op (the op by the dispatcher,
+    or its implementation called directly), each taking that op's schema's arguments; ``forward``
+    and ``backward_update_`` take the knobs' :class:`~torchrec_ftrl.hyperparams.FTRLHyperparams`
+    first (the PyTorch implementation computes with them instead of reading the knob tensor back;
+    the kernels read the tensor)."""
 
     forward: Callable
     linearize: Callable

@@ -107,7 +107,7 @@ def generate_cpp(spec_fns: tuple = rule_spec.SHARED + rule_spec.IEEE) -> str:
              "namespace {", "",
              "// The knob scalars in fp32 (FTRLHyperparams.kernel_scalars(), rule_spec.KNOBS).",
              "struct FtrlHp {", *knobs, "};", "",
-             "// The number of knobs: the ops' knob tensor holds them in FtrlHp's order (ops.py).",
+             "// The number of knobs: the ops' knob tensor holds them in FtrlHp's order (knobs.py).",
              f"constexpr int64_t kFtrlKnobs = {len(KNOB_NAMES)};", "",
              "// The bit pattern of an fp32 value.",
              "inline uint32_t f32_bits(float x) {", "  uint32_t u;", "  std::memcpy(&u, &x, sizeof(u));",

@@ -2,31 +2,35 @@
 ``CompositeExplicitAutograd`` kernels, which run on every device without a kernel of its own, and
 the backend ``"torch"`` (:data:`OPS`, which calls them directly on every device; :data:`CAPABILITIES`).
 
-The dispatcher prefers a kernel registered for the tensors' own device key (the compiled CPU kernel of
-:mod:`.cpp_backend` once loaded, the Triton kernels of :mod:`.cuda_impls` on CUDA) and the Meta (fake)
-implementations of :mod:`.ops` under fake tensors, so these run where neither exists: e.g. on the CPU
-when the compiled kernel is not loaded (it failed to build), and ``tbe_count_invalid`` on CUDA.
-``CompositeExplicitAutograd``
-rather than ``CompositeImplicitAutograd`` because the ops keep their fake implementations and mutate
-their inputs: an implicit composite would be traced through (its data-dependent ``torch.unique`` and
-host reads break fake tensors), and ``torch.library.register_fake`` refuses an op that has one.
+The dispatcher prefers a kernel registered for the tensors' own device key (the compiled CPU kernels
+of :mod:`.cpp_backend` once loaded: forward, backward update and count; the Triton kernels of
+:mod:`.cuda_impls` on CUDA: all but the count) and the Meta (fake) implementations of :mod:`.ops`
+under fake tensors, so these run where neither exists: every op on a CPU without the compiled
+kernel, ``tbe_repair_offsets`` (and ``tbe_linearize``, which raises here) on every CPU, and
+``tbe_count_invalid`` on CUDA. ``CompositeExplicitAutograd`` rather than
+``CompositeImplicitAutograd`` because the ops keep their fake implementations and mutate their
+inputs: an implicit composite would be traced through (its data-dependent ``torch.unique`` and host
+reads break fake tensors), and ``torch.library.register_fake`` refuses an op that has one.
 
-Each implementation rebuilds the arrays (:class:`~.layout.TableArrays`), the batch
-(:class:`~.layout.TBEBatch`) and the knobs (:func:`.knobs.hyperparams_of`, a host read) from the op's
-arguments and runs :mod:`.torch_backend`'s vectorised code on them. It takes no fused check, no
-linearised batch and no cache (``tbe_linearize`` raises; :data:`CAPABILITIES`).
+Each implementation rebuilds the arrays (:class:`~.layout.TableArrays`) and the batch
+(:class:`~.layout.TBEBatch`) from the op's arguments and runs :mod:`.torch_backend`'s vectorised code
+on them with the knobs' hyper-parameters: :data:`OPS` is handed them by the TBE's calls (no tensor is
+read back, so ``backend="torch"`` traces under ``torch.compile``), a registered kernel reads them from
+the knob tensor (:func:`.knobs.hyperparams_of`, a host read). It takes no fused check, linearised batch
+or cache (``tbe_linearize`` raises; :data:`CAPABILITIES`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..bounds_check import count_invalid, repair_offsets
+from ..hyperparams import FTRLHyperparams
 from . import torch_backend
-from .knobs import hyperparams_of
 from .capabilities import Capabilities, OpTable
+from .index_rows import count_invalid, repair_offsets
+from .knobs import hyperparams_of
 from .layout import TableArrays, TBEBatch
-from .ops import NAMESPACE
+from .ops import N_BATCH, NAMESPACE
 
 DISPATCH_KEY = "CompositeExplicitAutograd"
 CAPABILITIES = Capabilities(layouts=frozenset({("stored", "elementwise"), ("stored", "rowwise"),
@@ -48,7 +52,7 @@ def batch_of(args: tuple, out_numel: int, step=None) -> TBEBatch:
 
 
 def _refuse(op: str, check: bool = False, **optional) -> None:
-    """Raise for the arguments of the schema this implementation does not take."""
+    """Raise ``RuntimeError`` for the arguments of the schema this implementation does not take."""
     given = [name for name, value in optional.items() if value is not None] + (["check"] if check else [])
     if given:
         raise RuntimeError(f"torchrec_ftrl::{op}: the PyTorch implementation does not take {given} "
@@ -56,12 +60,33 @@ def _refuse(op: str, check: bool = False, **optional) -> None:
                            "Triton kernels')")
 
 
-def tbe_forward(weights, accum, linear, rowwise, *rest):
-    """``tbe_forward`` (:mod:`.ops`)."""
-    batch_args, (knobs, _, _, out_numel, out_dtype, warn, row_keys, *cache) = rest[:14], rest[14:]
-    _refuse("tbe_forward", warn=warn, row_keys=row_keys, cache_locations=cache[0])
+def _forward(hp: FTRLHyperparams, weights, accum, linear, rowwise, *rest):
+    batch_args, (_, _, _, out_numel, out_dtype, warn, row_keys, *cache) = rest[:N_BATCH], rest[N_BATCH:]
+    _refuse("tbe_forward", warn=warn, row_keys=row_keys, cache_locations=cache[0],
+            cache_weights=cache[1], cache_accum=cache[2], cache_linear=cache[3])
     return torch_backend.forward(TableArrays(weights, accum, linear, rowwise),
-                                 batch_of(batch_args, out_numel), out_dtype, hyperparams_of(knobs))
+                                 batch_of(batch_args, out_numel), out_dtype, hp)
+
+
+def _backward_update_(hp: FTRLHyperparams, weights, accum, linear, rowwise, *rest):
+    batch_args, (grad_out, _, _, _, nonfinite_rows, step, check, *lin_cache) = (rest[:N_BATCH],
+                                                                                rest[N_BATCH:])
+    names = ("lin_key", "lin_gofs", "lin_scale", "lin_tid", "cache_locations", "cache_weights",
+             "cache_accum", "cache_linear")
+    _refuse("tbe_backward_update_", check, **dict(zip(names, lin_cache)))
+    torch_backend.backward_update_(TableArrays(weights, accum, linear, rowwise),
+                                   batch_of(batch_args, grad_out.numel(), step), grad_out, hp,
+                                   nonfinite_rows)
+
+
+def _knobs_of(args: tuple) -> FTRLHyperparams:
+    """The hyper-parameters of the ``(knobs, pow_half, has_shrink)`` arguments after the batch."""
+    return hyperparams_of(*args[4 + N_BATCH:4 + N_BATCH + 3])
+
+
+def tbe_forward(*args):
+    """``tbe_forward`` (:mod:`.ops`)."""
+    return _forward(_knobs_of(args), *args)
 
 
 def tbe_linearize(*args):
@@ -70,32 +95,32 @@ def tbe_linearize(*args):
                        "batch (the Triton kernels' tbe_linearize runs on CUDA devices)")
 
 
-def tbe_backward_update_(weights, accum, linear, rowwise, *rest):
+def tbe_backward_update_(*args):
     """``tbe_backward_update_`` (:mod:`.ops`)."""
-    batch_args, (grad_out, knobs, _, _, nonfinite_rows, step, check, *lin_cache) = rest[:14], rest[14:]
-    _refuse("tbe_backward_update_", check, lin_key=lin_cache[0], cache_locations=lin_cache[4])
-    torch_backend.backward_update_(TableArrays(weights, accum, linear, rowwise),
-                                   batch_of(batch_args, grad_out.numel(), step), grad_out,
-                                   hyperparams_of(knobs), nonfinite_rows)
+    hp = hyperparams_of(*args[4 + N_BATCH + 1:4 + N_BATCH + 4])   # after grad_out
+    _backward_update_(hp, *args)
 
 
 def tbe_count_invalid(table_rows, feature_table, bag_feature, indices, offsets):
-    """``tbe_count_invalid`` (:mod:`.ops`): int64 ``[1]``, by
-    :func:`torchrec_ftrl.bounds_check.count_invalid` (0 for a valid batch, like the compiled kernel;
-    a malformed batch may count differently, never 0); empty ``offsets`` count as one problem."""
+    """``tbe_count_invalid`` (:mod:`.ops`): int64 ``[1]``, by :func:`.index_rows.count_invalid` (0 for
+    a valid batch, like the compiled kernel; a malformed batch may count differently, never 0); empty
+    ``offsets`` count as one problem."""
     if offsets.numel() == 0:
         return torch.ones(1, dtype=torch.int64, device=indices.device)
     return count_invalid(table_rows, feature_table, bag_feature, indices, offsets).reshape(1)
 
 
 def tbe_repair_offsets(offsets, warn, num_indices):
-    """``tbe_repair_offsets`` (:mod:`.ops`), by :func:`torchrec_ftrl.bounds_check.repair_offsets`."""
+    """``tbe_repair_offsets`` (:mod:`.ops`), by :func:`.index_rows.repair_offsets`; empty ``offsets``
+    give an empty result."""
+    if offsets.numel() == 0:
+        return torch.empty_like(offsets)
     fixed = repair_offsets(offsets, int(num_indices))
     warn += (fixed != offsets).sum()
     return fixed
 
 
-OPS = OpTable(forward=tbe_forward, linearize=tbe_linearize, backward_update_=tbe_backward_update_,
+OPS = OpTable(forward=_forward, linearize=tbe_linearize, backward_update_=_backward_update_,
               count_invalid=tbe_count_invalid, repair_offsets=tbe_repair_offsets)
 for _impl in (tbe_forward, tbe_linearize, tbe_backward_update_, tbe_count_invalid, tbe_repair_offsets):
     torch.library.impl(f"{NAMESPACE}::{_impl.__name__}", DISPATCH_KEY, _impl)

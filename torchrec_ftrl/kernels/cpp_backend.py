@@ -104,21 +104,23 @@ def load_extension() -> str:
     return _library
 
 
-def _dispatched(name: str):
-    """The op ``name`` by the dispatcher, its compiled CPU kernel loaded first."""
+def _dispatched(name: str, takes_hp: bool = False):
+    """The op ``name`` by the dispatcher, its compiled CPU kernel loaded first. ``takes_hp``: the
+    :class:`~.capabilities.OpTable` entry takes the hyper-parameters first (unused: the kernel reads
+    the knob tensor)."""
     op = getattr(torch.ops.torchrec_ftrl, name).default
 
     def call(*args):
         if _library is None:
             load_extension()
-        return op(*args)
+        return op(*args[1:] if takes_hp else args)
     call.__name__ = name
     return call
 
 
 # The compiled CPU kernels: forward, backward update and count; the offsets repair is the ops'
 # PyTorch implementation; there is no tbe_linearize (CAPABILITIES.linearizes is False).
-OPS = OpTable(forward=_dispatched("tbe_forward"), linearize=_dispatched("tbe_linearize"),
-              backward_update_=_dispatched("tbe_backward_update_"),
+OPS = OpTable(forward=_dispatched("tbe_forward", True), linearize=_dispatched("tbe_linearize"),
+              backward_update_=_dispatched("tbe_backward_update_", True),
               count_invalid=_dispatched("tbe_count_invalid"),
               repair_offsets=_dispatched("tbe_repair_offsets"))

@@ -66,16 +66,21 @@ def knob_args(hp: FTRLHyperparams, device: torch.device) -> tuple[torch.Tensor, 
     return (knob_tensor(hp, device), *knob_flags(hp))
 
 
-def hyperparams_of(knobs: torch.Tensor) -> FTRLHyperparams:
-    """The hyper-parameters of a knob tensor, for the rule functions of :mod:`torchrec_ftrl.rule`
-    (reads the tensor on the host).
+def hyperparams_of(knobs: torch.Tensor, pow_half: bool, has_shrink: bool) -> FTRLHyperparams:
+    """The hyper-parameters of the ops' knob arguments, for the rule functions of
+    :mod:`torchrec_ftrl.rule` (reads the tensor on the host).
 
     Raises:
-        ValueError: a knob :class:`FTRLHyperparams` refuses (e.g. ``lr <= 0``), or a tensor that is
-            not fp32 ``[len(KNOBS)]``.
+        ValueError: a tensor that is not fp32 ``[len(KNOBS)]``, flags that disagree with its values
+            (they must be :func:`knob_flags`'), or a knob :class:`FTRLHyperparams` refuses (e.g.
+            ``lr <= 0``), naming it and its value.
     """
     n = len(KernelScalars._fields)
     if knobs.dtype != torch.float32 or tuple(knobs.shape) != (n,):
         raise ValueError(f"knobs must be an fp32 tensor of shape ({n},), got dtype={knobs.dtype}, "
                          f"shape={tuple(knobs.shape)}")
-    return KernelScalars(*knobs.tolist()).to_hyperparams()
+    hp = KernelScalars(*knobs.tolist()).to_hyperparams()
+    if knob_flags(hp) != (bool(pow_half), bool(has_shrink)):
+        raise ValueError(f"pow_half={pow_half} and has_shrink={has_shrink} disagree with the knobs "
+                         f"{hp.kernel_scalars()}: give knob_flags of the knobs")
+    return hp

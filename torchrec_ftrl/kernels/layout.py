@@ -32,6 +32,13 @@ from ..fbgemm_enums import PoolingMode
 POOL_SUM, POOL_MEAN, POOL_NONE = (int(PoolingMode.SUM), int(PoolingMode.MEAN), int(PoolingMode.NONE))
 
 
+def index_factors(per_sample_weights, pooling_mode: int) -> tuple[bool, bool]:
+    """``(has_psw, has_scale)``: whether the indices of a batch carry per-sample weights, and a
+    gradient factor at all (per-sample weight and/or the 1/L of MEAN pooling)."""
+    has_psw = per_sample_weights is not None and pooling_mode != POOL_NONE
+    return has_psw, has_psw or pooling_mode == POOL_MEAN
+
+
 @dataclasses.dataclass(frozen=True)
 class TableArrays:
     """The flat arrays of a TBE's tables, as every backend reads and updates them.

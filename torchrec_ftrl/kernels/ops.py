@@ -21,9 +21,11 @@ Arguments, in this order:
   table_rows, table_row_base, feature_table, bag_feature, bag_out_offset, indices, offsets,
   per_sample_weights?, pooling_mode, max_D, table_dims, total_rows`` (``table_dims`` and
   ``total_rows``: ``table_dim`` and the sum of ``table_rows`` as host integers, which a kernel
-  specialises on without reading the device);
+  specialises on without reading the device; the compiled CPU kernel recomputes ``table_row_base``
+  and the row count from ``table_rows``);
 * the knobs (:mod:`.knobs`): ``knobs`` fp32 ``[len(KNOBS)]`` on the tables' device,
-  ``pow_half, has_shrink``.
+  ``pow_half, has_shrink``, which must be :func:`.knobs.knob_flags`' of the knobs (the kernels
+  specialise on them; the CPU and PyTorch implementations check them and raise ``ValueError``).
 
 Ops:
 
@@ -33,7 +35,7 @@ Ops:
   empty bags give zeros. ``offsets`` are valid. ``warn`` (int64 ``[1]``; ``fused_check``): indices
   are unchecked; one outside ``[0, rows)`` reads row 0 and is counted in ``warn``. ``row_keys``
   (``linearizes``): the checked row keys of :func:`tbe_linearize`, read instead of ``indices``.
-  ``cache_*`` (``cached_placement``): rows with a cache slot (``cache_locations[i] >= 0``) are read
+  ``cache_*`` (``cached_placement``; all or none): rows with a cache slot (``cache_locations[i] >= 0``) are read
   from the HBM cache (:mod:`.layout`).
 * ``tbe_linearize(<batch>, out_numel, warn?) -> (key, gofs, scale, tid, offsets)`` (``linearizes``):
   each index's row key ``table_row_base[t] + index`` (int32 when the tables have fewer than 2**31
@@ -48,7 +50,8 @@ Ops:
   holds a NaN/Inf are left unchanged and counted in ``nonfinite_rows`` (int64 ``[1]``); a bf16 state
   is stored by stochastic rounding keyed by ``step`` (int64 ``[1]``; a bf16 state without it raises).
   ``offsets`` are valid; ``check``: an index outside its table is read as row 0 (not counted).
-  ``lin_*`` (all or none): the first four results of :func:`tbe_linearize` for this batch.
+  ``lin_*`` (all or none): the first four results of :func:`tbe_linearize` for this batch. A bf16
+  state without ``step`` raises ``ValueError``.
 * ``tbe_count_invalid(table_rows, feature_table, bag_feature, indices, offsets) -> Tensor``: int64
   ``[1]``, the number of malformed offsets plus indices outside ``[0, rows)`` of their table (0 for a
   valid batch); reads only.
@@ -60,6 +63,8 @@ Ops:
 from __future__ import annotations
 
 import torch
+
+from .layout import index_factors
 
 NAMESPACE = "torchrec_ftrl"
 
@@ -88,6 +93,20 @@ SCHEMAS = {
 # Positions in the argument lists (the implementations unpack the batch by these).
 N_ARRAYS, N_BATCH, N_KNOBS = 4, 14, 3
 
+
+def all_or_none(op: str, **named) -> bool:
+    """Whether the optional arguments ``named`` (the linearised batch, the cache) are given: all of
+    them, or none.
+
+    Raises:
+        ValueError: some given and some None, naming them.
+    """
+    given = [name for name, value in named.items() if value is not None]
+    if given and len(given) != len(named):
+        raise ValueError(f"torchrec_ftrl::{op}: {sorted(named)} go together (all or none), got only "
+                         f"{given}")
+    return bool(given)
+
 _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
 for _name, _schema in SCHEMAS.items():
     _LIB.define(_name + _schema)
@@ -96,9 +115,8 @@ for _name, _schema in SCHEMAS.items():
 def linearized_like(indices: torch.Tensor, offsets: torch.Tensor, per_sample_weights, pooling_mode: int,
                     total_rows: int, out_numel: int, repair: bool) -> tuple:
     """Uninitialised results of ``tbe_linearize`` (shapes and dtypes: see the module docstring)."""
-    from .layout import POOL_MEAN, POOL_NONE
     N, dev, i32_max = indices.numel(), indices.device, 2 ** 31 - 1
-    has_scale = (per_sample_weights is not None and pooling_mode != POOL_NONE) or pooling_mode == POOL_MEAN
+    has_scale = index_factors(per_sample_weights, pooling_mode)[1]
     return (torch.empty(N, dtype=torch.int32 if 0 <= total_rows < i32_max else torch.int64, device=dev),
             torch.empty(N, dtype=torch.int32 if out_numel < i32_max else torch.int64, device=dev),
             torch.empty(N if has_scale else 1, dtype=torch.float32, device=dev),

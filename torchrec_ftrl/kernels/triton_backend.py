@@ -25,8 +25,8 @@ from triton.runtime.jit import JITFunction
 from ..row_layout import CACHED_LAYOUTS, KERNEL_LAYOUTS
 from .capabilities import Capabilities, OpTable
 from .launch import DirectLauncher, direct
-from .layout import POOL_MEAN, POOL_NONE
-from .ops import linearized_like
+from .layout import index_factors
+from .ops import all_or_none, linearized_like
 from .triton_backward import (linearize_kernel, offsets_repair_kernel,
                               segment_combine_kernel, segment_config, segment_mark_kernel,
                               segment_update_kernel)
@@ -45,7 +45,7 @@ CAPABILITIES = Capabilities(fused_check=True, linearizes=True, cached_placement=
 #   combined), an int or per BLOCK_D.
 # * seg_launch: per BLOCK_D, (elements per step, gradient rows per segment in flight[, register cap
 #   per thread]) of segment_update_kernel. The cap (Triton's ``maxnreg``; compiled CUDA launches
-#   outside torch.compile only, see _register_cap) raises the programs resident per SM of this
+#   only, see _register_cap) raises the programs resident per SM of this
 #   latency-bound kernel; it is set only where it spills no registers, measured for the stored /
 #   element-wise layout (another layout takes a cap from its own "layouts" entry only).
 # * layouts: per row layout other than the stored / element-wise one, keyed
@@ -194,10 +194,11 @@ def tbe_forward(weights, accum, linear, rowwise, table_w_offset, table_dim, tabl
     tile, unroll, evict = _forward_tuning(BLOCK_D, 4 if derived else weights.element_size(),
                                           tuning_key(derived, rowwise, accum, linear))
     bags, unroll, warps = forward_config(BLOCK_D, tile, unroll)
-    has_psw = _has_scale(per_sample_weights, pooling_mode)[0]
+    has_psw = index_factors(per_sample_weights, pooling_mode)[0]
     psw = per_sample_weights if has_psw else out
     use_keys = row_keys is not None
-    cached = cache_locations is not None and cache_weights is not None
+    cached = all_or_none("tbe_forward", cache_locations=cache_locations, cache_weights=cache_weights,
+                         cache_accum=cache_accum, cache_linear=cache_linear)
     # derived: the linear buffer and its cache stand where the weights and their cache are
     w = linear if derived else weights
     cw = (cache_linear if derived else cache_weights) if cached else w
@@ -212,13 +213,6 @@ def tbe_forward(weights, accum, linear, rowwise, table_w_offset, table_dim, tabl
         CACHED=cached, DERIVED=derived, ROWWISE=derived and rowwise, POW_HALF=pow_half,
         LIBDEVICE_POW=isinstance(tbe_forward_kernel, JITFunction), num_warps=warps)
     return out
-
-
-def _has_scale(per_sample_weights: Optional[torch.Tensor], pooling_mode: int) -> tuple[bool, bool]:
-    """``(has_psw, has_scale)``: whether the entries carry per-sample weights, and a factor at all
-    (per-sample weight and/or the 1/L of MEAN pooling)."""
-    has_psw = per_sample_weights is not None and pooling_mode != POOL_NONE
-    return has_psw, has_psw or pooling_mode == POOL_MEAN
 
 
 def tbe_linearize(table_w_offset, table_dim, table_rows, table_row_base, feature_table, bag_feature,
@@ -244,7 +238,7 @@ def _linearize(indices, offsets, bag_feature, bag_out_offset, feature_table, row
                                                    total_rows, out_numel, repair)
     if not repair and (N == 0 or num_bags <= 0):
         return key, gofs, scale, tid, fixed
-    has_psw, has_scale = _has_scale(per_sample_weights, pooling_mode)
+    has_psw, has_scale = index_factors(per_sample_weights, pooling_mode)
     psw = per_sample_weights if has_psw else scale
     bags, unroll, warps = TUNING["linearize"]
     tiles = _cdiv(max(1, num_bags), bags)      # zero bags: one tile still repairs offsets[0]
@@ -270,7 +264,7 @@ def _sort_positions(key: torch.Tensor, total_rows: int) -> torch.Tensor:
     bits of ``total_rows - 1`` (22 bits for 3.2M rows: 3 passes) with int32 positions, against
     ``torch.sort``'s 4 passes over all 32 bits with int64 positions (0.244 against 0.296 ms for 5.2M
     Zipf keys on an H200). ``torch.sort(stable=True)``, the same positions, where that op is not built
-    for the device, for more than 2**31 - 2 keys, and while ``torch.compile`` traces (FBGEMM registers
+    for the device, for more than 2**31 - 2 keys, and for traced (fake or functional) keys (FBGEMM registers
     no fake implementation of the op; traced tensors are fake or functional, not plain tensors).
     Keys outside ``[0, total_rows)`` (only with the bounds check off, undefined behaviour there) sort
     by their low bits, among the rows they alias.
@@ -305,10 +299,15 @@ def tbe_backward_update_(weights, accum, linear, rowwise, table_w_offset, table_
             raise ValueError("a bf16 optimizer state needs step (the TBE's iter) for its "
                              "stochastic rounding, got None")
         step = table_row_base   # int64 placeholder (read-only): fp32 kernels never read it
-    cache = None if cache_locations is None else (cache_weights, (cache_accum, cache_linear))
+    lin = (lin_key, lin_gofs, lin_scale, lin_tid)
+    all_or_none("tbe_backward_update_", lin_key=lin_key, lin_gofs=lin_gofs, lin_scale=lin_scale,
+                lin_tid=lin_tid)
+    cached = all_or_none("tbe_backward_update_", cache_locations=cache_locations,
+                         cache_weights=cache_weights, cache_accum=cache_accum, cache_linear=cache_linear)
+    cache = (cache_weights, (cache_accum, cache_linear)) if cached else None
     _backward_kernels(weights, accum, linear, nonfinite_rows, grad_out.reshape(-1).contiguous(), indices,
                       offsets, bag_feature, bag_out_offset, feature_table, table_w_offset, table_dim,
-                      table_rows, table_row_base, check, (lin_key, lin_gofs, lin_scale, lin_tid),
+                      table_rows, table_row_base, check, lin,
                       per_sample_weights, pooling_mode, max_D, int(total_rows),
                       _vec_even(tuple(table_dims), _block_d(max_D)), (knobs, pow_half, has_shrink), step,
                       cache_locations, cache, rowwise)
@@ -354,8 +353,8 @@ def _backward_kernels(weights, accum, linear, nonfinite_rows, grad, indices, off
     BLOCK_D = _block_d(max_D)
     seg = TUNING["seg"]
     SEG = max(1, int(_nearest(seg, BLOCK_D) if isinstance(seg, dict) else seg))
-    has_scale = _has_scale(per_sample_weights, pooling_mode)[1]
-    if lin[0] is None:      # (all four or none: ops.py)
+    has_scale = index_factors(per_sample_weights, pooling_mode)[1]
+    if lin[0] is None:
         # Not linearised by the training forward: do it here (offsets repaired by then). Bad
         # indices were counted by the forward already (count=False: the counter is not touched).
         lin = _linearize(indices, offsets, bag_feature, bag_out_offset, feature_table, row_base,
@@ -375,8 +374,7 @@ def _backward_kernels(weights, accum, linear, nonfinite_rows, grad, indices, off
     libdev = isinstance(segment_update_kernel, JITFunction)
     update = _k(segment_update_kernel)
     # The caches: weights [slots, S], accum [slots, S] ([slots, 1] row-wise), linear [slots, S], one
-    # row stride S. Uncached, a read-only placeholder: passing a mutated tensor twice would alias
-    # it under torch.compile.
+    # row stride S. Uncached, a read-only placeholder, never dereferenced.
     cw, cn, cz = (cache[0], cache[1][0], cache[1][1]) if cached else (grad, grad, grad)
     cache_stride = cz.stride(0) if cached else 0
     n_bf16, z_bf16 = accum.dtype == torch.bfloat16, linear.dtype == torch.bfloat16
@@ -421,19 +419,22 @@ def tbe_repair_offsets(offsets: torch.Tensor, warn: torch.Tensor, num_indices: i
 IMPLEMENTATIONS = (tbe_forward, tbe_linearize, tbe_backward_update_, tbe_repair_offsets)
 
 
-def _eager_or_dispatched(impl):
+def _eager_or_dispatched(impl, takes_hp: bool = False):
     """``impl`` itself in eager mode (no dispatcher on the step's path), the registered op while
     ``torch.compile`` traces (its fake implementation traces; the graph calls the op, whose CUDA
-    kernel is ``impl``, :mod:`.cuda_impls`)."""
+    kernel is ``impl``, :mod:`.cuda_impls`). ``takes_hp``: the :class:`~.capabilities.OpTable` entry
+    takes the hyper-parameters first (unused: the kernels read the knob tensor)."""
     op = getattr(torch.ops.torchrec_ftrl, impl.__name__).default
 
-    @functools.wraps(impl)
     def call(*args):
+        args = args[1:] if takes_hp else args
         return op(*args) if torch.compiler.is_compiling() else impl(*args)
+    call.__name__ = impl.__name__
     return call
 
 
-OPS = OpTable(forward=_eager_or_dispatched(tbe_forward), linearize=_eager_or_dispatched(tbe_linearize),
-              backward_update_=_eager_or_dispatched(tbe_backward_update_),
+OPS = OpTable(forward=_eager_or_dispatched(tbe_forward, True),
+              linearize=_eager_or_dispatched(tbe_linearize),
+              backward_update_=_eager_or_dispatched(tbe_backward_update_, True),
               count_invalid=torch.ops.torchrec_ftrl.tbe_count_invalid.default,
               repair_offsets=_eager_or_dispatched(tbe_repair_offsets))

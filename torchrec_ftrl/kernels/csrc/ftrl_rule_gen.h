@@ -22,7 +22,7 @@ struct FtrlHp {
   float shrink2;  // 2 s, the l2 shrinkage factor of w in g_s
 };
 
-// The number of knobs: the ops' knob tensor holds them in FtrlHp's order (ops.py).
+// The number of knobs: the ops' knob tensor holds them in FtrlHp's order (knobs.py).
 constexpr int64_t kFtrlKnobs = 6;
 
 // The bit pattern of an fp32 value.

@@ -300,8 +300,9 @@ void check_layout(const at::Tensor* weights, const at::Tensor& accum, const at::
   {"cache_locations", &cache_locations}, {"cache_weights", &cache_weights},                      \
       {"cache_accum", &cache_accum}, {"cache_linear", &cache_linear}
 
-// The knobs of the ops' knob tensor (fp32 [kFtrlKnobs], FtrlHp's order: knobs.py).
-FtrlHp hp_from(const at::Tensor& knobs) {
+// The knobs of the ops' knob tensor (fp32 [kFtrlKnobs], FtrlHp's order: rule_spec.KNOBS), checked
+// against the flags the ops take with it (knobs.py's knob_flags).
+FtrlHp hp_from(const at::Tensor& knobs, bool pow_half, bool has_shrink) {
   static_assert(sizeof(FtrlHp) == kFtrlKnobs * sizeof(float), "FtrlHp holds the knobs only");
   TORCH_CHECK(knobs.device().is_cpu() && knobs.scalar_type() == at::kFloat &&
                   knobs.numel() == kFtrlKnobs && knobs.is_contiguous(),
@@ -309,6 +310,9 @@ FtrlHp hp_from(const at::Tensor& knobs) {
               knobs.scalar_type(), " ", knobs.sizes(), " on ", knobs.device());
   FtrlHp hp;
   std::memcpy(&hp, knobs.data_ptr<float>(), sizeof(FtrlHp));
+  TORCH_CHECK_VALUE(pow_half == (hp.neg_power == 0.5f) && has_shrink == (hp.shrink2 != 0.0f),
+                    "pow_half=", pow_half, " and has_shrink=", has_shrink, " disagree with the knobs (",
+                    "neg_power=", hp.neg_power, ", shrink2=", hp.shrink2, "): give knob_flags of the knobs");
   return hp;
 }
 
@@ -713,7 +717,7 @@ SortedIndices sort_by_row(BackwardWorkspace& ws, Scratch<K>& kbuf, Scratch<K>& k
 // row-wise accum (one value per row, at the row's key).
 void backward_update(const c10::optional<at::Tensor>& weights_opt, at::Tensor& accum, at::Tensor& linear,
                      bool rowwise, FTRL_BATCH_PARAMS, const at::Tensor& grad_out, const at::Tensor& knobs,
-                     bool pow_half, bool /*has_shrink*/, at::Tensor& nonfinite_rows,
+                     bool pow_half, bool has_shrink, at::Tensor& nonfinite_rows,
                      const c10::optional<at::Tensor>& step_opt, bool check,
                      const c10::optional<at::Tensor>& lin_key, const c10::optional<at::Tensor>& lin_gofs,
                      const c10::optional<at::Tensor>& lin_scale, const c10::optional<at::Tensor>& lin_tid,
@@ -734,14 +738,14 @@ void backward_update(const c10::optional<at::Tensor>& weights_opt, at::Tensor& a
   check_layout(weights, accum, linear, rowwise, static_cast<int64_t>(rows_total));
   const bool nb = accum.scalar_type() == at::kBFloat16;
   const bool zb = linear.scalar_type() == at::kBFloat16;
+  TORCH_CHECK_VALUE(!(nb || zb) || step_opt.has_value(), "a bf16 optimizer state needs step (the "
+                    "TBE's iter) for its stochastic rounding, got None");
   TORCH_CHECK(nonfinite_rows.scalar_type() == at::kLong && nonfinite_rows.numel() == 1,
               "nonfinite_rows must be int64 [1]");
   const auto psw = check_psw(per_sample_weights, indices.numel());
   const int64_t N = indices.numel();
   const int64_t num_bags = offsets.numel() - 1;
   if (N == 0 || num_bags <= 0) return;
-  TORCH_CHECK(!(nb || zb) || step_opt.has_value(), "a bf16 optimizer state needs step (the TBE's "
-              "iter) for its stochastic rounding, got None");
   const int64_t step = (nb || zb) ? step_opt->item<int64_t>() : 0;
 
   const int64_t* dim_p = table_dim.data_ptr<int64_t>();
@@ -768,7 +772,7 @@ void backward_update(const c10::optional<at::Tensor>& weights_opt, at::Tensor& a
                                pooling_mode == kPoolNone, max_D, woff_p, dim_p, want_keys);
   }
   // 4. Sum + FTRL per unique row, parallel over rows; the layout and state dtypes are template flags.
-  const FtrlHp hp = hp_from(knobs);
+  const FtrlHp hp = hp_from(knobs, pow_half, has_shrink);
   int64_t bad = 0;
   auto update = [&](auto derived_tag, auto w_tag) {
     constexpr bool kDerived = decltype(derived_tag)::value;
@@ -808,6 +812,9 @@ void backward_update(const c10::optional<at::Tensor>& weights_opt, at::Tensor& a
 int64_t count_invalid_scalar(const at::Tensor& table_rows, const at::Tensor& feature_table,
                       const at::Tensor& bag_feature, const at::Tensor& indices,
                       const at::Tensor& offsets) {
+  for (auto* p : {&table_rows, &feature_table, &bag_feature, &indices, &offsets}) {
+    check_index_tensor(*p, "tbe_count_invalid tensor");
+  }
   TORCH_CHECK(indices.scalar_type() == at::kLong && offsets.scalar_type() == at::kLong &&
                   bag_feature.scalar_type() == at::kLong,
               "count_invalid: int64 indices, offsets and bag_feature expected");
@@ -839,7 +846,7 @@ int64_t count_invalid_scalar(const at::Tensor& table_rows, const at::Tensor& fea
 // torchrec_ftrl::tbe_forward: the flat output [out_numel] in out_dtype (zeros for empty bags).
 at::Tensor tbe_forward(const c10::optional<at::Tensor>& weights_opt, const at::Tensor& accum,
                        const at::Tensor& linear, bool rowwise, FTRL_BATCH_PARAMS, const at::Tensor& knobs,
-                       bool pow_half, bool /*has_shrink*/, int64_t out_numel, at::ScalarType out_dtype,
+                       bool pow_half, bool has_shrink, int64_t out_numel, at::ScalarType out_dtype,
                        const c10::optional<at::Tensor>& warn, const c10::optional<at::Tensor>& row_keys,
                        FTRL_CACHE_PARAMS) {
   refuse_unsupported("tbe_forward", false, {{"warn", &warn}, {"row_keys", &row_keys}, FTRL_CACHE_ARGS});
@@ -848,7 +855,7 @@ at::Tensor tbe_forward(const c10::optional<at::Tensor>& weights_opt, const at::T
   at::Tensor out = empty ? at::zeros({out_numel}, options) : at::empty({out_numel}, options);
   forward_into(stored_weights(weights_opt), accum, linear, table_w_offset, table_dim, feature_table,
                bag_feature, bag_out_offset, indices, offsets, per_sample_weights, pooling_mode, max_D,
-               table_row_base, rowwise, hp_from(knobs), pow_half, out);
+               table_row_base, rowwise, hp_from(knobs, pow_half, has_shrink), pow_half, out);
   return out;
 }
 

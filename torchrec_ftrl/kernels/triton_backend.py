@@ -45,8 +45,8 @@ CAPABILITIES = Capabilities(fused_check=True, linearizes=True, cached_placement=
 #   combined), an int or per BLOCK_D.
 # * seg_launch: per BLOCK_D, (elements per step, gradient rows per segment in flight[, register cap
 #   per thread]) of segment_update_kernel. The cap (Triton's ``maxnreg``; compiled CUDA launches
-#   only, see _register_cap) raises the programs resident per SM of this
-#   latency-bound kernel; it is set only where it spills no registers, measured for the stored /
+#   only, see _register_cap) raises the programs resident per SM of this latency-bound kernel; it
+#   is set only where it spills no registers, measured for the stored /
 #   element-wise layout (another layout takes a cap from its own "layouts" entry only).
 # * layouts: per row layout other than the stored / element-wise one, keyed
 #   "{weights}/{accumulator}/{accum dtype}/{linear dtype}" (e.g. "derived/rowwise/fp32/bf16"), its
@@ -264,8 +264,8 @@ def _sort_positions(key: torch.Tensor, total_rows: int) -> torch.Tensor:
     bits of ``total_rows - 1`` (22 bits for 3.2M rows: 3 passes) with int32 positions, against
     ``torch.sort``'s 4 passes over all 32 bits with int64 positions (0.244 against 0.296 ms for 5.2M
     Zipf keys on an H200). ``torch.sort(stable=True)``, the same positions, where that op is not built
-    for the device, for more than 2**31 - 2 keys, and for traced (fake or functional) keys (FBGEMM registers
-    no fake implementation of the op; traced tensors are fake or functional, not plain tensors).
+    for the device, for more than 2**31 - 2 keys, and for traced keys (FBGEMM registers no fake
+    implementation of the op; traced tensors are fake or functional, not plain tensors).
     Keys outside ``[0, total_rows)`` (only with the bounds check off, undefined behaviour there) sort
     by their low bits, among the rows they alias.
     """

@@ -18,7 +18,7 @@ handler cannot decode) or when pyarrow's row counts disagree with the line index
 
 from __future__ import annotations
 
-from typing import Iterator, List, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 import numpy as np
 import pyarrow as pa
@@ -154,63 +154,100 @@ def _bad_utf8_in_skipped_line(buf: bytes, plan: _Plan) -> bool:
     return bool((~lines.blank & (counted != plan.r.num_fields)).any())
 
 
+class _ChunkLines:
+    """The lines of one chunk: ``count``, ``blank`` (bool ``[count]``) and the byte index, built on
+    first use of :attr:`index`.
+
+    Without "\r" the lines are the "\n"-separated pieces: they are counted, and the byte index is
+    built only if pyarrow's rows do not account for every line (blank lines, wrong field counts) or
+    some line needs its text; ``blank`` is all False until :meth:`use_index_blank`.
+    """
+
+    def __init__(self, buf: bytes) -> None:
+        self.buf = buf
+        self._index = None if buf.find(b"\r") < 0 else index_lines(buf)
+        if self._index is None:
+            self.count = buf.count(b"\n") + (not buf.endswith(b"\n"))
+            self.blank = np.zeros(self.count, dtype=bool)  # until pyarrow's row count says otherwise
+        else:
+            self.count = len(self._index.start)
+            self.blank = self._index.blank
+        self.n_text = self.count - int(self.blank.sum())  # non-blank lines
+
+    @property
+    def index(self) -> LineIndex:
+        if self._index is None:
+            self._index = index_lines(self.buf)
+        return self._index
+
+    def use_index_blank(self) -> None:
+        """Take ``blank`` (and ``n_text``) from the byte index."""
+        self.blank = self.index.blank
+        self.n_text = self.count - int(self.blank.sum())
+
+    def text(self, li: int) -> str:
+        """Line ``li`` of the chunk, decoded as the per-line reader decodes it."""
+        index = self.index
+        return self.buf[index.start[li]:index.end[li]].decode("utf-8", errors="replace")
+
+
 def _chunk_rows(plan: _Plan, parser, buf: bytes, path: str, lineno: int, stats,
                 strict: bool):
     """Yield the valid rows of one chunk whose first line is line ``lineno`` of ``path``; return
     the chunk's line count."""
-    # Without "\r" the lines are the "\n"-separated pieces: count them, and build the byte index
-    # only if pyarrow's rows do not account for every line (blank lines, wrong field counts) or some
-    # line needs its text.
-    lines = None if buf.find(b"\r") < 0 else index_lines(buf)
-    if lines is None:
-        n_lines = buf.count(b"\n") + (not buf.endswith(b"\n"))
-        blank = np.zeros(n_lines, dtype=bool)  # until pyarrow's row count says otherwise
-    else:
-        n_lines = len(lines.start)
-        blank = lines.blank
-    n_text = n_lines - int(blank.sum())  # non-blank lines
-    table = None
-    if not buf.startswith(_BOM) and not _bad_utf8_in_skipped_line(buf, plan):  # (pyarrow would drop
-        # the BOM; its invalid_row_handler cannot decode such a line)
-        try:
-            table, skipped = plan.read(buf)
-        except pa.ArrowInvalid:  # e.g. invalid UTF-8 in a line of the wrong field count
-            table = None
-    if table is not None and skipped == 0 and table.num_rows == n_text:
-        arrow_line = ~blank  # every non-blank line is a row
-        wrong = np.zeros(n_lines, dtype=bool)
-    elif table is not None:
-        if lines is None:
-            lines = index_lines(buf)
-            blank = lines.blank
-            n_text = n_lines - int(blank.sum())
-        counted = field_counts(buf, lines, plan.delimiter.encode("ascii"))
-        arrow_line = ~blank & (counted == plan.r.num_fields)
-        wrong = ~blank & ~arrow_line
-        if table.num_rows != int(arrow_line.sum()) or skipped != int(wrong.sum()):
-            table = None  # pyarrow's lines disagree with the index: not expected, but be exact
-    if table is None:
-        lines = lines if lines is not None else index_lines(buf)
-        yield from _per_line(parser, buf, lines, path, lineno, stats, strict)
-        return n_lines
+    lines = _ChunkLines(buf)
+    split = _arrow_split(plan, lines)
+    if split is None:
+        yield from _per_line(parser, buf, lines.index, path, lineno, stats, strict)
+        return lines.count
+    table, arrow_line, wrong = split
     rows, ok = plan.decode(table)
     row_line = np.flatnonzero(arrow_line)  # chunk line of each arrow row
+    keep, bad = _reparse(parser, plan.delimiter, lines, rows, ok, row_line, wrong, path, lineno)
+    yield from _count_and_keep(rows, keep, bad, row_line, lines, path, lineno, stats, strict)
+    return lines.count
 
-    # Lines for the per-line parser: wrong field count, and rows the decoders did not settle.
-    redo = np.flatnonzero(~ok)
+
+def _arrow_split(plan: _Plan, lines: _ChunkLines) -> Optional[Tuple[pa.Table, np.ndarray, np.ndarray]]:
+    """``(table, arrow_line, wrong)``: pyarrow's rows of the chunk, bool per chunk line whether the
+    line is one of them, and bool per line whether it is non-blank with the wrong field count. None
+    where pyarrow does not take the chunk (a leading BOM, which it would drop; a skipped line with
+    invalid UTF-8, which its invalid_row_handler cannot decode) or its rows disagree with the index."""
+    buf = lines.buf
+    if buf.startswith(_BOM) or _bad_utf8_in_skipped_line(buf, plan):
+        return None
+    try:
+        table, skipped = plan.read(buf)
+    except pa.ArrowInvalid:  # e.g. invalid UTF-8 in a line of the wrong field count
+        return None
+    if skipped == 0 and table.num_rows == lines.n_text:
+        return table, ~lines.blank, np.zeros(lines.count, dtype=bool)  # every non-blank line is a row
+    lines.use_index_blank()
+    counted = field_counts(buf, lines.index, plan.delimiter.encode("ascii"))
+    arrow_line = ~lines.blank & (counted == plan.r.num_fields)
+    wrong = ~lines.blank & ~arrow_line
+    if table.num_rows != int(arrow_line.sum()) or skipped != int(wrong.sum()):
+        return None  # pyarrow's lines disagree with the index: not expected, but be exact
+    return table, arrow_line, wrong
+
+
+def _reparse(parser, delim: str, lines: _ChunkLines, rows: RowChunk, ok: np.ndarray,
+             row_line: np.ndarray, wrong: np.ndarray, path: str,
+             lineno: int) -> Tuple[np.ndarray, List[Tuple[int, _Bad]]]:
+    """Put through the per-line parser the lines the decoders did not settle: the rows with ``ok``
+    False (their values in ``rows`` replaced by the parser's) and the lines of the wrong field count
+    (each must fail). Returns ``(keep, bad)``: bool per row of ``rows``, False for a malformed one,
+    and ``(chunk line, reason)`` of every malformed line, in line order.
+
+    Raises:
+        AssertionError: a line of the wrong field count parsed.
+    """
     bad: List[Tuple[int, _Bad]] = []
     keep = np.ones(rows.num_rows, dtype=bool)
-    if len(redo) or wrong.any():
-        lines = lines if lines is not None else index_lines(buf)
-    delim = plan.delimiter
-
-    def text(li: int) -> str:
-        return buf[lines.start[li]:lines.end[li]].decode("utf-8", errors="replace")
-
-    for j in redo.tolist():
+    for j in np.flatnonzero(~ok).tolist():
         li = int(row_line[j])
         try:
-            row = parser.parse(text(li).split(delim))
+            row = parser.parse(lines.text(li).split(delim))
         except _Bad as b:
             bad.append((li, b))
             keep[j] = False
@@ -220,13 +257,22 @@ def _chunk_rows(plan: _Plan, parser, buf: bytes, path: str, lineno: int, stats,
         rows.ids[j] = row.ids
     for li in np.flatnonzero(wrong).tolist():
         try:
-            parser.parse(text(li).split(delim))
+            parser.parse(lines.text(li).split(delim))
         except _Bad as b:
             bad.append((li, b))
             continue
         raise AssertionError(f"{path}:{lineno + li}: a line of the wrong field count parsed")
     bad.sort(key=lambda x: x[0])
+    return keep, bad
 
+
+def _count_and_keep(rows: RowChunk, keep: np.ndarray, bad: List[Tuple[int, _Bad]],
+                    row_line: np.ndarray, lines: _ChunkLines, path: str, lineno: int, stats,
+                    strict: bool) -> Iterator[RowChunk]:
+    """Count the chunk's lines in ``stats``, record its malformed lines and yield its kept rows;
+    under ``strict`` with a malformed line, yield the kept rows before it, then raise there (as
+    :func:`~.line_parser.record_bad` does)."""
+    blank = lines.blank
     if strict and bad:
         m = bad[0][0]
         before = keep & (row_line < m)
@@ -236,12 +282,11 @@ def _chunk_rows(plan: _Plan, parser, buf: bytes, path: str, lineno: int, stats,
         if before.any():
             yield rows.take(np.flatnonzero(before))
         record_bad(stats, True, path, lineno + m, bad[0][1])
-    stats.lines += n_text
-    stats.blank += n_lines - n_text
+    stats.lines += lines.n_text
+    stats.blank += lines.count - lines.n_text
     for li, b in bad:
         record_bad(stats, False, path, lineno + li, b)
     n_valid = int(keep.sum())
     stats.valid += n_valid
     if n_valid:
         yield rows if n_valid == rows.num_rows else rows.take(np.flatnonzero(keep))
-    return n_lines

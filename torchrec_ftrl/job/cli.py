@@ -42,10 +42,21 @@ def _non_negative_int(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The job's flags: the groups data, model, optimization and run, then the preset flags."""
     p = _OneLineParser(
         prog=PROG,
         description="DLRM CTR model whose embedding tables are trained with a fused sparse optimizer "
                     "(FTRL-Proximal by default), sharded with DistributedModelParallel.")
+    _add_data_flags(p)
+    _add_model_flags(p)
+    _add_optimization_flags(p)
+    _add_run_flags(p)
+    presets.add_flags(p)
+    return p
+
+
+def _add_data_flags(p: argparse.ArgumentParser) -> None:
+    """The "data" group: what is read (files, a binary folder or the synthetic generator) and how."""
     d = p.add_argument_group("data")
     d.add_argument("--data", nargs="+", default=None, metavar="PATH",
                    help="delimited CTR log file(s), or one folder in TorchRec's binary Criteo layout "
@@ -79,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--zch-eviction-interval", type=int, default=1,
                    help="--zch: training forwards between eviction passes")
 
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    """The "model" group: embedding width, MLP sizes and the sharding types offered to the planner."""
     m = p.add_argument_group("model")
     m.add_argument("--embedding-dim", type=int, default=16)
     m.add_argument("--dense-arch", default="64", help="bottom MLP hidden sizes (embedding_dim is appended)")
@@ -87,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sharding types the planner may use (data_parallel is never offered: FTRL "
                         "tables must be fused)")
 
+
+def _add_optimization_flags(p: argparse.ArgumentParser) -> None:
+    """The "optimization" group: steps, batch size, the sparse and dense optimizers and the seed."""
     o = p.add_argument_group("optimization")
     o.add_argument("--steps", type=int, default=200, help="training steps (each rank one batch per step)")
     o.add_argument("--epochs", type=float, default=None,
@@ -131,6 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--dense-lr", type=float, default=0.05)
     o.add_argument("--seed", type=int, default=0)
 
+
+def _add_run_flags(p: argparse.ArgumentParser) -> None:
+    """The "run" group: device, evaluation, logging, checkpoints, outputs, data workers, pipeline
+    and profiling."""
     r = p.add_argument_group("run")
     r.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: one GPU per process (NCCL) when CUDA is present, else CPU (gloo)")
@@ -164,8 +185,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="record K training steps with torch.profiler after a few warm-up steps: "
                         "per-phase host/device ms in the summary JSON ('step_profile') and a chrome "
                         "trace <output-dir>/<run-name>_trace.json (0: off)")
-    presets.add_flags(p)
-    return p
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import re
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -101,68 +101,95 @@ def table_sparsity(model: torch.nn.Module, device: torch.device,
     ``"touched_rows", "zero_weights_touched", "zero_rows_touched", "zero_weight_share_touched",
     "zero_row_share_touched"`` (shares of the touched rows / their weights). The same on every rank
     (a collective: every rank must call it)."""
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-
     tables = _tables(model.state_dict())
     names = sorted(tables, key=natural_key)
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    # per table: zero weights, zero rows, zero weights in touched rows, zero rows among touched rows
-    scalars = torch.zeros(4 * len(names), dtype=torch.int64, device=device)
-    row_vectors, shapes = {}, {}
+    counts = _ZeroCounts(len(names), touched, device)
+    shapes = [counts.count_table(i, name, tables[name]) for i, name in enumerate(names)]
+    counts.all_reduce()
+    return {name: counts.record(i, name, rows, dim)
+            for i, (name, (rows, dim)) in enumerate(zip(names, shapes))}
 
-    def count(i, t, r0, full_width, name):
-        # Row chunks of at most _CHUNK_ELEMENTS elements: a 40M x 128 shard's comparison and sum would
-        # otherwise take tens of GB beside the tables.
-        step = max(1, _CHUNK_ELEMENTS // max(1, t.shape[1]))
-        for s in range(0, t.shape[0], step):
-            count_rows(i, t[s:s + step], r0 + s, full_width, name)
 
-    def count_rows(i, t, r0, full_width, name):
-        z = t == 0
-        nz_rows = (~z).any(dim=1)
-        tm = touched[name][r0:r0 + t.shape[0]].to(t.device) if touched is not None else None
-        scalars[4 * i] += int(z.sum())
-        if tm is not None:
-            scalars[4 * i + 2] += int(z[tm].sum())
-        if full_width:
-            scalars[4 * i + 1] += int((~nz_rows).sum())
-            if tm is not None:
-                scalars[4 * i + 3] += int((~nz_rows & tm).sum())
-        else:
-            row_vectors[name][r0:r0 + t.shape[0]] += nz_rows.to(torch.int32)
+class _ZeroCounts:
+    """Counts of zero weights and zero rows of the tables, this rank's shards first, then summed
+    over the ranks (:meth:`all_reduce`).
 
-    for i, name in enumerate(names):
-        v = tables[name]
+    ``scalars``: int64 ``[4 * tables]`` on ``device``, per table i at ``4 * i``: zero weights, zero
+    rows, zero weights in touched rows, zero rows among touched rows. A table split by columns keeps
+    instead of its zero rows ``row_vectors[name]``: int32 ``[rows]``, the number of column shards in
+    which each row has a non-zero weight (a row is all-zero when that is 0 after the sum).
+    """
+
+    def __init__(self, num_tables: int, touched: Optional[Dict[str, torch.Tensor]],
+                 device: torch.device) -> None:
+        self.touched = touched
+        self.device = device
+        self.scalars = torch.zeros(4 * num_tables, dtype=torch.int64, device=device)
+        self.row_vectors: Dict[str, torch.Tensor] = {}
+
+    def count_table(self, i: int, name: str, v) -> Tuple[int, int]:
+        """Count table ``i`` (``name``, its weight ``v``: a ShardedTensor, else replicated or
+        unsharded and counted once, on rank 0); returns its ``(rows, dim)``."""
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+
         if isinstance(v, ShardedTensor):
             rows, dim = v.size()
             full_width = all(m.shard_sizes[1] == dim for m in v.metadata().shards_metadata)
             if not full_width:
-                row_vectors[name] = torch.zeros(rows, dtype=torch.int32, device=device)
+                self.row_vectors[name] = torch.zeros(rows, dtype=torch.int32, device=self.device)
             for shard in v.local_shards():
-                count(i, shard.tensor, shard.metadata.shard_offsets[0], full_width, name)
+                self._count(i, shard.tensor, shard.metadata.shard_offsets[0], full_width, name)
         else:  # replicated (data-parallel) or unsharded: count once, on rank 0
             t = v.to_local() if hasattr(v, "to_local") else v
             rows, dim = t.shape
-            if rank == 0:
-                count(i, t, 0, True, name)
-        shapes[name] = (int(rows), int(dim))
-    if world > 1:
-        dist.all_reduce(scalars)
-        if row_vectors:
-            flat = torch.cat([row_vectors[n] for n in sorted(row_vectors)])
+            if (dist.get_rank() if dist.is_initialized() else 0) == 0:
+                self._count(i, t, 0, True, name)
+        return int(rows), int(dim)
+
+    def _count(self, i: int, t: torch.Tensor, r0: int, full_width: bool, name: str) -> None:
+        """Count the block ``t`` (rows ``r0..`` of table ``i``) in row chunks of at most
+        ``_CHUNK_ELEMENTS`` elements: a 40M x 128 shard's comparison and sum would otherwise take
+        tens of GB beside the tables."""
+        step = max(1, _CHUNK_ELEMENTS // max(1, t.shape[1]))
+        for s in range(0, t.shape[0], step):
+            self._count_rows(i, t[s:s + step], r0 + s, full_width, name)
+
+    def _count_rows(self, i: int, t: torch.Tensor, r0: int, full_width: bool, name: str) -> None:
+        z = t == 0
+        nz_rows = (~z).any(dim=1)
+        touched = self.touched
+        tm = touched[name][r0:r0 + t.shape[0]].to(t.device) if touched is not None else None
+        self.scalars[4 * i] += int(z.sum())
+        if tm is not None:
+            self.scalars[4 * i + 2] += int(z[tm].sum())
+        if full_width:
+            self.scalars[4 * i + 1] += int((~nz_rows).sum())
+            if tm is not None:
+                self.scalars[4 * i + 3] += int((~nz_rows & tm).sum())
+        else:
+            self.row_vectors[name][r0:r0 + t.shape[0]] += nz_rows.to(torch.int32)
+
+    def all_reduce(self) -> None:
+        """Sum the counts over the ranks (a collective; nothing to do in a one-rank run)."""
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world <= 1:
+            return
+        dist.all_reduce(self.scalars)
+        if self.row_vectors:
+            flat = torch.cat([self.row_vectors[n] for n in sorted(self.row_vectors)])
             dist.all_reduce(flat)
             off = 0
-            for n in sorted(row_vectors):
-                k = row_vectors[n].numel()
-                row_vectors[n] = flat[off:off + k]
+            for n in sorted(self.row_vectors):
+                k = self.row_vectors[n].numel()
+                self.row_vectors[n] = flat[off:off + k]
                 off += k
-    out = {}
-    for i, name in enumerate(names):
-        rows, dim = shapes[name]
+
+    def record(self, i: int, name: str, rows: int, dim: int) -> dict:
+        """Table ``i``'s entry of :func:`table_sparsity` (after :meth:`all_reduce`)."""
+        scalars, touched = self.scalars, self.touched
         zw = int(scalars[4 * i])
-        if name in row_vectors:
-            zero_row = (row_vectors[name] == 0).cpu()
+        if name in self.row_vectors:
+            zero_row = (self.row_vectors[name] == 0).cpu()
             zr = int(zero_row.sum())
             zrt = int((zero_row & touched[name]).sum()) if touched is not None else 0
         else:
@@ -175,8 +202,7 @@ def table_sparsity(model: torch.nn.Module, device: torch.device,
             rec.update({"touched_rows": nt, "zero_weights_touched": zwt, "zero_rows_touched": zrt,
                         "zero_weight_share_touched": zwt / (nt * dim) if nt else float("nan"),
                         "zero_row_share_touched": zrt / nt if nt else float("nan")})
-        out[name] = rec
-    return out
+        return rec
 
 
 def overall(sp: Dict[str, dict]) -> dict:

@@ -18,11 +18,13 @@ chrome trace ``<run-name>_trace.json``).
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import threading
 import time
 import warnings
+from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -113,15 +115,49 @@ def _load_cpu_kernel(say: bool) -> None:
         timer.cancel()
 
 
-def _run(args, env, fused_params, source, data_desc, rank0) -> dict:
-    import torchrec_ftrl
+class _Job(NamedTuple):
+    """What every phase of one run reads (the same on every rank but ``env`` and ``rank0``)."""
+    args: argparse.Namespace
+    env: dist_env.DistEnv
+    rank0: bool
+    local_world: int     # ranks on this host (LOCAL_WORLD_SIZE, else the world size)
+    source: Any          # the data source: synthetic, text or binary (``make_source``)
+    data_desc: dict      # ``{"kind", ...}``: the data as the summary's "data" names it
+    fused_params: dict   # the sharders' fused_params (``cli.sparse_fused_params``)
+    features: list       # categorical feature names; the table of feature f is "t_f"
+    sizes: list          # rows per table (--zch: ZCH slots per table)
+    steps: int           # the step the run ends at (--steps, or --epochs over the data)
 
+
+class _Model(NamedTuple):
+    """The sharded model of a run."""
+    dmp: Any             # TorchRec's DistributedModelParallel around the DLRM
+    opt: Any             # CombinedOptimizer: the fused sparse optimizer and the dense one
+    plan: Any            # the ShardingPlan
+    evictions: Any       # --zch: the zch.EvictionCounter of dmp; else None
+
+
+class _Start(NamedTuple):
+    """Where a run's steps start: step 0 with empty histories, or a checkpoint's."""
+    step: int
+    loss_history: list            # [[step, cross-rank mean loss of the --log-every window], ...]
+    val_history: list             # validation metric dicts, each with its "step"
+    loss_window: Optional[dict]   # the checkpoint's open --log-every window {"n", "sums"}, or None
+
+
+class _Timing(NamedTuple):
+    """``time.perf_counter`` times of the step loop, in seconds."""
+    t0: float                     # before the first step
+    train_time: float             # from t0 to the end of the last step's kernels
+    steady_from: Optional[int]    # the step after which steady-state timing starts (None: not timed)
+    t_steady: Optional[float]     # when step steady_from + 1 started (None: not timed)
+
+
+def _run(args, env, fused_params, source, data_desc, rank0) -> dict:
+    """One run on this rank once the process group is up: set-up, the steps, the last validation and
+    checkpoint, sparsity and (rank 0) the report. Returns the summary dict."""
     torch.manual_seed(args.seed)
-    path = None
-    if args.resume is not None:   # a checkpoint this run cannot resume fails before any work
-        path = checkpoint.resolve(args.resume, args.checkpoint_dir)
-        checkpoint.check_ftrl_state_dtype(path, checkpoint.read_meta(path), args.ftrl_state_dtype,
-                                          args.sparse_optimizer)
+    path = _checked_resume_path(args)
     if data_desc["kind"].startswith("synthetic-"):   # drawn on the device: made again on it
         source, data_desc = make_source(args, env.device)
     steps = args.steps
@@ -130,21 +166,67 @@ def _run(args, env, fused_params, source, data_desc, rank0) -> dict:
     features = source.categorical_names
     sizes = (zch.slots_per_table(args.num_embeddings_list, len(features)) if args.zch
              else source.num_embeddings)
-    num_dense = len(source.dense_names)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
+    job = _Job(args, env, rank0, local_world, source, data_desc, fused_params, features, sizes, steps)
+    model = _build_model(job)
+    # Touched rows are counted from the batches' ids; --zch batches hold raw ids, not rows.
+    tracker = sparsity.TouchTracker([] if args.zch else features, [] if args.zch else sizes,
+                                    env.device)
+    start = (_resume(job, path, model, tracker) if args.resume is not None
+             else _Start(0, [], [], None))
+    val_batches, train_iter, workers = _data(job, start.step)
+    warmup_s, warmed = _kernel_warmup(job, model.dmp)
+    if rank0:
+        _print_start(job, start.step, workers)
+    training = _Training(job, model, tracker, val_batches, start)
+    timing = training.run(train_iter)
+    training.finish()
+    tracker.reduce(env.device)
+    sp = sparsity.table_sparsity(model.dmp, env.device, touched=None if args.zch else tracker.masks)
+    summary = _summary(job, model, training, timing, sp, warmup_s, warmed)
+    if rank0:
+        _report(job, summary, sp, timing.steady_from)
+    return summary
 
+
+def _checked_resume_path(args) -> Optional[str]:
+    """The checkpoint folder ``--resume`` names (None without it), checked before any work.
+
+    Raises:
+        FileNotFoundError: no checkpoint there.
+        CheckpointError: its FTRL state dtype is not this run's.
+    """
+    if args.resume is None:
+        return None
+    path = checkpoint.resolve(args.resume, args.checkpoint_dir)
+    checkpoint.check_ftrl_state_dtype(path, checkpoint.read_meta(path), args.ftrl_state_dtype,
+                                      args.sparse_optimizer)
+    return path
+
+
+def _build_model(job: _Job) -> _Model:
+    """The DLRM of the run, sharded (``--zch``: with managed collision) with the job's sharders,
+    and its optimizer.
+
+    Raises:
+        PlanDoesNotFitError: the planner finds no plan within the memory of the ranks.
+    """
+    import torchrec_ftrl
+
+    args, env = job.args, job.env
     if env.device.type == "cpu":
-        _load_cpu_kernel(rank0)
+        _load_cpu_kernel(job.rank0)
     # Derived FTRL weights start at zero, where FTRL starts a row (z = 0): an encoded uniform start
     # would keep |z| above ftrl_l1_reg and train a denser model (docs/row-layouts.md).
-    net = model_lib.build_dlrm(features, sizes, args.embedding_dim, num_dense, args.dense_arch_list,
-                               args.over_arch_list, env.device,
+    net = model_lib.build_dlrm(job.features, job.sizes, args.embedding_dim, len(job.source.dense_names),
+                               args.dense_arch_list, args.over_arch_list, env.device,
                                dcn=(args.dcn_layers, args.dcn_rank) if args.dcn_layers else None,
                                zero_init=args.sparse_optimizer == "ftrl" and args.ftrl_weights == "derived")
     if args.compile_dense:
         model_lib.compile_dense(net)
-    sharders = torchrec_ftrl.sharders(fused_params)
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
-    tables = [f"t_{f}" for f in features]
+    sharders = torchrec_ftrl.sharders(job.fused_params)
+    local_world = job.local_world
+    tables = [f"t_{f}" for f in job.features]
     evictions = None
     if args.zch:
         zch.add_managed_collision(net, args.zch_eviction_interval, env.device)
@@ -157,161 +239,246 @@ def _run(args, env, fused_params, source, data_desc, rank0) -> dict:
         dmp, plan = model_lib.shard(
             net, tables, sharders, env.device, args.sharding_types.split(","), env.world_size,
             local_world, args.batch_size, hbm, ddr,
-            no_fit_message=lambda: plan_only.no_fit_message(args, sizes, env.world_size, hbm, ddr))
+            no_fit_message=lambda: plan_only.no_fit_message(args, job.sizes, env.world_size, hbm, ddr))
     opt = model_lib.build_optimizer(dmp, args.dense_optimizer, args.dense_lr)
+    return _Model(dmp, opt, plan, evictions)
 
-    # Touched rows are counted from the batches' ids; --zch batches hold raw ids, not rows.
-    tracker = sparsity.TouchTracker([] if args.zch else features, [] if args.zch else sizes,
-                                    env.device)
-    start_step, loss_history, val_history = 0, [], []
-    resumed_window = None
-    if args.resume is not None:
-        extra = tracker.state_dict()
-        meta = checkpoint.load(path, dmp, opt, extra=extra)
-        tracker.load_state_dict(extra)
-        start_step = int(meta["step"])
-        # TorchRec does not checkpoint a TBE's step counter (one per training step); bf16 FTRL state
-        # rounds with it, so the resumed run rounds as the uninterrupted one.
-        dmp.fused_optimizer.set_optimizer_step(start_step)
-        if start_step > steps:
-            raise checkpoint.CheckpointError(
-                f"--resume: the run ends at step {steps} (--steps / --epochs), before the step of the "
-                f"checkpoint {path} ({start_step})")
-        loss_history, val_history = meta.get("loss_history", []), meta.get("val_history", [])
-        resumed_window = meta.get("loss_window")
-        if rank0:
-            print(f"resumed from {path} at step {start_step}", flush=True)
 
+def _resume(job: _Job, path: str, model: _Model, tracker: sparsity.TouchTracker) -> _Start:
+    """Load the checkpoint at ``path`` into ``model`` and ``tracker``; rank 0 says so.
+
+    Raises:
+        CheckpointError: the checkpoint cannot be loaded, or its step is past the run's last step.
+    """
+    extra = tracker.state_dict()
+    meta = checkpoint.load(path, model.dmp, model.opt, extra=extra)
+    tracker.load_state_dict(extra)
+    start_step = int(meta["step"])
+    # TorchRec does not checkpoint a TBE's step counter (one per training step); bf16 FTRL state
+    # rounds with it, so the resumed run rounds as the uninterrupted one.
+    model.dmp.fused_optimizer.set_optimizer_step(start_step)
+    if start_step > job.steps:
+        raise checkpoint.CheckpointError(
+            f"--resume: the run ends at step {job.steps} (--steps / --epochs), before the step of the "
+            f"checkpoint {path} ({start_step})")
+    start = _Start(start_step, meta.get("loss_history", []), meta.get("val_history", []),
+                   meta.get("loss_window"))
+    if job.rank0:
+        print(f"resumed from {path} at step {start_step}", flush=True)
+    return start
+
+
+def _data(job: _Job, start_step: int) -> Tuple[list, Any, int]:
+    """``(validation batches of this rank, iterator of its training batches from step start_step + 1,
+    data workers per rank)``; rank 0 prints the reader's statistics of file data."""
+    args, env, source = job.args, job.env, job.source
     # --split none: every row trains, nothing is validated.
     no_split = getattr(getattr(source, "split", None), "mode", None) == "none"
     val_batches = [] if no_split else source.validation_batches(env.rank, env.world_size,
                                                                   args.batch_size)
-    if rank0 and source.stats() is not None:
+    if job.rank0 and source.stats() is not None:
         print(f"data: {source.stats().summary()}", flush=True)
     on_device = getattr(source, "on_device", False)   # batches drawn on the device: no workers, no pinning
-    workers = 0 if on_device else cli.data_workers(args.data_workers, local_world)
+    workers = 0 if on_device else cli.data_workers(args.data_workers, job.local_world)
     train_iter = train_loader(source, env.rank, env.world_size, args.batch_size, start_step,
-                              steps - start_step, workers=workers,
+                              job.steps - start_step, workers=workers,
                               pin_memory=env.device.type == "cuda" and not on_device)
-    warmup_s, warmed = None, 0
-    if kernel_warmup.enabled(args.kernel_warmup, args.sparse_optimizer, env.device):
-        t = time.perf_counter()
-        warmed = kernel_warmup.warm_up(dmp, args.batch_size * env.world_size,
-                                       getattr(source, "multi_hot", args.multi_hot_list), args.seed)
-        warmup_s = time.perf_counter() - t
-    if rank0:
-        opt_name = args.sparse_optimizer
-        if opt_name == "ftrl":
-            opt_name += f" (state {args.ftrl_state_dtype})"
-        print(f"train_ctr: {env.world_size} rank(s), {env.device} ({env.backend}), data={data_desc['kind']}, "
-              f"{len(features)} tables x {args.embedding_dim} dims, sparse={opt_name} "
-              f"lr={args.sparse_lr}, dense={args.dense_optimizer} lr={args.dense_lr}, "
-              f"steps {start_step}->{steps}, batch {args.batch_size}/rank, {workers} data "
-              f"worker(s)/rank", flush=True)
+    return val_batches, train_iter, workers
 
-    bar = None
-    if rank0 and not args.no_progress:
-        from tqdm import tqdm
-        bar = tqdm(total=steps, initial=start_step, desc="train", mininterval=1.0, dynamic_ncols=True)
 
-    def eval_now(step):
-        if not val_batches:
-            return
-        with record_function(f"{profile_lib.EXCLUDED_PREFIX} validation ##"), loop.paused() as model:
-            m = evaluate.validate(model, val_batches, env.device)
-        m["step"] = step
-        val_history.append(m)
-        if rank0:
-            msg = (f"step {step}: validation AUC {m['auc']:.4f}  logloss {m['logloss']:.4f}  "
-                   f"NE {m['ne']:.4f}  ({m['rows']} rows)")
-            (bar.write(msg) if bar else print(msg, flush=True))
+def _kernel_warmup(job: _Job, dmp) -> Tuple[Optional[float], int]:
+    """``(seconds, TBEs warmed up)`` of the kernel warm-up (``(None, 0)`` when it does not run)."""
+    args = job.args
+    if not kernel_warmup.enabled(args.kernel_warmup, args.sparse_optimizer, job.env.device):
+        return None, 0
+    t = time.perf_counter()
+    warmed = kernel_warmup.warm_up(dmp, args.batch_size * job.env.world_size,
+                                   getattr(job.source, "multi_hot", args.multi_hot_list), args.seed)
+    return time.perf_counter() - t, warmed
 
-    def save_ckpt(step):
-        # The open --log-every window (each rank's loss sum so far): a resumed run logs the same means.
-        sums = [None] * env.world_size
-        dist.all_gather_object(sums, float(window_loss) if window_loss is not None else 0.0)
-        meta = {"loss_history": loss_history, "val_history": val_history, "args": vars(args),
-                "loss_window": {"n": window_n, "sums": sums}}
-        with record_function(f"{profile_lib.EXCLUDED_PREFIX} checkpoint ##"):
-            tracker.reduce(env.device)
-            path = checkpoint.save(args.checkpoint_dir, step, dmp, opt, meta,
-                                   keep=args.keep_checkpoints, extra=tracker.state_dict())
-        if rank0:
-            msg = f"step {step}: checkpoint {path}"
-            (bar.write(msg) if bar else print(msg, flush=True))
 
-    dmp.train()
-    loop = pipeline.make(args.pipeline, dmp, opt, env.device, train_iter, steps - start_step,
-                         (lambda kjt: None) if args.zch else tracker.update)
-    prof = None
-    warmup, active = profile_lib.plan(steps - start_step, args.profile_steps)
-    if active:
-        trace = os.path.join(args.output_dir, f"{args.run_name}_trace.json" if rank0
+def _print_start(job: _Job, start_step: int, workers: int) -> None:
+    """The line that opens a run: ranks, device, data, tables, optimizers, steps and batch."""
+    args, env = job.args, job.env
+    opt_name = args.sparse_optimizer
+    if opt_name == "ftrl":
+        opt_name += f" (state {args.ftrl_state_dtype})"
+    print(f"train_ctr: {env.world_size} rank(s), {env.device} ({env.backend}), data={job.data_desc['kind']}, "
+          f"{len(job.features)} tables x {args.embedding_dim} dims, sparse={opt_name} "
+          f"lr={args.sparse_lr}, dense={args.dense_optimizer} lr={args.dense_lr}, "
+          f"steps {start_step}->{job.steps}, batch {args.batch_size}/rank, {workers} data "
+          f"worker(s)/rank", flush=True)
+
+
+class _Training:
+    """The steps of one run and what they record: the cross-rank mean loss of every --log-every
+    window, validation every --eval-every steps and at the end, checkpoints every
+    --checkpoint-every steps and at the end, the tqdm bar and the step profile (rank 0 prints).
+
+    The window's loss sum stays on the device (float64, the step losses in order) and is read back
+    every --log-every steps, so the host does not wait for each step's kernels.
+    """
+
+    def __init__(self, job: _Job, model: _Model, tracker: sparsity.TouchTracker, val_batches: list,
+                 start: _Start) -> None:
+        self.job, self.model, self.tracker, self.val_batches = job, model, tracker, val_batches
+        self.start_step = start.step
+        self.loss_history, self.val_history = start.loss_history, start.val_history
+        self.resumed_window = start.loss_window
+        self.window_loss, self.window_n = None, 0
+        self.shown = {}     # the bar's postfix: the last logged loss
+        self.loop = self.prof = None
+        self.bar = None
+        if job.rank0 and not job.args.no_progress:
+            from tqdm import tqdm
+            self.bar = tqdm(total=job.steps, initial=start.step, desc="train", mininterval=1.0,
+                            dynamic_ncols=True)
+
+    def run(self, train_iter) -> _Timing:
+        """Train steps ``start_step + 1 .. steps`` on the batches of ``train_iter``."""
+        job, env, dmp = self.job, self.job.env, self.model.dmp
+        todo = job.steps - self.start_step
+        dmp.train()
+        self.loop = pipeline.make(job.args.pipeline, dmp, self.model.opt, env.device, train_iter, todo,
+                                  (lambda kjt: None) if job.args.zch else self.tracker.update)
+        self.prof = self._profiler(todo)
+        t0 = time.perf_counter()
+        self._restore_window()
+        # Steady-state throughput: timed from the end of the first STEADY_AFTER steps of this run (one
+        # device sync there), so one-off costs (kernel compiles, first allocations) are left out.
+        steady_from = self.start_step + STEADY_AFTER if todo > 2 * STEADY_AFTER else None
+        t_steady = None
+        for step in range(self.start_step + 1, job.steps + 1):
+            if step - 1 == steady_from:
+                _synchronize(env.device)
+                t_steady = time.perf_counter()
+            loss = self.loop.step()
+            faults.maybe_fail(env.rank, step, "step")
+            with record_function(profile_lib.METRICS_LABEL):
+                self._record_loss(step, loss, t0)
+            self._after_step(step)
+        _synchronize(env.device)   # the last steps' kernels belong to the training time
+        train_time = time.perf_counter() - t0
+        if self.prof is not None:
+            self.prof.close()
+        if self.bar is not None:
+            self.bar.close()
+        return _Timing(t0, train_time, steady_from, t_steady)
+
+    def finish(self) -> None:
+        """Validate at the last step (unless done there) and, with --checkpoint-dir, save it."""
+        steps = self.job.steps
+        if not self.val_history or self.val_history[-1]["step"] != steps:
+            self.evaluate(steps)
+        if self.job.args.checkpoint_dir:
+            self.save_checkpoint(steps)
+
+    def _profiler(self, todo: int) -> Optional[profile_lib.StepProfiler]:
+        """The --profile-steps profiler over the ``todo`` steps of the run (None: off)."""
+        args, env = self.job.args, self.job.env
+        warmup, active = profile_lib.plan(todo, args.profile_steps)
+        if not active:
+            return None
+        trace = os.path.join(args.output_dir, f"{args.run_name}_trace.json" if self.job.rank0
                              else f"{args.run_name}_trace.rank{env.rank}.json")
-        prof = profile_lib.StepProfiler(active, warmup, env.device, trace, module=dmp.module)
-    t0 = time.perf_counter()
-    # The window's loss sum stays on the device (float64, the step losses in order) and is read
-    # back every --log-every steps, so the host does not wait for each step's kernels.
-    window_loss, window_n = None, 0
-    if resumed_window and resumed_window.get("n") and len(resumed_window.get("sums", ())) == env.world_size:
-        window_n = int(resumed_window["n"])
-        window_loss = torch.tensor(resumed_window["sums"][env.rank], dtype=torch.float64, device=env.device)
-    shown = {}
-    # Steady-state throughput: timed from the end of the first STEADY_AFTER steps of this run (one
-    # device sync there), so one-off costs (kernel compiles, first allocations) are left out.
-    steady_from = start_step + STEADY_AFTER if steps - start_step > 2 * STEADY_AFTER else None
-    t_steady = None
-    for step in range(start_step + 1, steps + 1):
-        if step - 1 == steady_from:
-            if env.device.type == "cuda":
-                torch.cuda.synchronize(env.device)
-            t_steady = time.perf_counter()
-        loss = loop.step()
-        faults.maybe_fail(env.rank, step, "step")
-        with record_function(profile_lib.METRICS_LABEL):
-            window_loss = loss.double() if window_loss is None else window_loss + loss.double()
-            window_n += 1
-            if step % args.log_every == 0 or step == steps:
-                loss_history.append([step, _mean_over_ranks(float(window_loss) / window_n, env.device)])
-                window_loss, window_n = None, 0
-                shown = {"loss": f"{loss_history[-1][1]:.4f}"}
-            if bar is not None:
-                rate = (step - start_step) * args.batch_size * env.world_size / (time.perf_counter() - t0)
-                bar.update(1)
-                bar.set_postfix(**shown, ex_s=f"{rate:.0f}", refresh=False)
+        return profile_lib.StepProfiler(active, warmup, env.device, trace, module=self.model.dmp.module)
+
+    def _restore_window(self) -> None:
+        """Reopen the checkpoint's --log-every window when it has this rank's sum."""
+        env, resumed = self.job.env, self.resumed_window
+        if resumed and resumed.get("n") and len(resumed.get("sums", ())) == env.world_size:
+            self.window_n = int(resumed["n"])
+            self.window_loss = torch.tensor(resumed["sums"][env.rank], dtype=torch.float64,
+                                            device=env.device)
+
+    def _record_loss(self, step: int, loss: torch.Tensor, t0: float) -> None:
+        """Add the step's loss to the window; log the window every --log-every steps and at the end;
+        advance the bar."""
+        args, env = self.job.args, self.job.env
+        self.window_loss = loss.double() if self.window_loss is None else self.window_loss + loss.double()
+        self.window_n += 1
+        if step % args.log_every == 0 or step == self.job.steps:
+            self.loss_history.append([step, _mean_over_ranks(float(self.window_loss) / self.window_n,
+                                                             env.device)])
+            self.window_loss, self.window_n = None, 0
+            self.shown = {"loss": f"{self.loss_history[-1][1]:.4f}"}
+        if self.bar is not None:
+            rate = (step - self.start_step) * args.batch_size * env.world_size / (time.perf_counter() - t0)
+            self.bar.update(1)
+            self.bar.set_postfix(**self.shown, ex_s=f"{rate:.0f}", refresh=False)
+
+    def _after_step(self, step: int) -> None:
+        """Validation and checkpoint when their schedules fall on ``step`` (not the last step:
+        :meth:`finish` does that one); the profiler's step."""
+        args, steps = self.job.args, self.job.steps
         if step % args.eval_every == 0 and step != steps:
-            eval_now(step)
+            self.evaluate(step)
         if args.checkpoint_dir and args.checkpoint_every and step % args.checkpoint_every == 0 \
                 and step != steps:
-            save_ckpt(step)
-        if prof is not None:
-            prof.step()
-    if env.device.type == "cuda":
-        torch.cuda.synchronize(env.device)   # the last steps' kernels belong to the training time
-    train_time = time.perf_counter() - t0
-    if prof is not None:
-        prof.close()
-    if bar is not None:
-        bar.close()
-    if not val_history or val_history[-1]["step"] != steps:
-        eval_now(steps)
-    if args.checkpoint_dir:
-        save_ckpt(steps)
-    tracker.reduce(env.device)
-    sp = sparsity.table_sparsity(dmp, env.device, touched=None if args.zch else tracker.masks)
+            self.save_checkpoint(step)
+        if self.prof is not None:
+            self.prof.step()
+
+    def evaluate(self, step: int) -> None:
+        """Validate the model on the validation batches (none: nothing) and record the metrics."""
+        if not self.val_batches:
+            return
+        with record_function(f"{profile_lib.EXCLUDED_PREFIX} validation ##"), \
+                self.loop.paused() as model:
+            m = evaluate.validate(model, self.val_batches, self.job.env.device)
+        m["step"] = step
+        self.val_history.append(m)
+        self._say(f"step {step}: validation AUC {m['auc']:.4f}  logloss {m['logloss']:.4f}  "
+                  f"NE {m['ne']:.4f}  ({m['rows']} rows)")
+
+    def save_checkpoint(self, step: int) -> None:
+        """Save the model, optimizer, histories and touched rows at ``step`` (a collective)."""
+        args, env, tracker = self.job.args, self.job.env, self.tracker
+        # The open --log-every window (each rank's loss sum so far): a resumed run logs the same means.
+        sums = [None] * env.world_size
+        dist.all_gather_object(sums, float(self.window_loss) if self.window_loss is not None else 0.0)
+        meta = {"loss_history": self.loss_history, "val_history": self.val_history, "args": vars(args),
+                "loss_window": {"n": self.window_n, "sums": sums}}
+        with record_function(f"{profile_lib.EXCLUDED_PREFIX} checkpoint ##"):
+            tracker.reduce(env.device)
+            path = checkpoint.save(args.checkpoint_dir, step, self.model.dmp, self.model.opt, meta,
+                                   keep=args.keep_checkpoints, extra=tracker.state_dict())
+        self._say(f"step {step}: checkpoint {path}")
+
+    def _say(self, msg: str) -> None:
+        """Rank 0: print ``msg`` (through the bar when there is one)."""
+        if self.job.rank0:
+            (self.bar.write(msg) if self.bar else print(msg, flush=True))
+
+
+def _synchronize(device: torch.device) -> None:
+    """Wait for the device's kernels (CUDA; nothing to wait for on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _summary(job: _Job, model: _Model, training: _Training, timing: _Timing, sp: Dict[str, dict],
+             warmup_s: Optional[float], warmed: int) -> dict:
+    """The run's summary dict (``<run-name>_summary.json``); ``sp``: :func:`sparsity.table_sparsity`.
+    Every rank calls it (``--zch`` sums the evicted slots over the ranks)."""
+    args, env, source, steps = job.args, job.env, job.source, job.steps
+    start_step = training.start_step
+    loss_history, val_history = training.loss_history, training.val_history
     done = steps - start_step
-    summary = {
+    examples_per_step = args.batch_size * env.world_size
+    t0, train_time, steady_from, t_steady = timing
+    return {
         "run_name": args.run_name,
         "world_size": env.world_size, "device": str(env.device), "backend": env.backend,
-        "data": {**data_desc, "reader": source.stats().to_dict() if source.stats() else None},
+        "data": {**job.data_desc, "reader": source.stats().to_dict() if source.stats() else None},
         "sparse_optimizer": args.sparse_optimizer,
-        "fused_params": summary_fused_params(fused_params),
+        "fused_params": summary_fused_params(job.fused_params),
         "ftrl_state_dtype": args.ftrl_state_dtype if args.sparse_optimizer == "ftrl" else None,
         "ftrl_registered": cli_ftrl_registered(),
         "steps": steps, "start_step": start_step, "batch_size_per_rank": args.batch_size,
-        "examples_per_s": done * args.batch_size * env.world_size / train_time if done else None,
+        "examples_per_s": done * examples_per_step / train_time if done else None,
         "train_time_s": train_time,
-        "steady_examples_per_s": ((steps - steady_from) * args.batch_size * env.world_size
+        "steady_examples_per_s": ((steps - steady_from) * examples_per_step
                                   / (t0 + train_time - t_steady) if t_steady is not None else None),
         "final_train_loss": loss_history[-1][1] if loss_history else None,
         "final_validation": val_history[-1] if val_history else None,
@@ -319,48 +486,56 @@ def _run(args, env, fused_params, source, data_desc, rank0) -> dict:
         "loss_history": loss_history,
         "sparsity_overall": sparsity.overall(sp),
         "sparsity": sp,
-        "plan": model_lib.plan_summary(plan),
+        "plan": model_lib.plan_summary(model.plan),
         "pipeline": args.pipeline,
-        "zch": ({"slots_per_table": sizes, "eviction_interval": args.zch_eviction_interval,
-                 "reset_slots": int(_sum_over_ranks(evictions.evicted, env.device))}
+        "zch": ({"slots_per_table": job.sizes, "eviction_interval": args.zch_eviction_interval,
+                 "reset_slots": int(_sum_over_ranks(model.evictions.evicted, env.device))}
                 if args.zch else None),
-        "step_profile": prof.result if prof is not None else None,
+        "step_profile": training.prof.result if training.prof is not None else None,
         "kernel_warmup_s": warmup_s, "kernel_warmup_tbes": warmed,
         "peak_gpu_memory_bytes": (torch.cuda.max_memory_allocated(env.device)
                                   if env.device.type == "cuda" else None),
         "args": vars(args),
     }
-    if rank0:
-        out = os.path.join(args.output_dir, f"{args.run_name}_summary.json")
-        png = os.path.join(args.output_dir, f"{args.run_name}.png")
-        report.write_summary(out, summary)
-        report.plot(png, loss_history, val_history, sp,
-                    f"{args.run_name}: {args.sparse_optimizer}, {env.world_size} rank(s), {data_desc['kind']}")
-        fv, so = summary["final_validation"], summary["sparsity_overall"]
-        val = (f"validation AUC {fv['auc']:.4f}, logloss {fv['logloss']:.4f}" if fv is not None
-               else "no validation (--split none)")
-        if "touched_rows" in so:
-            zeros = (f"of the {so['touched_rows']} embedding rows the data touched: "
-                     f"{so['zero_weight_share_touched']:.1%} of weights and "
-                     f"{so['zero_row_share_touched']:.1%} of rows are exactly zero (all rows: "
-                     f"{so['zero_weight_share']:.1%} / {so['zero_row_share']:.1%})")
-        else:   # --zch: slots, not raw ids, are rows
-            z = summary["zch"]
-            zeros = (f"{z['reset_slots']} slots reset; of all embedding rows "
-                     f"{so['zero_weight_share']:.1%} of weights and {so['zero_row_share']:.1%} of "
-                     f"rows are exactly zero")
-        print(f"done: {steps} steps, final train loss {summary['final_train_loss']:.4f}, {val}; "
-              f"{zeros}; {summary['examples_per_s'] or 0:.0f} examples/s"
-              + (f" ({summary['steady_examples_per_s']:.0f} after step {steady_from})"
-                 if summary["steady_examples_per_s"] else ""), flush=True)
-        print(f"wrote {out} and {png}", flush=True)
-        ps = summary["step_profile"]
-        if ps is not None:
-            host = ", ".join(f"{k} {v:.2f}" for k, v in ps["host_ms"].items())
-            dev = ", ".join(f"{k} {v:.2f}" for k, v in ps["device_ms"].items()) or "none (CPU)"
-            print(f"profile of {ps['steps']} steps (rank 0, ms per step): host {host} (step "
-                  f"{ps['host_step_ms']:.2f}); device {dev}; trace {ps['trace']}", flush=True)
-    return summary
+
+
+def _report(job: _Job, summary: dict, sp: Dict[str, dict], steady_from: Optional[int]) -> None:
+    """Rank 0: write the summary JSON and the plot, and print the closing lines."""
+    args, env, steps = job.args, job.env, job.steps
+    out = os.path.join(args.output_dir, f"{args.run_name}_summary.json")
+    png = os.path.join(args.output_dir, f"{args.run_name}.png")
+    report.write_summary(out, summary)
+    report.plot(png, summary["loss_history"], summary["validation_history"], sp,
+                f"{args.run_name}: {args.sparse_optimizer}, {env.world_size} rank(s), {job.data_desc['kind']}")
+    fv = summary["final_validation"]
+    val = (f"validation AUC {fv['auc']:.4f}, logloss {fv['logloss']:.4f}" if fv is not None
+           else "no validation (--split none)")
+    print(f"done: {steps} steps, final train loss {summary['final_train_loss']:.4f}, {val}; "
+          f"{_zeros_text(summary)}; {summary['examples_per_s'] or 0:.0f} examples/s"
+          + (f" ({summary['steady_examples_per_s']:.0f} after step {steady_from})"
+             if summary["steady_examples_per_s"] else ""), flush=True)
+    print(f"wrote {out} and {png}", flush=True)
+    ps = summary["step_profile"]
+    if ps is not None:
+        host = ", ".join(f"{k} {v:.2f}" for k, v in ps["host_ms"].items())
+        dev = ", ".join(f"{k} {v:.2f}" for k, v in ps["device_ms"].items()) or "none (CPU)"
+        print(f"profile of {ps['steps']} steps (rank 0, ms per step): host {host} (step "
+              f"{ps['host_step_ms']:.2f}); device {dev}; trace {ps['trace']}", flush=True)
+
+
+def _zeros_text(summary: dict) -> str:
+    """The closing line's part on exactly-zero weights and rows (among touched rows; --zch: of all
+    rows, with the reset slots)."""
+    so = summary["sparsity_overall"]
+    if "touched_rows" in so:
+        return (f"of the {so['touched_rows']} embedding rows the data touched: "
+                f"{so['zero_weight_share_touched']:.1%} of weights and "
+                f"{so['zero_row_share_touched']:.1%} of rows are exactly zero (all rows: "
+                f"{so['zero_weight_share']:.1%} / {so['zero_row_share']:.1%})")
+    z = summary["zch"]   # --zch: slots, not raw ids, are rows
+    return (f"{z['reset_slots']} slots reset; of all embedding rows "
+            f"{so['zero_weight_share']:.1%} of weights and {so['zero_row_share']:.1%} of "
+            f"rows are exactly zero")
 
 
 def summary_fused_params(fused_params: dict) -> dict:

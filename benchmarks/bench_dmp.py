@@ -355,6 +355,29 @@ def breakdown(events, n_steps, tbe):
     steps = [e for e in cpu if e.name == "bench_dmp.step"]
     windows = [(e.time_range.start, e.time_range.end) for e in steps]
     wall = sum(b - a for a, b in windows)
+    cats, top, linked, total_dev = _device_us_by_category(cpu, dev, tbe, annotation)
+    busy = _gpu_busy_us(dev, windows)
+    n = max(n_steps, 1)
+    f_in, f_self, b_in, b_self = _tbe_host_us(cpu, tbe)
+    fwd_total = sum(e.cpu_time_total for e in cpu if e.name == "bench_dmp.forward")
+    ms = lambda us: us / n / 1e3  # noqa: E731
+    return dict(
+        steps=n_steps, step_ms=ms(wall),
+        device_ms={c: ms(v) for c, v in sorted(cats.items())}, device_total_ms=ms(total_dev),
+        linked_share=(linked / total_dev) if total_dev else None,
+        gpu_busy_ms=ms(busy) if dev else None, gpu_idle_ms=ms(wall - busy) if dev else None,
+        host_ms=dict(tbe_forward=ms(f_in), tbe_forward_self=ms(f_self), tbe_backward=ms(b_in),
+                     tbe_backward_self=ms(b_self),
+                     torchrec_forward=ms(max(fwd_total - f_in, 0.0)) if fwd_total else None),
+        top_kernels={c: sorted(((k, ms(v)) for k, v in d.items()), key=lambda x: -x[1])[:8]
+                     for c, d in top.items()})
+
+
+def _device_us_by_category(cpu, dev, tbe, annotation):
+    """``(us by category, {category: {kernel: us}}, linked us, total device us)`` of the profiled
+    device work: first the kernels the profiler linked to the CPU op that launched them (classified
+    with that op's ancestry), then the device events ``dev`` no CPU op claimed (by their name only).
+    ``annotation(name)``: whether a name is a record_function range rather than a kernel."""
     cats, top = {}, {}
     linked = 0.0
     seen = collections.Counter()
@@ -384,45 +407,49 @@ def breakdown(events, n_steps, tbe):
             seen[key] -= 1
         else:
             add(classify_kernel(e.name, [], tbe), e.name, d)
+    return cats, top, linked, total_dev
+
+
+def _gpu_busy_us(dev, windows):
+    """Microseconds of the ``windows`` (``(start, end)`` pairs) covered by at least one of the
+    device events ``dev``."""
     busy = 0.0
     for a, b in windows:
         busy += _union_us([(max(e.time_range.start, a), min(e.time_range.end, b)) for e in dev
                            if e.time_range.end > a and e.time_range.start < b])
+    return busy
 
-    def top_level(pred):
-        sel = [e for e in cpu if pred(e.name)]
-        ids = {id(e) for e in sel}
 
-        def nested(e):
-            p = e.cpu_parent
-            while p is not None:
-                if id(p) in ids:
-                    return True
-                p = p.cpu_parent
-            return False
-        sel = [e for e in sel if not nested(e)]
-        return sum(e.cpu_time_total for e in sel), sum(e.self_cpu_time_total for e in sel)
+def _top_level_us(cpu, pred):
+    """``(inclusive us, self us)`` summed over the CPU events whose name satisfies ``pred``, each
+    counted once: events nested inside another selected event are left out."""
+    sel = [e for e in cpu if pred(e.name)]
+    ids = {id(e) for e in sel}
 
-    n = max(n_steps, 1)
+    def nested(e):
+        p = e.cpu_parent
+        while p is not None:
+            if id(p) in ids:
+                return True
+            p = p.cpu_parent
+        return False
+    sel = [e for e in sel if not nested(e)]
+    return sum(e.cpu_time_total for e in sel), sum(e.self_cpu_time_total for e in sel)
+
+
+def _tbe_host_us(cpu, tbe):
+    """``(forward inclusive, forward self, backward inclusive, backward self)`` host us of the TBE
+    (``tbe``: "ours", our autograd Function and its backward node; else FBGEMM's lookup op and its
+    bounds check, and the lookup's autograd node)."""
     if tbe == "ours":
-        f_in, f_self = top_level(lambda s: s == "_FTRLLookupFunction")
-        b_in, b_self = top_level(lambda s: s == "_FTRLLookupFunctionBackward")
+        f_in, f_self = _top_level_us(cpu, lambda s: s == "_FTRLLookupFunction")
+        b_in, b_self = _top_level_us(cpu, lambda s: s == "_FTRLLookupFunctionBackward")
     else:   # FBGEMM: the lookup op and its bounds check; the lookup's autograd node
-        f_in, f_self = top_level(lambda s: _matches(s, ("split_embedding_codegen_lookup", "bounds_check_indices")))
-        b_in, b_self = top_level(lambda s: "SplitLookupFunction" in s and _matches(
+        f_in, f_self = _top_level_us(cpu, lambda s: _matches(s, ("split_embedding_codegen_lookup",
+                                                                 "bounds_check_indices")))
+        b_in, b_self = _top_level_us(cpu, lambda s: "SplitLookupFunction" in s and _matches(
             s, ("CppNode", "Backward", "evaluate_function")))
-    fwd_total = sum(e.cpu_time_total for e in cpu if e.name == "bench_dmp.forward")
-    ms = lambda us: us / n / 1e3  # noqa: E731
-    return dict(
-        steps=n_steps, step_ms=ms(wall),
-        device_ms={c: ms(v) for c, v in sorted(cats.items())}, device_total_ms=ms(total_dev),
-        linked_share=(linked / total_dev) if total_dev else None,
-        gpu_busy_ms=ms(busy) if dev else None, gpu_idle_ms=ms(wall - busy) if dev else None,
-        host_ms=dict(tbe_forward=ms(f_in), tbe_forward_self=ms(f_self), tbe_backward=ms(b_in),
-                     tbe_backward_self=ms(b_self),
-                     torchrec_forward=ms(max(fwd_total - f_in, 0.0)) if fwd_total else None),
-        top_kernels={c: sorted(((k, ms(v)) for k, v in d.items()), key=lambda x: -x[1])[:8]
-                     for c, d in top.items()})
+    return f_in, f_self, b_in, b_self
 
 
 def profile_config(step, batches, n, device):
@@ -525,6 +552,134 @@ def _quiet():
     warnings.filterwarnings("ignore", category=UserWarning)
 
 
+def run_meta(args, device, world) -> dict:
+    """The run's description in ``bench_dmp.json``: processes, device, process-group backend,
+    versions and the flags that shape a step."""
+    import fbgemm_gpu
+    import torchrec
+
+    import torchrec_ftrl  # noqa: F401
+    return dict(world_size=world, device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                backend=dist.get_backend(), torch=torch.__version__, torchrec=torchrec.__version__,
+                fbgemm_gpu=getattr(fbgemm_gpu, "__version__", "?"), tables=args.tables, rows=args.rows,
+                dim=args.dim, batch=args.batch, pooling=args.pooling, warmup=args.warmup, steps=args.steps,
+                latency_steps=args.latency_steps, batches=args.batches, lr=args.lr, modes=args.mode_list,
+                compute_kernel=args.compute_kernel,
+                cache_load_factor=args.cache_load_factor if args.compute_kernel != "fused" else None)
+
+
+def write_results(out, meta, rows, t_start, rank) -> None:
+    """Rank 0: ``out/bench_dmp.json`` (replaced atomically; ``meta`` with the wall time since
+    ``t_start`` and the ``rows``) and ``out/bench_dmp.md``. Other ranks write nothing."""
+    if rank != 0:
+        return
+    meta["total_s"] = time.perf_counter() - t_start
+    with open(os.path.join(out, "bench_dmp.json.tmp"), "w") as fh:
+        json.dump(dict(meta, results=rows), fh, indent=1)
+    os.replace(os.path.join(out, "bench_dmp.json.tmp"), os.path.join(out, "bench_dmp.json"))
+    with open(os.path.join(out, "bench_dmp.md"), "w") as fh:
+        fh.write(markdown(meta, rows) + "\n")
+
+
+def run_config(args, device, rank, world, row, say) -> None:
+    """One optimizer x sharding config (``row``'s): skipped with the reason where it cannot run
+    here (``skip_reason``, no collective entered); else measured (``measure_config``; a failure is
+    recorded as ``row["error"]``), freed, and the ranks meet at a barrier."""
+    optimizer, sharding = row["optimizer"], row["sharding"]
+    sharders = make_sharders(optimizer, args.lr)
+    reason = skip_reason(optimizer, sharding, device, sharders)
+    if reason:
+        row["skipped"] = f"skipped: {reason}"
+        say(f"[{optimizer} / {sharding}] {row['skipped']}")
+        return
+    try:
+        measure_config(args, device, rank, world, row, sharders, say)
+    except Exception as exc:  # noqa: BLE001 - the other configs still run
+        row["error"] = f"{type(exc).__name__}: {exc}"[:500]
+        say(f"[{optimizer} / {sharding}] FAILED: {row['error']}")
+        if rank == 0:
+            traceback.print_exc()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        left = torch.cuda.memory_allocated(device) / 2 ** 30
+        if left > 1.0:
+            say(f"    warning: {left:.1f} GiB still allocated after freeing the model")
+    dist.barrier()
+
+
+def measure_config(args, device, rank, world, row, sharders, say) -> None:
+    """Build the DMP of ``row``'s config, warm it up, time it in ``--modes`` (``time_config``),
+    profile it with ``--profile`` (``profile_row``); the figures go to ``row``, one line to ``say``."""
+    optimizer, sharding = row["optimizer"], row["sharding"]
+    t0 = time.perf_counter()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    model, plan = build(args, optimizer, sharding, device, sharders)
+    row["plan"], row["plan_brief"] = plan_info(plan)
+    batches = make_batches(args, device, rank)
+    step = make_step(model)
+    _sync(device)
+    row["build_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for i in range(args.warmup):
+        step(batches[i % len(batches)])
+    _sync(device)
+    row["warmup_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    msg = f"[{optimizer} / {sharding}] {row['plan_brief']}; built in {row['build_s']:.1f} s"
+    msg += time_config(args, device, world, row, step, batches)
+    row["timing_s"] = time.perf_counter() - t0
+    if args.profile:
+        msg += profile_row(args, device, world, row, step, batches)
+    if device.type == "cuda":
+        row["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
+        msg += f"\n    peak allocated {row['peak_allocated_gib']:.1f} GiB"
+    say(msg)
+
+
+def time_config(args, device, world, row, step, batches) -> str:
+    """Throughput (ms per step, examples/s over all processes) and latency (median, min, p90 ms)
+    of ``step``, as ``--modes`` asks, into ``row``; returns the text the config's line goes on with."""
+    msg = ""
+    if "throughput" in args.mode_list:
+        ms = run_throughput(step, batches, args.steps, device)
+        row["throughput_ms"] = ms
+        row["examples_per_s"] = args.batch * world / (ms * 1e-3)
+        msg += f"; throughput {ms:.3f} ms/step, {row['examples_per_s']:,.0f} examples/s"
+    if "latency" in args.mode_list:
+        lat = run_latency(step, batches, args.latency_steps, device)
+        row["latency_ms_median"] = statistics.median(lat)
+        row["latency_ms_min"] = min(lat)
+        row["latency_ms_p90"] = sorted(lat)[int(0.9 * (len(lat) - 1))]
+        msg += f"; latency median {row['latency_ms_median']:.3f} ms (min {min(lat):.3f})"
+    return msg
+
+
+def _round3(d):
+    """``d`` with its numbers rounded to 3 decimals (None kept)."""
+    return {k: (None if v is None else round(v, 3)) for k, v in d.items()}
+
+
+def profile_row(args, device, world, row, step, batches) -> str:
+    """``--profile``: ``--profile-steps`` profiled steps broken down (``breakdown``) on every rank,
+    gathered into ``row`` (rank 0's as ``profile``); returns rank 0's figures as a line to log."""
+    t0 = time.perf_counter()
+    events = profile_config(step, batches, args.profile_steps, device)
+    tbe = "ours" if row["optimizer"] in OURS else "fbgemm"
+    mine = breakdown(events, args.profile_steps, tbe)
+    del events
+    gathered = [None] * world
+    dist.all_gather_object(gathered, mine)
+    row["profile"], row["profile_all_ranks"] = gathered[0], gathered
+    row["profile_s"] = time.perf_counter() - t0
+    p = gathered[0]
+    return (f"\n    profile (rank 0, ms/step): step {p['step_ms']:.3f}, device "
+            f"{json.dumps(_round3(p['device_ms']))}, GPU busy / idle "
+            f"{json.dumps(_round3(dict(busy=p['gpu_busy_ms'], idle=p['gpu_idle_ms'])))}, "
+            f"host {json.dumps(_round3(p['host_ms']))}")
+
+
 def main(argv=None) -> None:
     args = parse(argv)
     _quiet()
@@ -533,116 +688,25 @@ def main(argv=None) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(int(os.environ.get("LOCAL_WORLD_SIZE", world)), 1)))
-    import fbgemm_gpu
-    import torchrec
-
-    import torchrec_ftrl  # noqa: F401
+    meta = run_meta(args, device, world)
     say = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)
-    meta = dict(world_size=world, device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                backend=dist.get_backend(), torch=torch.__version__, torchrec=torchrec.__version__,
-                fbgemm_gpu=getattr(fbgemm_gpu, "__version__", "?"), tables=args.tables, rows=args.rows,
-                dim=args.dim, batch=args.batch, pooling=args.pooling, warmup=args.warmup, steps=args.steps,
-                latency_steps=args.latency_steps, batches=args.batches, lr=args.lr, modes=args.mode_list,
-                compute_kernel=args.compute_kernel,
-                cache_load_factor=args.cache_load_factor if args.compute_kernel != "fused" else None)
     say(f"bench_dmp: {world} process(es), {meta['device']} ({meta['backend']}), torch {meta['torch']}, "
         f"torchrec {meta['torchrec']}, fbgemm_gpu {meta['fbgemm_gpu']}; {args.tables} tables x "
         f"{args.rows:,} x {args.dim}, batch {args.batch}/process, pooling {args.pooling}")
     rows = []
     if rank == 0:
         os.makedirs(args.out, exist_ok=True)
-
-    def write():
-        if rank != 0:
-            return
-        meta["total_s"] = time.perf_counter() - t_start
-        with open(os.path.join(args.out, "bench_dmp.json.tmp"), "w") as fh:
-            json.dump(dict(meta, results=rows), fh, indent=1)
-        os.replace(os.path.join(args.out, "bench_dmp.json.tmp"), os.path.join(args.out, "bench_dmp.json"))
-        with open(os.path.join(args.out, "bench_dmp.md"), "w") as fh:
-            fh.write(markdown(meta, rows) + "\n")
-
     for sharding in args.sharding_list:
         for optimizer in args.optimizer_list:
             row = dict(optimizer=optimizer, sharding=sharding)
             rows.append(row)
-            sharders = make_sharders(optimizer, args.lr)
-            reason = skip_reason(optimizer, sharding, device, sharders)
-            if reason:
-                row["skipped"] = f"skipped: {reason}"
-                say(f"[{optimizer} / {sharding}] {row['skipped']}")
-                write()
-                continue
-            model = batches = step = None
-            try:
-                t0 = time.perf_counter()
-                if device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(device)
-                model, plan = build(args, optimizer, sharding, device, sharders)
-                row["plan"], row["plan_brief"] = plan_info(plan)
-                batches = make_batches(args, device, rank)
-                step = make_step(model)
-                _sync(device)
-                row["build_s"] = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                for i in range(args.warmup):
-                    step(batches[i % len(batches)])
-                _sync(device)
-                row["warmup_s"] = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                msg = f"[{optimizer} / {sharding}] {row['plan_brief']}; built in {row['build_s']:.1f} s"
-                if "throughput" in args.mode_list:
-                    ms = run_throughput(step, batches, args.steps, device)
-                    row["throughput_ms"] = ms
-                    row["examples_per_s"] = args.batch * world / (ms * 1e-3)
-                    msg += f"; throughput {ms:.3f} ms/step, {row['examples_per_s']:,.0f} examples/s"
-                if "latency" in args.mode_list:
-                    lat = run_latency(step, batches, args.latency_steps, device)
-                    row["latency_ms_median"] = statistics.median(lat)
-                    row["latency_ms_min"] = min(lat)
-                    row["latency_ms_p90"] = sorted(lat)[int(0.9 * (len(lat) - 1))]
-                    msg += f"; latency median {row['latency_ms_median']:.3f} ms (min {min(lat):.3f})"
-                row["timing_s"] = time.perf_counter() - t0
-                if args.profile:
-                    t0 = time.perf_counter()
-                    events = profile_config(step, batches, args.profile_steps, device)
-                    tbe = "ours" if optimizer in OURS else "fbgemm"
-                    mine = breakdown(events, args.profile_steps, tbe)
-                    del events
-                    gathered = [None] * world
-                    dist.all_gather_object(gathered, mine)
-                    row["profile"], row["profile_all_ranks"] = gathered[0], gathered
-                    row["profile_s"] = time.perf_counter() - t0
-                    p = gathered[0]
-                    r3 = lambda d: {k: (None if v is None else round(v, 3)) for k, v in d.items()}  # noqa: E731
-                    msg += (f"\n    profile (rank 0, ms/step): step {p['step_ms']:.3f}, device "
-                            f"{json.dumps(r3(p['device_ms']))}, GPU busy / idle "
-                            f"{json.dumps(r3(dict(busy=p['gpu_busy_ms'], idle=p['gpu_idle_ms'])))}, "
-                            f"host {json.dumps(r3(p['host_ms']))}")
-                if device.type == "cuda":
-                    row["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
-                    msg += f"\n    peak allocated {row['peak_allocated_gib']:.1f} GiB"
-                say(msg)
-            except Exception as exc:  # noqa: BLE001 - the other configs still run
-                row["error"] = f"{type(exc).__name__}: {exc}"[:500]
-                say(f"[{optimizer} / {sharding}] FAILED: {row['error']}")
-                if rank == 0:
-                    traceback.print_exc()
-            del model, batches, step
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-                left = torch.cuda.memory_allocated(device) / 2 ** 30
-                if left > 1.0:
-                    say(f"    warning: {left:.1f} GiB still allocated after freeing the model")
-            dist.barrier()
-            write()
-    write()
+            run_config(args, device, rank, world, row, say)
+            write_results(args.out, meta, rows, t_start, rank)
+    write_results(args.out, meta, rows, t_start, rank)
     say(markdown(meta, rows))
     say(f"bench_dmp: {time.perf_counter() - t_start:.1f} s; wrote {os.path.join(args.out, 'bench_dmp.json')} and .md")
     dist.barrier()
     dist.destroy_process_group()
-
 
 if __name__ == "__main__":
     main()

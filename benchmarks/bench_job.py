@@ -333,6 +333,102 @@ def markdown(meta, results):
     return "\n".join(md)
 
 
+def _quoted(cmd) -> str:
+    """``cmd`` (a list of arguments) as one shell-quoted string."""
+    return " ".join(shlex.quote(c) for c in cmd)
+
+
+def profiled_run(args, row, name, folder, profile, log) -> None:
+    """``--profile-mode separate``: a short run (``profile`` + 5 steps, outputs under
+    ``--work-dir``) of ``row``'s config with the job's ``--profile-steps profile``; its run and step
+    profile go to ``row``, its summary to ``DIR/runs/NAME_profile_summary.json``."""
+    optimizer, source = row["optimizer"], row["source"]
+    prof_dir = os.path.join(args.work_dir, "profile_runs")
+    argv_ = job_argv(args, source, optimizer, folder, f"{name}_profile", profile + 5, profile, prof_dir)
+    rc, wall, cmd, out = launch(args, argv_)
+    summary = _summary(rc, os.path.join(prof_dir, f"{name}_profile_summary.json"))
+    row["profile_run"] = dict(returncode=rc, wall_s=wall, steps=profile + 5, command=_quoted(cmd))
+    row["step_profile"] = read_profile(summary) if summary else None
+    log(f"[{optimizer} / {source}] profiled run ({profile + 5} steps): exit {rc}, {wall:.1f} s"
+        + ("" if row["step_profile"] else "; no step profile"))
+    if summary is None:
+        log(out[-3000:])
+    else:
+        with open(os.path.join(args.out, "runs", f"{name}_profile_summary.json"), "w") as fh:
+            json.dump(summary, fh, indent=1)
+
+
+def warmup_run(args, row, name, folder, log) -> None:
+    """A 3-step run of ``row``'s config before the timed one (outputs under ``--work-dir``)."""
+    optimizer, source = row["optimizer"], row["source"]
+    prof_dir = os.path.join(args.work_dir, "profile_runs")
+    rc, wall, cmd, out = launch(args, job_argv(args, source, optimizer, folder, f"{name}_warmup",
+                                               min(args.steps, 3), 0, prof_dir))
+    log(f"[{optimizer} / {source}] warm-up run (3 steps): exit {rc}, {wall:.1f} s")
+    if rc != 0:
+        log(out[-3000:])
+
+
+def timed_run(args, row, name, folder, inline, log) -> None:
+    """The timed run of ``row``'s config (``--steps`` steps, outputs under ``DIR/runs``; ``inline``:
+    the job's ``--profile-steps``, 0 for none): its figures from the summary into ``row``, or
+    ``row["error"]`` (the output's tail) when it wrote none."""
+    optimizer, source = row["optimizer"], row["source"]
+    runs_dir = os.path.join(args.out, "runs")
+    argv_ = job_argv(args, source, optimizer, folder, name, args.steps, inline, runs_dir)
+    rc, wall, cmd, out = launch(args, argv_)
+    row.update(returncode=rc, wall_s=wall, command=_quoted(cmd))
+    summary = _summary(rc, os.path.join(runs_dir, f"{name}_summary.json"))
+    if summary is None:
+        row["error"] = out[-3000:]
+        log(f"[{optimizer} / {source}] FAILED (exit {rc}, {wall:.1f} s):\n{out[-3000:]}")
+        return
+    row.update(examples_per_s=summary.get("examples_per_s"), train_time_s=summary.get("train_time_s"),
+               steady_examples_per_s=summary.get("steady_examples_per_s"),
+               steps=summary.get("steps"), world_size=summary.get("world_size"),
+               device=summary.get("device"), plan=summary.get("plan"),
+               reader=(summary.get("data") or {}).get("reader"))
+    if inline:
+        row["step_profile"] = read_profile(summary)
+    msg = (f"[{optimizer} / {source}] {row['examples_per_s'] or 0:,.0f} examples/s, steady "
+           f"{row['steady_examples_per_s'] or 0:,.0f} "
+           f"(train time {row['train_time_s'] or 0:.2f} s, run {wall:.1f} s)")
+    if row.get("step_profile"):
+        msg += "; step profile host ms " + json.dumps(
+            {k: round(v, 3) for k, v in row["step_profile"]["host_ms"].items()
+             if isinstance(v, (int, float))})
+    log(msg)
+
+
+def run_config(args, optimizer, source, folder, profile, log) -> dict:
+    """One sparse optimizer on one source: the profiled run (``--profile-mode separate``) or the
+    warm-up run (unless ``--no-warmup-run``), then the timed run. ``profile``: the job's
+    ``--profile-steps`` (0: no profile). Returns the config's row."""
+    name = f"{source}_{optimizer}_n{args.nproc}"
+    row = dict(optimizer=optimizer, source=source, nproc=args.nproc)
+    inline = profile if args.profile_mode == "inline" else 0
+    if profile and args.profile_mode == "separate":
+        profiled_run(args, row, name, folder, profile, log)
+    elif not args.no_warmup_run:
+        warmup_run(args, row, name, folder, log)
+    timed_run(args, row, name, folder, inline, log)
+    return row
+
+
+def write_report(args, meta, results, lines, t_start) -> str:
+    """Write ``DIR/bench_job.json`` (``meta`` with the wall time since ``t_start`` and the data-path
+    cost, the results and the log ``lines``) and ``DIR/bench_job.md`` (the report, then the log);
+    returns the report."""
+    meta["total_s"] = time.perf_counter() - t_start
+    meta["data_path_cost"] = data_path_cost(results)
+    with open(os.path.join(args.out, "bench_job.json"), "w") as fh:
+        json.dump(dict(meta, results=results, log=lines), fh, indent=1)
+    text = markdown(meta, results)
+    with open(os.path.join(args.out, "bench_job.md"), "w") as fh:
+        fh.write(text + "\n\n```\n" + "\n".join(lines) + "\n```\n")
+    return text
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     t_start = time.perf_counter()
@@ -359,79 +455,17 @@ def main(argv=None) -> int:
                 profile_mode=args.profile_mode if profile else "off",
                 torch=torch.__version__)
     results = []
-
-    def write():
-        meta["total_s"] = time.perf_counter() - t_start
-        meta["data_path_cost"] = data_path_cost(results)
-        with open(os.path.join(args.out, "bench_job.json"), "w") as fh:
-            json.dump(dict(meta, results=results, log=lines), fh, indent=1)
-        text = markdown(meta, results)
-        with open(os.path.join(args.out, "bench_job.md"), "w") as fh:
-            fh.write(text + "\n\n```\n" + "\n".join(lines) + "\n```\n")
-        return text
-
-    runs_dir, prof_dir = os.path.join(args.out, "runs"), os.path.join(args.work_dir, "profile_runs")
-    status = 0
     for optimizer in args.optimizer_list:
         for source in args.source_list:
-            name = f"{source}_{optimizer}_n{args.nproc}"
-            row = dict(optimizer=optimizer, source=source, nproc=args.nproc)
-            inline = profile if args.profile_mode == "inline" else 0
-            if profile and args.profile_mode == "separate":
-                argv_ = job_argv(args, source, optimizer, folder, f"{name}_profile", profile + 5, profile,
-                                 prof_dir)
-                rc, wall, cmd, out = launch(args, argv_)
-                summary = _summary(rc, os.path.join(prof_dir, f"{name}_profile_summary.json"))
-                row["profile_run"] = dict(returncode=rc, wall_s=wall, steps=profile + 5,
-                                          command=" ".join(shlex.quote(c) for c in cmd))
-                row["step_profile"] = read_profile(summary) if summary else None
-                log(f"[{optimizer} / {source}] profiled run ({profile + 5} steps): exit {rc}, {wall:.1f} s"
-                    + ("" if row["step_profile"] else "; no step profile"))
-                if summary is None:
-                    log(out[-3000:])
-                else:
-                    with open(os.path.join(runs_dir, f"{name}_profile_summary.json"), "w") as fh:
-                        json.dump(summary, fh, indent=1)
-            elif not args.no_warmup_run:
-                rc, wall, cmd, out = launch(args, job_argv(args, source, optimizer, folder, f"{name}_warmup",
-                                                           min(args.steps, 3), 0, prof_dir))
-                log(f"[{optimizer} / {source}] warm-up run (3 steps): exit {rc}, {wall:.1f} s")
-                if rc != 0:
-                    log(out[-3000:])
-            argv_ = job_argv(args, source, optimizer, folder, name, args.steps, inline, runs_dir)
-            rc, wall, cmd, out = launch(args, argv_)
-            row.update(returncode=rc, wall_s=wall, command=" ".join(shlex.quote(c) for c in cmd))
-            summary = _summary(rc, os.path.join(runs_dir, f"{name}_summary.json"))
-            if summary is None:
-                status = 1
-                row["error"] = out[-3000:]
-                log(f"[{optimizer} / {source}] FAILED (exit {rc}, {wall:.1f} s):\n{out[-3000:]}")
-            else:
-                row.update(examples_per_s=summary.get("examples_per_s"), train_time_s=summary.get("train_time_s"),
-                           steady_examples_per_s=summary.get("steady_examples_per_s"),
-                           steps=summary.get("steps"), world_size=summary.get("world_size"),
-                           device=summary.get("device"), plan=summary.get("plan"),
-                           reader=(summary.get("data") or {}).get("reader"))
-                if inline:
-                    row["step_profile"] = read_profile(summary)
-                msg = (f"[{optimizer} / {source}] {row['examples_per_s'] or 0:,.0f} examples/s, steady "
-                       f"{row['steady_examples_per_s'] or 0:,.0f} "
-                       f"(train time {row['train_time_s'] or 0:.2f} s, run {wall:.1f} s)")
-                if row.get("step_profile"):
-                    msg += "; step profile host ms " + json.dumps(
-                        {k: round(v, 3) for k, v in row["step_profile"]["host_ms"].items()
-                         if isinstance(v, (int, float))})
-                log(msg)
-            results.append(row)
-            write()
-    text = write()
+            results.append(run_config(args, optimizer, source, folder, profile, log))
+            write_report(args, meta, results, lines, t_start)
+    text = write_report(args, meta, results, lines, t_start)
     print(text)
     for opt, c in data_path_cost(results).items():
         log(f"data-path cost ({opt}): {100 * c:.1f}%")
     log(f"bench_job: {time.perf_counter() - t_start:.1f} s")
-    write()
-    return status
-
+    write_report(args, meta, results, lines, t_start)
+    return 1 if any("error" in r for r in results) else 0
 
 if __name__ == "__main__":
     sys.exit(main())

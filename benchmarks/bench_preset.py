@@ -148,7 +148,8 @@ def _versions() -> str:
     return ", ".join(out)
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (see the module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "outputs/bench_preset"))
     ap.add_argument("--steps", type=int, default=300)
@@ -160,84 +161,144 @@ def main(argv=None):
     ap.add_argument("--lean", default="ftrl_derived_bf16,ftrl_derived_rowwise",
                     help=f"steps 8 and 9's layouts, from {sorted(LEAN)}")
     ap.add_argument("--lean-batches", default=None, help="step 9's batches (default: --batches)")
-    a = ap.parse_args(argv)
-    b = Bench(a)
-    skip = {int(x) for x in a.skip.split(",") if x}
-    small, big = (int(x) for x in a.batches.split(","))
-    scaled = ["--rows-scale", str(a.scale)]
-    lean = [x for x in a.lean.split(",") if x]   # steps 8 and 9
+    return ap
 
-    def plan_json(p):
-        try:
-            return {"plan": json.loads(p.stdout.strip().splitlines()[-1])}
-        except (ValueError, IndexError):
-            return {}
-    plans = {}
-    layouts = {"ftrl_fp32": [], "ftrl_bf16": ["--ftrl-state-dtype", "bf16"],
-               "rowwise_adagrad": ["--sparse-optimizer", "rowwise_adagrad"], **LEAN}
 
-    def plan(name):
-        row = b.run(f"plan-only {name}", [sys.executable, "-m", "torchrec_ftrl.job", "--preset",
-                                          "mlperf-dcnv2", "--plan-only", *layouts[name]], parse=plan_json)
-        plans[name] = row.get("plan")
-    if 1 not in skip:
-        for name in layouts:
-            plan(name)
-    if 2 not in skip:
-        b.run("full preset, ftrl fp32 (must refuse)",
-              [sys.executable, "-m", "torchrec_ftrl.job", "--preset", "mlperf-dcnv2", "--steps", "1",
-               "--no-progress", "--output-dir", os.path.join(a.out, "runs")], timeout=120)
-    rwa = ["--sparse-optimizer", "rowwise_adagrad"]
-    if 3 not in skip:
-        for batch in (small, big):
-            b.job(f"full_rowwise_adagrad_{batch}", rwa, batch)
-    if 4 not in skip:
+def _plan_json(p):
+    """A ``--plan-only`` run's row fields: its last output line as ``plan`` (none if not JSON)."""
+    try:
+        return {"plan": json.loads(p.stdout.strip().splitlines()[-1])}
+    except (ValueError, IndexError):
+        return {}
+
+
+RWA = ["--sparse-optimizer", "rowwise_adagrad"]   # the job flags of row-wise Adagrad
+
+
+class PresetSteps:
+    """The nine steps of the module docstring, in order (``in_order()``), sharing the ``Bench``, the
+    flags, the two batch sizes of ``--batches`` and the plans read so far."""
+
+    def __init__(self, b, a):
+        self.b, self.a = b, a
+        self.small, self.big = (int(x) for x in a.batches.split(","))
+        self.scaled = ["--rows-scale", str(a.scale)]
+        self.lean = [x for x in a.lean.split(",") if x]   # steps 8 and 9
+        self.plans = {}
+        self.layouts = {"ftrl_fp32": [], "ftrl_bf16": ["--ftrl-state-dtype", "bf16"],
+                        "rowwise_adagrad": RWA, **LEAN}
+
+    def in_order(self):
+        """The steps' methods, step 1 first."""
+        return (self.plan_only, self.full_ftrl_refusal, self.full_rowwise_adagrad, self.scaled_runs,
+                self.host_cost, self.scaled_profile_and_bf16, self.full_ftrl_bf16, self.scaled_side_by_side,
+                self.full_lean_layouts)
+
+    def plan(self, name):
+        """``--plan-only`` of the full preset for layout ``name``; its plan into ``plans``."""
+        row = self.b.run(f"plan-only {name}", [sys.executable, "-m", "torchrec_ftrl.job", "--preset",
+                                               "mlperf-dcnv2", "--plan-only", *self.layouts[name]],
+                         parse=_plan_json)
+        self.plans[name] = row.get("plan")
+
+    def fits(self, name) -> bool:
+        """Whether the plan read for ``name`` fits the machine."""
+        return bool((self.plans.get(name) or {}).get("fits"))
+
+    def not_run(self, name, why):
+        """Record run ``name`` as not run, with the reason (the status ``not run: WHY``)."""
+        self.b.rows.append({"name": name, "status": f"not run: {why}"})
+
+    def plan_only(self):
+        """Step 1: ``--plan-only`` of the full preset for every layout."""
+        for name in self.layouts:
+            self.plan(name)
+
+    def full_ftrl_refusal(self):
+        """Step 2: FTRL fp32 state at the full preset, which must refuse before allocating."""
+        self.b.run("full preset, ftrl fp32 (must refuse)",
+                   [sys.executable, "-m", "torchrec_ftrl.job", "--preset", "mlperf-dcnv2", "--steps", "1",
+                    "--no-progress", "--output-dir", os.path.join(self.a.out, "runs")], timeout=120)
+
+    def full_rowwise_adagrad(self):
+        """Step 3: row-wise Adagrad at the full preset, at both batch sizes."""
+        for batch in (self.small, self.big):
+            self.b.job(f"full_rowwise_adagrad_{batch}", RWA, batch)
+
+    def scaled_runs(self):
+        """Step 4: the scaled preset: FTRL with kernel warm-up off and on (each with an empty Triton
+        cache) and row-wise Adagrad at the small batch; FTRL and row-wise Adagrad at the large one."""
+        b, scaled, small, big = self.b, self.scaled, self.small, self.big
         for mode in ("off", "on"):
             with tempfile.TemporaryDirectory() as cache:   # an empty Triton cache: a fresh machine
                 b.job(f"scaled_ftrl_warmup_{mode}_{small}", [*scaled, "--kernel-warmup", mode], small,
                       env={"TRITON_CACHE_DIR": cache})
-        b.job(f"scaled_rowwise_adagrad_{small}", [*scaled, *rwa], small)
+        b.job(f"scaled_rowwise_adagrad_{small}", [*scaled, *RWA], small)
         b.job(f"scaled_ftrl_{big}", scaled, big)
-        b.job(f"scaled_rowwise_adagrad_{big}", [*scaled, *rwa], big)
-    if 5 not in skip:
-        host_out = os.path.join(a.out, "bench_host")
-        b.run("bench_host.py", [sys.executable, os.path.join("benchmarks", "bench_host.py"), "--out",
-                                host_out, "--rounds", "5"], timeout=150,
-              parse=lambda p: {"bench_host": _read_json(os.path.join(host_out, "bench_host.json"))})
-    if 6 not in skip:
-        b.job(f"scaled_ftrl_profiled_{big}", [*scaled, "--profile-steps", "5"], big, steps=40)
-        b.job(f"scaled_ftrl_bf16_{big}", [*scaled, "--ftrl-state-dtype", "bf16"], big)
-    if 7 not in skip:
-        if "ftrl_bf16" not in plans:
-            plan("ftrl_bf16")
-        if (plans.get("ftrl_bf16") or {}).get("fits"):
-            b.job(f"full_ftrl_bf16_{big}", ["--ftrl-state-dtype", "bf16"], big)
+        b.job(f"scaled_rowwise_adagrad_{big}", [*scaled, *RWA], big)
+
+    def host_cost(self):
+        """Step 5: ``bench_host.py``, the TBE's host cost per step."""
+        host_out = os.path.join(self.a.out, "bench_host")
+        self.b.run("bench_host.py", [sys.executable, os.path.join("benchmarks", "bench_host.py"), "--out",
+                                     host_out, "--rounds", "5"], timeout=150,
+                   parse=lambda p: {"bench_host": _read_json(os.path.join(host_out, "bench_host.json"))})
+
+    def scaled_profile_and_bf16(self):
+        """Step 6: the scaled preset at the large batch: one profiled FTRL run, and FTRL bf16 state."""
+        big = self.big
+        self.b.job(f"scaled_ftrl_profiled_{big}", [*self.scaled, "--profile-steps", "5"], big, steps=40)
+        self.b.job(f"scaled_ftrl_bf16_{big}", [*self.scaled, "--ftrl-state-dtype", "bf16"], big)
+
+    def full_ftrl_bf16(self):
+        """Step 7: FTRL bf16 state at the full preset, large batch, if its plan fits."""
+        if "ftrl_bf16" not in self.plans:
+            self.plan("ftrl_bf16")
+        if self.fits("ftrl_bf16"):
+            self.b.job(f"full_ftrl_bf16_{self.big}", ["--ftrl-state-dtype", "bf16"], self.big)
         else:
-            b.rows.append({"name": f"full_ftrl_bf16_{big}", "status": "not run: its plan does not fit"})
-    if 8 not in skip:
-        for batch in (small, big):
+            self.not_run(f"full_ftrl_bf16_{self.big}", "its plan does not fit")
+
+    def scaled_side_by_side(self):
+        """Step 8: side by side at the scaled preset, at both batch sizes: row-wise Adagrad (unless
+        step 4 ran it), each ``--lean`` layout and TorchRec's ``dlrm_main.py``; then the first layout
+        profiled at the large batch."""
+        b, scaled = self.b, self.scaled
+        for batch in (self.small, self.big):
             if not any(r["name"] == f"scaled_rowwise_adagrad_{batch}" for r in b.rows):   # step 4's
-                b.job(f"scaled_rowwise_adagrad_{batch}", [*scaled, *rwa], batch)
-            for name in lean:
+                b.job(f"scaled_rowwise_adagrad_{batch}", [*scaled, *RWA], batch)
+            for name in self.lean:
                 b.job(f"scaled_{name}_{batch}", [*scaled, *LEAN[name]], batch)
             if os.path.exists(ANCHOR):
-                _dlrm_main(b, a, batch)
+                _dlrm_main(b, self.a, batch)
             else:
-                b.rows.append({"name": f"dlrm_main.py {batch}",
-                               "status": f"not run: {ANCHOR} absent (bench_torchrec_dlrm.py --extract)"})
-        for name in lean[:1]:   # the step profile at the large batch
-            b.job(f"scaled_{name}_profiled_{big}", [*scaled, *LEAN[name], "--profile-steps", "5"], big,
-                  steps=40)
-    if 9 not in skip:
-        for name in lean:
-            plan(name)
-        for batch in (int(x) for x in (a.lean_batches or a.batches).split(",")):
-            b.job(f"full_rowwise_adagrad_{batch}", rwa, batch)
-            for name in lean:
-                if (plans.get(name) or {}).get("fits"):
-                    b.job(f"full_{name}_{batch}", LEAN[name], batch)
+                self.not_run(f"dlrm_main.py {batch}", f"{ANCHOR} absent (bench_torchrec_dlrm.py --extract)")
+        for name in self.lean[:1]:   # the step profile at the large batch
+            b.job(f"scaled_{name}_profiled_{self.big}", [*scaled, *LEAN[name], "--profile-steps", "5"],
+                  self.big, steps=40)
+
+    def full_lean_layouts(self):
+        """Step 9: the ``--lean`` layouts at the full preset: their plans, then row-wise Adagrad and
+        each layout whose plan fits, at each of ``--lean-batches``."""
+        for name in self.lean:
+            self.plan(name)
+        for batch in (int(x) for x in (self.a.lean_batches or self.a.batches).split(",")):
+            self.b.job(f"full_rowwise_adagrad_{batch}", RWA, batch)
+            for name in self.lean:
+                if self.fits(name):
+                    self.b.job(f"full_{name}_{batch}", LEAN[name], batch)
                 else:
-                    b.rows.append({"name": f"full_{name}_{batch}", "status": "not run: its plan does not fit"})
+                    self.not_run(f"full_{name}_{batch}", "its plan does not fit")
+
+
+def main(argv=None):
+    a = build_parser().parse_args(argv)
+    b = Bench(a)
+    skip = {int(x) for x in a.skip.split(",") if x}
+    steps = PresetSteps(b, a)
+    for number, step in enumerate(steps.in_order(), 1):
+        if number not in skip:
+            step()
     b.result["total_s"] = round(time.monotonic() - b.t0, 1)
     b.write()
 

@@ -123,7 +123,17 @@ def profile_steps(step, batches, k: int, top: int = 8) -> list:
     return [(e.key, e.self_cpu_time_total / 1e3 / k, e.count / k) for e in events]
 
 
-def main() -> None:
+FBGEMM_OPTIMIZERS = {"fbgemm_rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+                     "fbgemm_adagrad": EmbOptimType.EXACT_ADAGRAD, "fbgemm_sgd": EmbOptimType.EXACT_SGD}
+LABELS = {"cpp": "torchrec_ftrl FTRL, cpp backend", "torch": "torchrec_ftrl FTRL, torch backend",
+          "cpp_bf16": "torchrec_ftrl FTRL, cpp backend, bf16 state",
+          "fbgemm_rowwise_adagrad": "FBGEMM CPU TBE EXACT_ROWWISE_ADAGRAD",
+          "fbgemm_adagrad": "FBGEMM CPU TBE EXACT_ADAGRAD", "fbgemm_sgd": "FBGEMM CPU TBE EXACT_SGD",
+          "eager": "nn.EmbeddingBag(sparse=True) x T + torchrec_ftrl.FTRL"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (see the module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--T", type=int, default=8)
     ap.add_argument("--E", type=int, default=100_000)
@@ -143,68 +153,72 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="also write the results (machine, date, ms) as JSON")
     ap.add_argument("--profile", type=int, default=0, metavar="K",
                     help="profile K more steps of each method (top operators by self CPU time)")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    methods = args.methods.split(",")
-    fb = {"fbgemm_rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-          "fbgemm_adagrad": EmbOptimType.EXACT_ADAGRAD, "fbgemm_sgd": EmbOptimType.EXACT_SGD}
-    labels = {"cpp": "torchrec_ftrl FTRL, cpp backend", "torch": "torchrec_ftrl FTRL, torch backend",
-              "cpp_bf16": "torchrec_ftrl FTRL, cpp backend, bf16 state",
-              "fbgemm_rowwise_adagrad": "FBGEMM CPU TBE EXACT_ROWWISE_ADAGRAD",
-              "fbgemm_adagrad": "FBGEMM CPU TBE EXACT_ADAGRAD", "fbgemm_sgd": "FBGEMM CPU TBE EXACT_SGD",
-              "eager": "nn.EmbeddingBag(sparse=True) x T + torchrec_ftrl.FTRL"}
-    dists = args.dists.split(",")
-    res: dict[tuple[str, str], float] = {}
-    cpu: dict[tuple[str, str], float] = {}
-    profiles: dict[tuple[str, str], list] = {}
-    slow = {"torch": max(3, args.iters // 4), "eager": max(3, args.iters // 2)}
-    for dist in dists:
-        batches = make_batches(args, dist, args.batches)
-        uniq = np.mean([float(torch.unique(i[: i.numel() // args.T]).numel()) for i, _ in batches])
-        print(f"[{dist}] unique rows per table per batch ~ {uniq:.0f} of {args.B * args.L} lookups", flush=True)
-        steps, keep = {}, []
-        for m in methods:
-            grad = torch.randn(args.B, args.T * args.D)
-            if m in ("cpp", "torch", "cpp_bf16"):
-                mod = build_ours(args, m.split("_")[0], "bf16" if m.endswith("bf16") else None)
-                steps[m] = tbe_step(mod, grad)
-            elif m in fb:
-                mod = build_fbgemm(args, fb[m])
-                steps[m] = tbe_step(mod, grad)
-            elif m == "eager":
-                mod, steps[m] = eager_step(args)
-            else:
-                raise SystemExit(f"unknown method {m!r}")
-            keep.append(mod)
-            for i in range(args.warmup):
-                steps[m](*batches[i % len(batches)])
-        # Round-robin: every round times one step of each method (in a rotating order), so that all
-        # methods see the same background load on a shared machine.
-        wall = {m: [] for m in methods}
-        cpus = {m: [] for m in methods}
-        for it in range(args.iters):
-            idx, off = batches[it % len(batches)]
-            order = methods[it % len(methods):] + methods[:it % len(methods)]
-            for m in order:
-                if it >= slow.get(m, args.iters):
-                    continue
-                t0, c0 = time.perf_counter(), time.process_time()
-                steps[m](idx, off)
-                wall[m].append((time.perf_counter() - t0) * 1e3)
-                cpus[m].append((time.process_time() - c0) * 1e3)
-        for m in methods if args.profile else ():
-            profiles[(dist, m)] = profile_steps(steps[m], batches, args.profile)
-        for m in methods:
-            res[(dist, m)] = statistics.median(wall[m])
-            cpu[(dist, m)] = statistics.median(cpus[m])
-            print(f"  {m:24s} {res[(dist, m)]:9.2f} ms/step wall {cpu[(dist, m)]:9.2f} ms/step CPU "
-                  f"({len(wall[m])} steps)", flush=True)
-        del keep, steps
-        gc.collect()
+    return ap
 
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    machine = (f"{os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), "
-               f"{platform.platform()}")
+
+def build_method(args, m):
+    """``(module, step)`` of method ``m`` (a key of ``LABELS``) at the flags' shape; ``step(idx,
+    off)`` runs one training step. Exits on an unknown method."""
+    grad = torch.randn(args.B, args.T * args.D)
+    if m in ("cpp", "torch", "cpp_bf16"):
+        mod = build_ours(args, m.split("_")[0], "bf16" if m.endswith("bf16") else None)
+        return mod, tbe_step(mod, grad)
+    if m in FBGEMM_OPTIMIZERS:
+        mod = build_fbgemm(args, FBGEMM_OPTIMIZERS[m])
+        return mod, tbe_step(mod, grad)
+    if m == "eager":
+        return eager_step(args)
+    raise SystemExit(f"unknown method {m!r}")
+
+
+def time_round_robin(methods, steps, batches, iters, slow):
+    """``({method: [wall ms]}, {method: [process CPU ms]})`` of ``iters`` rounds, each timing one
+    step (``steps[method]``) of every one of ``methods`` in a rotating order, so that all methods
+    see the same background load on a shared machine; a method of ``slow`` (``{method: n}``) is
+    timed in the first ``n`` rounds only."""
+    wall = {m: [] for m in methods}
+    cpus = {m: [] for m in methods}
+    for it in range(iters):
+        idx, off = batches[it % len(batches)]
+        order = methods[it % len(methods):] + methods[:it % len(methods)]
+        for m in order:
+            if it >= slow.get(m, iters):
+                continue
+            t0, c0 = time.perf_counter(), time.process_time()
+            steps[m](idx, off)
+            wall[m].append((time.perf_counter() - t0) * 1e3)
+            cpus[m].append((time.process_time() - c0) * 1e3)
+    return wall, cpus
+
+
+def run_dist(args, dist, methods, slow):
+    """Every method on ``dist`` ids: all built and warmed up first, then timed round-robin
+    (``time_round_robin``) and, with ``--profile``, profiled. Returns ``({method: median wall
+    ms}, {method: median CPU ms}, {method: top operators})``; prints each method's line."""
+    batches = make_batches(args, dist, args.batches)
+    uniq = np.mean([float(torch.unique(i[: i.numel() // args.T]).numel()) for i, _ in batches])
+    print(f"[{dist}] unique rows per table per batch ~ {uniq:.0f} of {args.B * args.L} lookups", flush=True)
+    steps, keep = {}, []
+    for m in methods:
+        mod, steps[m] = build_method(args, m)
+        keep.append(mod)
+        for i in range(args.warmup):
+            steps[m](*batches[i % len(batches)])
+    wall, cpus = time_round_robin(methods, steps, batches, args.iters, slow)
+    profiles = {m: profile_steps(steps[m], batches, args.profile) for m in (methods if args.profile else ())}
+    res = {m: statistics.median(wall[m]) for m in methods}
+    cpu = {m: statistics.median(cpus[m]) for m in methods}
+    for m in methods:
+        print(f"  {m:24s} {res[m]:9.2f} ms/step wall {cpu[m]:9.2f} ms/step CPU "
+              f"({len(wall[m])} steps)", flush=True)
+    del keep, steps
+    gc.collect()
+    return res, cpu, profiles
+
+
+def markdown(args, methods, dists, res, cpu, profiles, slow, date, machine) -> str:
+    """The report: the run's caption, one line per method (per distribution: wall ms, ratio to
+    ours (cpp), CPU ms), then each profiled method's top operators."""
     lines = [f"Measured {date} on {machine}.", "",
              f"Fwd+bwd(+fused update) step, T={args.T}, E={args.E}, D={args.D}, B={args.B}, L={args.L}, fp32, "
              f"SUM pooling, {args.threads} threads, {platform.processor() or platform.machine()}, "
@@ -221,28 +235,54 @@ def main() -> None:
             ref = res.get((d, "cpp"))
             v = res[(d, m)]
             cells += [f"{v:.2f}", f"{v / ref:.2f}x" if ref else "-", f"{cpu[(d, m)]:.2f}"]
-        lines.append(f"| {labels[m]} | " + " | ".join(cells) + " |")
+        lines.append(f"| {LABELS[m]} | " + " | ".join(cells) + " |")
     for (d, m), top in profiles.items():
-        lines += ["", f"Top operators by self CPU time, {labels[m]}, {d} ({args.profile} steps, ms per step):",
+        lines += ["", f"Top operators by self CPU time, {LABELS[m]}, {d} ({args.profile} steps, ms per step):",
                   "", "| operator | self CPU ms | calls per step |", "|---|---:|---:|"]
         lines += [f"| `{name}` | {ms:.2f} | {calls:g} |" for name, ms, calls in top]
-    table = "\n".join(lines)
+    return "\n".join(lines)
+
+
+def write_json(path, args, methods, dists, res, cpu, profiles, date, machine) -> None:
+    """The results as JSON at ``path``: machine, date, versions, flags, median wall and CPU ms and
+    the ratio to ours per distribution and method, and the profiles' top operators."""
+    with open(path, "w") as f:
+        json.dump({"date": date, "machine": machine, "torch": torch.__version__,
+                   "fbgemm_gpu": _fbgemm_version(), "args": vars(args),
+                   "load_avg_1min_at_end": os.getloadavg()[0],
+                   "median_wall_ms": {d: {m: res[(d, m)] for m in methods} for d in dists},
+                   "median_cpu_ms": {d: {m: cpu[(d, m)] for m in methods} for d in dists},
+                   "ratio_to_ours": {d: {m: res[(d, m)] / res[(d, "cpp")] for m in methods}
+                                     for d in dists if (d, "cpp") in res},
+                   "profile_top_ops": {f"{d}/{m}": top for (d, m), top in profiles.items()}},
+                  f, indent=1)
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    torch.set_num_threads(args.threads)
+    methods = args.methods.split(",")
+    dists = args.dists.split(",")
+    res: dict[tuple[str, str], float] = {}
+    cpu: dict[tuple[str, str], float] = {}
+    profiles: dict[tuple[str, str], list] = {}
+    slow = {"torch": max(3, args.iters // 4), "eager": max(3, args.iters // 2)}
+    for dist in dists:
+        wall_d, cpu_d, prof_d = run_dist(args, dist, methods, slow)
+        res.update({(dist, m): v for m, v in wall_d.items()})
+        cpu.update({(dist, m): v for m, v in cpu_d.items()})
+        profiles.update({(dist, m): v for m, v in prof_d.items()})
+
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    machine = (f"{os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), "
+               f"{platform.platform()}")
+    table = markdown(args, methods, dists, res, cpu, profiles, slow, date, machine)
     print(table)
     if args.out:
         with open(args.out, "w") as f:
             f.write(table + "\n")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"date": date, "machine": machine, "torch": torch.__version__,
-                       "fbgemm_gpu": _fbgemm_version(), "args": vars(args),
-                       "load_avg_1min_at_end": os.getloadavg()[0],
-                       "median_wall_ms": {d: {m: res[(d, m)] for m in methods} for d in dists},
-                       "median_cpu_ms": {d: {m: cpu[(d, m)] for m in methods} for d in dists},
-                       "ratio_to_ours": {d: {m: res[(d, m)] / res[(d, "cpp")] for m in methods}
-                                         for d in dists if (d, "cpp") in res},
-                       "profile_top_ops": {f"{d}/{m}": top for (d, m), top in profiles.items()}},
-                      f, indent=1)
-
+        write_json(args.json, args, methods, dists, res, cpu, profiles, date, machine)
 
 if __name__ == "__main__":
     main()

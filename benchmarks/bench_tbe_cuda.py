@@ -107,6 +107,14 @@ def make_batches(T, E, B, L, dist, n, zipf_a=1.15, seed=0):
     return out
 
 
+def mean_unique_rows(batches, T, E):
+    """Mean over ``batches`` (``make_batches``' form, feature-major over ``T`` tables of ``E`` rows)
+    of the unique (table, row) pairs a batch looks up."""
+    return statistics.mean(
+        float(torch.unique(idx.view(T, -1) + torch.arange(T, device="cuda")[:, None] * E).numel())
+        for idx, _ in batches)
+
+
 def time_steps(step, batches, warmup, iters):
     for i in range(warmup):
         step(*batches[i % len(batches)])
@@ -221,6 +229,14 @@ def build_fbgemm(T, E, D, precision, method, location=None, **cache):
         optimizer=getattr(EmbOptimType, FB_OPT[method]), learning_rate=0.05, eps=1e-8,
         weights_precision=precision, output_dtype=SparseType.FP32,
         pooling_mode=PoolingMode.SUM, device=torch.device("cuda"), **extra)
+
+
+def build_method(T, E, D, precision, method):
+    """The TBE of ``method`` in HBM: ours (``build_ours``) for a key of ``OURS`` or
+    ``LAYOUT_METHODS``, else FBGEMM's (``build_fbgemm``)."""
+    if method in OURS or method in LAYOUT_METHODS:
+        return build_ours(T, E, D, precision, method)
+    return build_fbgemm(T, E, D, precision, method)
 
 
 def tbe_step(module, grad):
@@ -424,6 +440,28 @@ def host_floor_ms(step, batches, n=50):
     return host
 
 
+HOST_FLOOR_LINE = "host time per step with B=64 (GPU work negligible), D=64: "
+
+
+def measure_host_floor(T, E, L, methods, n_batches):
+    """``{method: host ms per step}`` (``host_floor_ms``) of each of ``HOST_FLOOR_METHODS`` among
+    ``methods``: ``T`` tables of ``E`` x 64 fp32, ``n_batches`` Zipf batches of B=64 bags of ``L``
+    ids."""
+    tiny = make_batches(T, E, 64, L, "zipf", n_batches)
+    tiny_grad = torch.randn(64, T * 64, device="cuda")
+    host_floor = {}
+    for m in (m for m in HOST_FLOOR_METHODS if m in methods):
+        mod = build_method(T, E, 64, SparseType.FP32, m)
+        host_floor[m] = host_floor_ms(tbe_step(mod, tiny_grad), tiny)
+        del mod
+    return host_floor
+
+
+def host_floor_text(host_floor):
+    """``host_floor`` (``measure_host_floor``) as "LABEL x.xxx ms, ..."."""
+    return ", ".join(f"{LABELS[m]} {v:.3f} ms" for m, v in host_floor.items())
+
+
 # ======================================================================== --suite production
 
 PROD_B = 16384                       # bags per table per step
@@ -558,6 +596,18 @@ def _gib(x):
 
 def production_markdown(meta, rows):
     """The production suite's report: shapes and run lengths, step times, bandwidth shares, memory."""
+    done = [r for r in rows if not r.get("skipped")]
+    md = (_production_runs_section(meta, done) + _production_steps_section(done)
+          + _production_speedup_section(done) + _production_traffic_section(meta, done)
+          + _production_memory_section(meta))
+    md += ["", "Host time per step with B=64 (GPU work negligible), D=64: "
+           + host_floor_text(meta["host_floor_ms"]) + ".", "",
+           "Wall time of the phases (s): " + ", ".join(f"{k} {v:.1f}" for k, v in meta["phases_s"].items()) + "."]
+    return "\n".join(md)
+
+
+def _production_runs_section(meta, done):
+    """The production report's caption and its run-length table, one line per workload."""
     md = [f"Production-size TBE training steps (fwd + bwd + fused update), {meta['device']}, torch "
           f"{meta['torch']}, fbgemm_gpu {meta['fbgemm_gpu']}; B={PROD_B} bags per table, SUM pooling; "
           f"median of {meta['iters']} steps after {meta['warmup']} warm-up steps, cycling through "
@@ -568,85 +618,121 @@ def production_markdown(meta, rows):
           ">=32\" is the share of all lookups that fall in such long runs.", "",
           "| table | L | ids | lookups N | unique rows U | U / N | once | 2-3 | 4-31 | >=32 | lookups in >=32 | max run |",
           "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    done = [r for r in rows if not r.get("skipped")]
     for r in done:
         rs = r["rows_share"]
         md.append(f"| {r['table']} | {r['L']} | {r['ids']} | {r['lookups']:,} | {r['unique_rows']:,.0f} | "
                   f"{r['unique_rows'] / r['lookups']:.3f} | {100 * rs['1']:.1f}% | {100 * rs['2-3']:.1f}% | "
                   f"{100 * rs['4-31']:.1f}% | {100 * rs['>=32']:.2f}% | "
                   f"{100 * r['lookups_share']['>=32']:.1f}% | {r['max_run']:,} |")
-    md += ["", "Step time (ms). \"kernel ms\": ours' device time per step (torch.profiler, 3 steps); "
-           "\"ns / U\": that kernel time per unique row; \"bf16\": ours with bf16 accum and linear "
-           "(`optimizer_state_dtypes`). \"X vs RW Adagrad\" = EXACT_ROWWISE_ADAGRAD ms / X ms. Where plain "
-           "ADAM fails (fp16 weights in fbgemm_gpu 1.6.0) the ADAM columns are ADAM with row-wise bias "
-           "correction (marked *).", "",
-           "| table | L | ids | ours ms | kernel ms | ns / U | bf16 ms | bf16 kernel ms | bf16 ns / U | "
-           "ROWWISE_ADAGRAD ms | FBGEMM ADAM ms | SGD ms | ours vs RW Adagrad | bf16 vs RW Adagrad | "
-           "ADAM vs RW Adagrad | SGD vs RW Adagrad |",
-           "|---|---:|---|" + "---:|" * 13]
+    return md
 
-    def ms_cell(r, m):
-        x = r["ms"].get(m)
-        if x is None:
-            return "fails" if m in r["errors"] else "–"
-        return f"{x:.3f}"
 
-    def ratio(r, m, base):   # base ms / m ms
-        x, b = r["ms"].get(m), r["ms"].get(base)
-        return f"{b / x:.2f}x" if x and b else "–"
+def _ms_cell(r, m):
+    """Step ms of method ``m`` in workload row ``r``: "fails" where it failed, "–" where it did not run."""
+    x = r["ms"].get(m)
+    if x is None:
+        return "fails" if m in r["errors"] else "–"
+    return f"{x:.3f}"
 
-    def kernel_cells(r, m):
-        k = r["device_ms"].get(m)
-        return (f"{k:.3f}", f"{k * 1e6 / r['unique_rows']:.2f}") if k else ("–", "–")
 
-    def adam_of(r):
-        return "fbgemm_adam_rbc" if "fbgemm_adam" not in r["ms"] and "fbgemm_adam_rbc" in r["ms"] \
-            else "fbgemm_adam"
+def _ms_ratio(r, m, base):
+    """``base`` ms / ``m`` ms in workload row ``r`` ("–" unless both ran)."""
+    x, b = r["ms"].get(m), r["ms"].get(base)
+    return f"{b / x:.2f}x" if x and b else "–"
 
+
+def _kernel_cells(r, m):
+    """``(kernel ms, ns per unique row)`` of method ``m`` in workload row ``r``, "–" where not measured."""
+    k = r["device_ms"].get(m)
+    return (f"{k:.3f}", f"{k * 1e6 / r['unique_rows']:.2f}") if k else ("–", "–")
+
+
+def _adam_of(r):
+    """``(ADAM method, mark)`` of workload row ``r``: ``fbgemm_adam_rbc`` marked "*" where only it ran
+    (plain ADAM fails with fp16 weights), else ``fbgemm_adam`` and ""."""
+    if "fbgemm_adam" not in r["ms"] and "fbgemm_adam_rbc" in r["ms"]:
+        return "fbgemm_adam_rbc", "*"
+    return "fbgemm_adam", ""
+
+
+def _production_steps_section(done):
+    """The production report's step-time table: ours (fp32 and bf16 state, step and kernel time) and
+    the baselines, each against EXACT_ROWWISE_ADAGRAD."""
+    md = ["", "Step time (ms). \"kernel ms\": ours' device time per step (torch.profiler, 3 steps); "
+          "\"ns / U\": that kernel time per unique row; \"bf16\": ours with bf16 accum and linear "
+          "(`optimizer_state_dtypes`). \"X vs RW Adagrad\" = EXACT_ROWWISE_ADAGRAD ms / X ms. Where plain "
+          "ADAM fails (fp16 weights in fbgemm_gpu 1.6.0) the ADAM columns are ADAM with row-wise bias "
+          "correction (marked *).", "",
+          "| table | L | ids | ours ms | kernel ms | ns / U | bf16 ms | bf16 kernel ms | bf16 ns / U | "
+          "ROWWISE_ADAGRAD ms | FBGEMM ADAM ms | SGD ms | ours vs RW Adagrad | bf16 vs RW Adagrad | "
+          "ADAM vs RW Adagrad | SGD vs RW Adagrad |",
+          "|---|---:|---|" + "---:|" * 13]
     rwa = "fbgemm_rowwise_adagrad"
     for r in done:
-        adam = adam_of(r)
-        star = "*" if adam == "fbgemm_adam_rbc" else ""
-        md.append(f"| {r['table']} | {r['L']} | {r['ids']} | {ms_cell(r, 'ours')} | "
-                  f"{' | '.join(kernel_cells(r, 'ours'))} | {ms_cell(r, 'ours_bf16')} | "
-                  f"{' | '.join(kernel_cells(r, 'ours_bf16'))} | {ms_cell(r, rwa)} | {ms_cell(r, adam)}{star} | "
-                  f"{ms_cell(r, 'fbgemm_sgd')} | {ratio(r, 'ours', rwa)} | {ratio(r, 'ours_bf16', rwa)} | "
-                  f"{ratio(r, adam, rwa)}{star} | {ratio(r, 'fbgemm_sgd', rwa)} |")
-    md += ["", "Speed-up of ours (fp32 state, bf16 state) over the other baselines (X ms / ours ms), and of "
-           "bf16 state over fp32 state (ours ms / bf16 ms).", "",
-           "| table | L | ids | ours vs ADAM | ours vs SGD | bf16 vs ADAM | bf16 vs SGD | bf16 vs ours |",
-           "|---|---:|---|---:|---:|---:|---:|---:|"]
+        adam, star = _adam_of(r)
+        md.append(f"| {r['table']} | {r['L']} | {r['ids']} | {_ms_cell(r, 'ours')} | "
+                  f"{' | '.join(_kernel_cells(r, 'ours'))} | {_ms_cell(r, 'ours_bf16')} | "
+                  f"{' | '.join(_kernel_cells(r, 'ours_bf16'))} | {_ms_cell(r, rwa)} | {_ms_cell(r, adam)}{star} | "
+                  f"{_ms_cell(r, 'fbgemm_sgd')} | {_ms_ratio(r, 'ours', rwa)} | {_ms_ratio(r, 'ours_bf16', rwa)} | "
+                  f"{_ms_ratio(r, adam, rwa)}{star} | {_ms_ratio(r, 'fbgemm_sgd', rwa)} |")
+    return md
+
+
+def _production_speedup_section(done):
+    """The production report's speed-up table: ours (fp32 and bf16 state) over ADAM and SGD, and bf16
+    state over fp32 state."""
+    md = ["", "Speed-up of ours (fp32 state, bf16 state) over the other baselines (X ms / ours ms), and of "
+          "bf16 state over fp32 state (ours ms / bf16 ms).", "",
+          "| table | L | ids | ours vs ADAM | ours vs SGD | bf16 vs ADAM | bf16 vs SGD | bf16 vs ours |",
+          "|---|---:|---|---:|---:|---:|---:|---:|"]
     for r in done:
-        adam = adam_of(r)
-        star = "*" if adam == "fbgemm_adam_rbc" else ""
-        md.append(f"| {r['table']} | {r['L']} | {r['ids']} | {ratio(r, 'ours', adam)}{star} | "
-                  f"{ratio(r, 'ours', 'fbgemm_sgd')} | {ratio(r, 'ours_bf16', adam)}{star} | "
-                  f"{ratio(r, 'ours_bf16', 'fbgemm_sgd')} | {ratio(r, 'ours_bf16', 'ours')} |")
-    md += ["", "Compulsory traffic (benchmarks/README.md, `bytes_model()`: each method's own state bytes) per "
-           "time, as a share of the measured copy bandwidth and (after the slash) of the H200's 4.8 TB/s; "
-           "ours by kernel time and by step time, the baselines by step time.", "",
-           "| table | L | ids | GB / step (ours) | ours, kernel | ours, step | GB / step (bf16) | bf16, kernel | "
-           "bf16, step | ROWWISE_ADAGRAD | FBGEMM ADAM | SGD |",
-           "|---|---:|---|" + "---:|" * 9]
+        adam, star = _adam_of(r)
+        md.append(f"| {r['table']} | {r['L']} | {r['ids']} | {_ms_ratio(r, 'ours', adam)}{star} | "
+                  f"{_ms_ratio(r, 'ours', 'fbgemm_sgd')} | {_ms_ratio(r, 'ours_bf16', adam)}{star} | "
+                  f"{_ms_ratio(r, 'ours_bf16', 'fbgemm_sgd')} | {_ms_ratio(r, 'ours_bf16', 'ours')} |")
+    return md
 
-    def share(r, m, ms):
-        if ms is None:
-            return "–"
-        _, c, h = bw_share(m, r, ms, meta["copy_bw"])
-        return f"{100 * c:.0f}% / {100 * h:.0f}%"
 
-    def gb(r, m):
-        return f"{sum(bytes_model(m, r['lookups'], r['unique_rows'], r['T'], r['B'], r['D'], r['wbytes'])) / 1e9:.2f}"
+def _bw_share_cell(r, m, ms, bw_copy):
+    """Method ``m``'s compulsory bytes in ``ms`` as "x% / y%" of the copy bandwidth and of 4.8 TB/s
+    ("–" when ``ms`` is None)."""
+    if ms is None:
+        return "–"
+    _, c, h = bw_share(m, r, ms, bw_copy)
+    return f"{100 * c:.0f}% / {100 * h:.0f}%"
 
+
+def _step_gb(r, m):
+    """Method ``m``'s compulsory GB per step in workload row ``r`` (``bytes_model``), formatted."""
+    return f"{sum(bytes_model(m, r['lookups'], r['unique_rows'], r['T'], r['B'], r['D'], r['wbytes'])) / 1e9:.2f}"
+
+
+def _production_traffic_section(meta, done):
+    """The production report's traffic table: compulsory bytes per step time (and ours per kernel
+    time) as shares of the copy bandwidth and of 4.8 TB/s."""
+    md = ["", "Compulsory traffic (benchmarks/README.md, `bytes_model()`: each method's own state bytes) per "
+          "time, as a share of the measured copy bandwidth and (after the slash) of the H200's 4.8 TB/s; "
+          "ours by kernel time and by step time, the baselines by step time.", "",
+          "| table | L | ids | GB / step (ours) | ours, kernel | ours, step | GB / step (bf16) | bf16, kernel | "
+          "bf16, step | ROWWISE_ADAGRAD | FBGEMM ADAM | SGD |",
+          "|---|---:|---|" + "---:|" * 9]
+    bw, rwa = meta["copy_bw"], "fbgemm_rowwise_adagrad"
     for r in done:
-        adam = adam_of(r)
-        ours = " | ".join(f"{gb(r, m)} | {share(r, m, r['device_ms'].get(m))} | {share(r, m, r['ms'].get(m))}"
-                          for m in ("ours", "ours_bf16"))
-        md.append(f"| {r['table']} | {r['L']} | {r['ids']} | {ours} | {share(r, rwa, r['ms'].get(rwa))} | "
-                  f"{share(r, adam, r['ms'].get(adam))} | {share(r, 'fbgemm_sgd', r['ms'].get('fbgemm_sgd'))} |")
-    md += ["", "Device memory per table (GiB): the estimate (every workload's batches + the largest "
-           "method's weights and state + one step's workspace) and the measured peak allocated while "
-           "each method ran (batches included).", ""]
+        adam, _ = _adam_of(r)
+        ours = " | ".join(f"{_step_gb(r, m)} | {_bw_share_cell(r, m, r['device_ms'].get(m), bw)} | "
+                          f"{_bw_share_cell(r, m, r['ms'].get(m), bw)}" for m in ("ours", "ours_bf16"))
+        md.append(f"| {r['table']} | {r['L']} | {r['ids']} | {ours} | {_bw_share_cell(r, rwa, r['ms'].get(rwa), bw)} | "
+                  f"{_bw_share_cell(r, adam, r['ms'].get(adam), bw)} | "
+                  f"{_bw_share_cell(r, 'fbgemm_sgd', r['ms'].get('fbgemm_sgd'), bw)} |")
+    return md
+
+
+def _production_memory_section(meta):
+    """The production report's memory table: per table the estimate, the free memory at its start
+    and each method's measured peak."""
+    md = ["", "Device memory per table (GiB): the estimate (every workload's batches + the largest "
+          "method's weights and state + one step's workspace) and the measured peak allocated while "
+          "each method ran (batches included).", ""]
     shown = list(PROD_METHODS) + (["fbgemm_adam_rbc"] if any("fbgemm_adam_rbc" in t.get("peak_gib", {})
                                                             for t in meta["tables"]) else [])
     md += ["| table | estimate | free at start | " + " | ".join(LABELS[m] for m in shown) + " | note |",
@@ -655,10 +741,7 @@ def production_markdown(meta, rows):
         peaks = " | ".join(f"{t['peak_gib'][m]:.1f}" if m in t.get("peak_gib", {}) else "–" for m in shown)
         md.append(f"| {t['name']} | {t['estimate_gib']:.1f} | {t['free_gib']:.1f} | {peaks} | "
                   f"{t.get('skipped') or ''} |")
-    md += ["", "Host time per step with B=64 (GPU work negligible), D=64: " + ", ".join(
-        f"{LABELS[m]} {v:.3f} ms" for m, v in meta["host_floor_ms"].items()) + ".", "",
-        "Wall time of the phases (s): " + ", ".join(f"{k} {v:.1f}" for k, v in meta["phases_s"].items()) + "."]
-    return "\n".join(md)
+    return md
 
 
 def select_shapes(shapes, args):
@@ -685,187 +768,265 @@ def write_report(out_dir, name, text, lines_log, meta, rows):
     return text
 
 
+def make_log():
+    """``(log, lines)``: ``log(s)`` prints ``s`` (flushed) and appends it to ``lines``, the log a
+    report ends with."""
+    lines = []
+
+    def log(s):
+        print(s, flush=True)
+        lines.append(s)
+    return log, lines
+
+
+class SuiteReport:
+    """Log, workload rows and metadata of a ``--suite production`` or ``--layouts`` run, and its
+    report ``out_dir/name.md`` / ``.json`` (``render(meta, rows)``, then the log: ``write_report``).
+    ``log(s)`` prints ``s`` and keeps it for the report."""
+
+    def __init__(self, out_dir, name, render):
+        self.out_dir, self.name, self.render = out_dir, name, render
+        self.t_start = time.perf_counter()
+        self.log, self.lines = make_log()
+        self.rows, self.meta = [], {}
+
+    def write(self):
+        """Write the report as it stands (after every table: a run cut short keeps what it
+        measured), with the run's wall time so far as ``meta["total_s"]``; returns its markdown."""
+        self.meta["total_s"] = time.perf_counter() - self.t_start
+        return write_report(self.out_dir, self.name, self.render(self.meta, self.rows), self.lines,
+                            self.meta, self.rows)
+
+    def finish(self):
+        """Print the report, log the run's total wall time and write the report with that line."""
+        print(self.write())
+        self.log(f"total {time.perf_counter() - self.t_start:.1f} s")
+        self.write()
+
+
+def table_dims(tbl):
+    """``(T, E, D, B, wbytes, precision)`` of a suite table (``production_shapes()``' form), the
+    precision as a ``SparseType``."""
+    return tbl["T"], tbl["E"], tbl["D"], tbl["B"], tbl["wbytes"], getattr(SparseType, tbl["precision"])
+
+
+def add_phase(phases, name, t0):
+    """Add the seconds since ``t0`` (``time.perf_counter()``) to ``phases[name]``."""
+    phases[name] = phases.get(name, 0.0) + time.perf_counter() - t0
+
+
+def memory_shortfall(method, T, E, D, wbytes, workspace):
+    """Frees the cached device memory, then ``(need, reason)``: the bytes of ``method``'s ``T``
+    tables of ``E`` x ``D`` plus ``workspace``, and why they cannot be built now (they and
+    ``MEMORY_MARGIN`` exceed the free memory), or None when they fit."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    need = table_bytes(method, T, E, D, wbytes) + workspace
+    free = torch.cuda.mem_get_info()[0]
+    if need + MEMORY_MARGIN <= free:
+        return need, None
+    return need, (f"skipped: tables + workspace {_gib(need):.1f} GiB + margin exceed the free "
+                  f"{_gib(free):.1f} GiB")
+
+
 def run_production(args) -> None:
     """``--suite production`` (see the module docstring)."""
     import fbgemm_gpu
     fbgemm_version = getattr(fbgemm_gpu, "__version__", "?")
-    t_start = time.perf_counter()
-    lines_log, rows, tables_meta, phases = [], [], [], {}
-
-    def log(s):
-        print(s, flush=True)
-        lines_log.append(s)
-
-    def phase(name, t0):
-        phases[name] = phases.get(name, 0.0) + time.perf_counter() - t0
-
-    warmup, iters, n_batches = args.warmup, args.iters, args.batches
+    report = SuiteReport(args.out, "bench_tbe_cuda_production", production_markdown)
+    phases = {}
     props = torch.cuda.get_device_properties(0)
     t0 = time.perf_counter()
     bw_copy = copy_bandwidth()
-    phase("copy bandwidth", t0)
-    log(f"device {props.name}, torch {torch.__version__}, fbgemm_gpu {fbgemm_version}, "
-        f"copy bandwidth {bw_copy / 1e12:.2f} TB/s; warmup {warmup}, iters {iters}, batches {n_batches}")
+    add_phase(phases, "copy bandwidth", t0)
+    report.log(f"device {props.name}, torch {torch.__version__}, fbgemm_gpu {fbgemm_version}, "
+               f"copy bandwidth {bw_copy / 1e12:.2f} TB/s; warmup {args.warmup}, iters {args.iters}, "
+               f"batches {args.batches}")
     t0 = time.perf_counter()
-    tiny = make_batches(8, 100_000, 64, 20, "zipf", n_batches)
-    tiny_grad = torch.randn(64, 8 * 64, device="cuda")
-    host_floor = {}
-    for m in (m for m in HOST_FLOOR_METHODS if m in args.method_list):
-        mod = build_ours(8, 100_000, 64, SparseType.FP32, m) if m in OURS else \
-            build_fbgemm(8, 100_000, 64, SparseType.FP32, m)
-        host_floor[m] = host_floor_ms(tbe_step(mod, tiny_grad), tiny)
-        del mod
-    del tiny, tiny_grad
-    phase("host floor", t0)
-    log("host time per step with B=64 (GPU work negligible), D=64: " +
-        ", ".join(f"{LABELS[m]} {v:.3f} ms" for m, v in host_floor.items()))
-
+    host_floor = measure_host_floor(8, 100_000, 20, args.method_list, args.batches)
+    add_phase(phases, "host floor", t0)
+    report.log(HOST_FLOOR_LINE + host_floor_text(host_floor))
     shapes = select_shapes(production_shapes(), args)
     prod_methods = [m for m in args.method_list if m in PROD_METHODS or m == "fbgemm_adam_rbc"]
-    meta = dict(device=props.name, torch=torch.__version__, fbgemm_gpu=fbgemm_version,
-                copy_bw=bw_copy, methods=prod_methods, warmup=warmup, iters=iters, batches=n_batches, B=PROD_B,
-                host_floor_ms=host_floor, tuning=triton_backend.TUNING, tables=tables_meta, phases_s=phases)
+    report.meta = dict(device=props.name, torch=torch.__version__, fbgemm_gpu=fbgemm_version, copy_bw=bw_copy,
+                       methods=prod_methods, warmup=args.warmup, iters=args.iters, batches=args.batches,
+                       B=PROD_B, host_floor_ms=host_floor, tuning=triton_backend.TUNING, tables=[],
+                       phases_s=phases)
     os.makedirs(args.out, exist_ok=True)
-
-    def write():   # after every table: a run cut short keeps what it measured
-        meta["total_s"] = time.perf_counter() - t_start
-        return write_report(args.out, "bench_tbe_cuda_production", production_markdown(meta, rows),
-                            lines_log, meta, rows)
-
     for tbl in shapes:
-        T, E, D, B, wb = tbl["T"], tbl["E"], tbl["D"], tbl["B"], tbl["wbytes"]
-        prec = getattr(SparseType, tbl["precision"])
-        gc.collect()
-        torch.cuda.empty_cache()
-        free = torch.cuda.mem_get_info()[0]
-        est = memory_estimate(tbl, prod_methods, n_batches)
-        tmeta = dict(name=tbl["name"], T=T, E=E, D=D, precision=tbl["precision"],
-                     estimate_gib=_gib(est["peak"]), free_gib=_gib(free),
-                     estimate_parts_gib=dict(batches=_gib(est["batches"]), workspace=_gib(est["workspace"]),
-                                             **{m: _gib(v) for m, v in est["per_method"].items()}),
-                     peak_gib={}, phases_s={})
-        tables_meta.append(tmeta)
-        log(f"[{tbl['name']}] T={T} E={E:,} D={D} {tbl['precision']} B={B}; workloads "
-            f"{', '.join(w['name'] for w in tbl['workloads'])}; estimated peak {_gib(est['peak']):.1f} GiB "
-            f"(largest method's tables {_gib(max(est['per_method'].values())):.1f}, batches "
-            f"{_gib(est['batches']):.1f}, workspace {_gib(est['workspace']):.1f}), free {_gib(free):.1f} GiB")
-        if est["peak"] + MEMORY_MARGIN > free:
-            reason = (f"skipped: estimated peak {_gib(est['peak']):.1f} GiB + {_gib(MEMORY_MARGIN):.0f} GiB "
-                      f"margin exceeds the free {_gib(free):.1f} GiB")
-            log(f"  {reason}")
-            tmeta["skipped"] = reason
-            rows.extend(dict(table=tbl["name"], workload=w["name"], skipped=reason) for w in tbl["workloads"])
-            write()
-            continue
+        run_production_table(args, report, tbl)
+        report.write()
+    report.finish()
+
+
+def run_production_table(args, report, tbl) -> None:
+    """One table of the production suite: skipped (the reason recorded for its workloads) when its
+    estimated peak memory (``memory_estimate``) and ``MEMORY_MARGIN`` exceed the free memory; else
+    its workloads' batches and run-length histograms (``production_loads``), then each method of
+    ``report.meta["methods"]`` built alone and timed on every workload (``run_production_method``)."""
+    T, E, D, B, _, _ = table_dims(tbl)
+    gc.collect()
+    torch.cuda.empty_cache()
+    free = torch.cuda.mem_get_info()[0]
+    est = memory_estimate(tbl, report.meta["methods"], args.batches)
+    tmeta = dict(name=tbl["name"], T=T, E=E, D=D, precision=tbl["precision"],
+                 estimate_gib=_gib(est["peak"]), free_gib=_gib(free),
+                 estimate_parts_gib=dict(batches=_gib(est["batches"]), workspace=_gib(est["workspace"]),
+                                         **{m: _gib(v) for m, v in est["per_method"].items()}),
+                 peak_gib={}, phases_s={})
+    report.meta["tables"].append(tmeta)
+    report.log(f"[{tbl['name']}] T={T} E={E:,} D={D} {tbl['precision']} B={B}; workloads "
+               f"{', '.join(w['name'] for w in tbl['workloads'])}; estimated peak {_gib(est['peak']):.1f} GiB "
+               f"(largest method's tables {_gib(max(est['per_method'].values())):.1f}, batches "
+               f"{_gib(est['batches']):.1f}, workspace {_gib(est['workspace']):.1f}), free {_gib(free):.1f} GiB")
+    if est["peak"] + MEMORY_MARGIN > free:
+        reason = (f"skipped: estimated peak {_gib(est['peak']):.1f} GiB + {_gib(MEMORY_MARGIN):.0f} GiB "
+                  f"margin exceeds the free {_gib(free):.1f} GiB")
+        report.log(f"  {reason}")
+        tmeta["skipped"] = reason
+        report.rows.extend(dict(table=tbl["name"], workload=w["name"], skipped=reason) for w in tbl["workloads"])
+        return
+    t0 = time.perf_counter()
+    loads = production_loads(report, tbl, args.batches)
+    torch.cuda.synchronize()
+    tmeta["phases_s"]["batches + histograms"] = time.perf_counter() - t0
+    add_phase(report.meta["phases_s"], "batches + histograms", t0)
+    pending = list(report.meta["methods"])
+    while pending:
+        run_production_method(args, report, tbl, tmeta, est, loads, pending)
+
+
+def production_loads(report, tbl, n_batches):
+    """``[(workload, batches, row)]`` of one production table: each workload's ``n_batches``
+    batches (``production_batches``) and its row (run-length histogram, the timings to fill),
+    logged and appended to ``report.rows``."""
+    T, E, D, B, wb, _ = table_dims(tbl)
+    loads = []
+    for i, w in enumerate(tbl["workloads"]):
+        batches = production_batches(T, E, B, w["L"], w["zipf_a"], n_batches, seed=i)
+        hist = mean_histogram([run_length_histogram(idx, T, E) for idx, _ in batches])
+        row = dict(table=tbl["name"], workload=w["name"], T=T, E=E, B=B, L=w["L"], D=D,
+                   precision=tbl["precision"], wbytes=wb, dist=w["dist"], zipf_a=w["zipf_a"],
+                   ids="uniform" if w["zipf_a"] is None else f"Zipf({w['zipf_a']})",
+                   **hist, ms={}, fwd_ms={}, device_ms={}, errors={})
+        rs = row["rows_share"]
+        report.log(f"  {w['name']}: N={row['lookups']:,} U={row['unique_rows']:,.0f}; runs of unique rows: "
+                   f"1 {100 * rs['1']:.1f}%, 2-3 {100 * rs['2-3']:.1f}%, 4-31 {100 * rs['4-31']:.1f}%, "
+                   f">=32 {100 * rs['>=32']:.2f}% (max {row['max_run']:,})")
+        loads.append((w, batches, row))
+        report.rows.append(row)
+    return loads
+
+
+def run_production_method(args, report, tbl, tmeta, est, loads, pending) -> None:
+    """The first method of ``pending`` (taken off it) on one production table: skipped when its
+    tables and one step's workspace do not fit (``memory_shortfall``), else built, timed on each of
+    ``loads`` (``production_loads``) until one fails, and freed. Its build and measure times and peak
+    memory go to ``tmeta`` (the table's entry of ``report.meta["tables"]``); a failure to the rows'
+    ``errors``."""
+    m = pending.pop(0)
+    T, E, D, _, wb, prec = table_dims(tbl)
+    need, reason = memory_shortfall(m, T, E, D, wb, est["workspace"])
+    if reason:
+        report.log(f"  {m}: {reason}")
+        for _, _, row in loads:
+            row["errors"][m] = reason
+        return
+    torch.cuda.reset_peak_memory_stats()
+    mod = None
+    try:
         t0 = time.perf_counter()
-        loads = []
-        for i, w in enumerate(tbl["workloads"]):
-            batches = production_batches(T, E, B, w["L"], w["zipf_a"], n_batches, seed=i)
-            hist = mean_histogram([run_length_histogram(idx, T, E) for idx, _ in batches])
-            row = dict(table=tbl["name"], workload=w["name"], T=T, E=E, B=B, L=w["L"], D=D,
-                       precision=tbl["precision"], wbytes=wb, dist=w["dist"], zipf_a=w["zipf_a"],
-                       ids="uniform" if w["zipf_a"] is None else f"Zipf({w['zipf_a']})",
-                       **hist, ms={}, fwd_ms={}, device_ms={}, errors={})
-            rs = row["rows_share"]
-            log(f"  {w['name']}: N={row['lookups']:,} U={row['unique_rows']:,.0f}; runs of unique rows: "
-                f"1 {100 * rs['1']:.1f}%, 2-3 {100 * rs['2-3']:.1f}%, 4-31 {100 * rs['4-31']:.1f}%, "
-                f">=32 {100 * rs['>=32']:.2f}% (max {row['max_run']:,})")
-            loads.append((w, batches, row))
-            rows.append(row)
+        mod = build_method(T, E, D, prec, m)
         torch.cuda.synchronize()
-        tmeta["phases_s"]["batches + histograms"] = time.perf_counter() - t0
-        phase("batches + histograms", t0)
-        methods = list(prod_methods)
-        while methods:
-            m = methods.pop(0)
-            gc.collect()
-            torch.cuda.empty_cache()
-            need = table_bytes(m, T, E, D, wb) + est["workspace"]
-            free_now = torch.cuda.mem_get_info()[0]
-            if need + MEMORY_MARGIN > free_now:
-                reason = (f"skipped: tables + workspace {_gib(need):.1f} GiB + margin exceed the free "
-                          f"{_gib(free_now):.1f} GiB")
-                log(f"  {m}: {reason}")
-                for _, _, row in loads:
-                    row["errors"][m] = reason
-                continue
-            torch.cuda.reset_peak_memory_stats()
-            mod = step = None
-            try:
-                t0 = time.perf_counter()
-                mod = build_ours(T, E, D, prec, m) if m in OURS else build_fbgemm(T, E, D, prec, m)
-                torch.cuda.synchronize()
-                dt = time.perf_counter() - t0
-                tmeta["phases_s"][f"build {m}"] = dt
-                phase("build", t0)
-                t0 = time.perf_counter()
-                for w, batches, row in loads:
-                    grad = torch.randn(B, T * D, device="cuda")
-                    step = tbe_step(mod, grad)
-                    try:
-                        ms = time_steps(step, batches, warmup, iters)
-                        with torch.no_grad():
-                            fwd_ms = time_steps(lambda i, o: mod(i, o), batches, 1, args.fwd_iters)
-                    except Exception as exc:  # noqa: BLE001 - a failing baseline is reported
-                        err = f"{type(exc).__name__}: {exc}"[:400]
-                        for _, _, r in loads:   # this workload and the ones not run after it
-                            if m not in r["ms"]:
-                                r["errors"][m] = err
-                        log(f"    {w['name']:16s} {m} FAILED: {err}")
-                        if m == "fbgemm_adam" and prec == SparseType.FP16 and "fbgemm_adam_rbc" not in \
-                                prod_methods:
-                            methods.insert(0, "fbgemm_adam_rbc")
-                            log("    plain ADAM fails with fp16 weights: ADAM with row-wise bias "
-                                "correction stands in for it")
-                        break
-                    row["ms"][m], row["fwd_ms"][m] = ms, fwd_ms
-                    _, c, h = bw_share(m, row, ms, bw_copy)
-                    msg = (f"    {w['name']:16s} {m:24s} step {ms:8.3f} ms  fwd {fwd_ms:7.3f} ms  "
-                           f"traffic {100 * c:.0f}% of copy BW, {100 * h:.0f}% of 4.8 TB/s")
-                    if m in OURS:
-                        tp = time.perf_counter()
-                        try:   # a profiler failure costs the kernel time, not the step time
-                            k = device_ms(step, batches)
-                            row["device_ms"][m] = k
-                            _, kc, kh = bw_share(m, row, k, bw_copy)
-                            msg += (f"; kernel {k:.3f} ms ({k * 1e6 / row['unique_rows']:.2f} ns per "
-                                    f"unique row, {100 * kc:.0f}% of copy BW, {100 * kh:.0f}% of 4.8 TB/s)")
-                            if max(kc, kh) > 1.0:
-                                msg += "  [kernel share above 100%: the bytes model or the timing is wrong]"
-                            if args.profile and tbl["name"] == "T8_E2M_D128_fp32" and \
-                                    w["name"] in ("L20_uniform", "L20_zipf1.2"):
-                                log(f"    {w['name']}, {m}:")
-                                profile_step(step, batches, log, m)
-                        except Exception as exc:  # noqa: BLE001
-                            msg += f"; profiler FAILED: {type(exc).__name__}: {exc}"[:300]
-                        phase("profiler", tp)
-                    if max(c, h) > 1.0:
-                        msg += "  [above 100%: the bytes model or the timing is wrong]"
-                    log(msg)
-                    del grad, step
-                    step = None
-                torch.cuda.synchronize()
-                tmeta["phases_s"][f"measure {m}"] = time.perf_counter() - t0
-                phase("measure", t0)
-                tmeta["peak_gib"][m] = _gib(torch.cuda.max_memory_allocated())
-                ran = sum(m in r["ms"] for _, _, r in loads)
-                log(f"  {m}: built in {dt:.1f} s, {ran} of {len(loads)} workloads measured in "
-                    f"{tmeta['phases_s'][f'measure {m}']:.1f} s, peak allocated {tmeta['peak_gib'][m]:.1f} GiB "
-                    f"(estimate {_gib(est['batches'] + need):.1f} GiB)")
-            except Exception as exc:  # noqa: BLE001 - e.g. out of memory while building
-                log(f"  {m} FAILED: {type(exc).__name__}: {exc}"[:500])
-                traceback.print_exc()
-                for _, _, row in loads:
-                    row["errors"].setdefault(m, f"{type(exc).__name__}: {exc}"[:400])
-            del mod, step
-            gc.collect()
-            torch.cuda.empty_cache()
-        del loads, batches
-        write()
-    text = write()
-    print(text)
-    log(f"total {time.perf_counter() - t_start:.1f} s")
-    write()
+        dt = time.perf_counter() - t0
+        tmeta["phases_s"][f"build {m}"] = dt
+        add_phase(report.meta["phases_s"], "build", t0)
+        t0 = time.perf_counter()
+        for w, batches, row in loads:
+            err = time_production_workload(args, report, mod, m, batches, row)
+            if err:
+                record_production_failure(report, loads, m, w["name"], err, prec, pending)
+                break
+        torch.cuda.synchronize()
+        tmeta["phases_s"][f"measure {m}"] = time.perf_counter() - t0
+        add_phase(report.meta["phases_s"], "measure", t0)
+        tmeta["peak_gib"][m] = _gib(torch.cuda.max_memory_allocated())
+        ran = sum(m in r["ms"] for _, _, r in loads)
+        report.log(f"  {m}: built in {dt:.1f} s, {ran} of {len(loads)} workloads measured in "
+                   f"{tmeta['phases_s'][f'measure {m}']:.1f} s, peak allocated {tmeta['peak_gib'][m]:.1f} GiB "
+                   f"(estimate {_gib(est['batches'] + need):.1f} GiB)")
+    except Exception as exc:  # noqa: BLE001 - e.g. out of memory while building
+        report.log(f"  {m} FAILED: {type(exc).__name__}: {exc}"[:500])
+        traceback.print_exc()
+        for _, _, row in loads:
+            row["errors"].setdefault(m, f"{type(exc).__name__}: {exc}"[:400])
+    del mod
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def time_production_workload(args, report, mod, m, batches, row):
+    """Time method ``m`` (its TBE ``mod``) on one workload: step and forward ms into ``row``, ours
+    also its kernel time (``production_kernel_note``); logs the line. Returns the error of a step
+    or forward that failed, else None."""
+    T, B, D = row["T"], row["B"], row["D"]
+    grad = torch.randn(B, T * D, device="cuda")
+    step = tbe_step(mod, grad)
+    try:
+        ms = time_steps(step, batches, args.warmup, args.iters)
+        with torch.no_grad():
+            fwd_ms = time_steps(lambda i, o: mod(i, o), batches, 1, args.fwd_iters)
+    except Exception as exc:  # noqa: BLE001 - a failing baseline is reported
+        return f"{type(exc).__name__}: {exc}"[:400]
+    row["ms"][m], row["fwd_ms"][m] = ms, fwd_ms
+    _, c, h = bw_share(m, row, ms, report.meta["copy_bw"])
+    msg = (f"    {row['workload']:16s} {m:24s} step {ms:8.3f} ms  fwd {fwd_ms:7.3f} ms  "
+           f"traffic {100 * c:.0f}% of copy BW, {100 * h:.0f}% of 4.8 TB/s")
+    if m in OURS:
+        msg += production_kernel_note(args, report, m, step, batches, row)
+    if max(c, h) > 1.0:
+        msg += "  [above 100%: the bytes model or the timing is wrong]"
+    report.log(msg)
+    return None
+
+
+def production_kernel_note(args, report, m, step, batches, row):
+    """Ours' kernel time per step on one workload (``device_ms``) into ``row["device_ms"]``, and
+    with ``--profile`` on T8_E2M_D128_fp32 L20_uniform / L20_zipf1.2 its kernel table logged.
+    Returns the text the workload's log line ends with (a profiler failure is reported there, and
+    costs the kernel time only)."""
+    tp = time.perf_counter()
+    msg = ""
+    try:
+        k = device_ms(step, batches)
+        row["device_ms"][m] = k
+        _, kc, kh = bw_share(m, row, k, report.meta["copy_bw"])
+        msg += (f"; kernel {k:.3f} ms ({k * 1e6 / row['unique_rows']:.2f} ns per "
+                f"unique row, {100 * kc:.0f}% of copy BW, {100 * kh:.0f}% of 4.8 TB/s)")
+        if max(kc, kh) > 1.0:
+            msg += "  [kernel share above 100%: the bytes model or the timing is wrong]"
+        if args.profile and row["table"] == "T8_E2M_D128_fp32" and \
+                row["workload"] in ("L20_uniform", "L20_zipf1.2"):
+            report.log(f"    {row['workload']}, {m}:")
+            profile_step(step, batches, report.log, m)
+    except Exception as exc:  # noqa: BLE001
+        msg += f"; profiler FAILED: {type(exc).__name__}: {exc}"[:300]
+    add_phase(report.meta["phases_s"], "profiler", tp)
+    return msg
+
+
+def record_production_failure(report, loads, m, workload, err, prec, pending):
+    """Method ``m`` failed on ``workload``: ``err`` recorded for it and the workloads of ``loads``
+    not run after it, logged; plain ADAM failing with fp16 weights puts ADAM with row-wise bias
+    correction first in ``pending`` (unless it is among the methods anyway)."""
+    for _, _, r in loads:   # this workload and the ones not run after it
+        if m not in r["ms"]:
+            r["errors"][m] = err
+    report.log(f"    {workload:16s} {m} FAILED: {err}")
+    if m == "fbgemm_adam" and prec == SparseType.FP16 and "fbgemm_adam_rbc" not in report.meta["methods"]:
+        pending.insert(0, "fbgemm_adam_rbc")
+        report.log("    plain ADAM fails with fp16 weights: ADAM with row-wise bias "
+                   "correction stands in for it")
 
 
 # ======================================================================== --layouts
@@ -950,103 +1111,114 @@ def run_layouts(args) -> None:
     """``--layouts`` (see the module docstring): for each table of the suite, each method built
     alone (and freed) and timed on every workload."""
     import fbgemm_gpu
-    t_start = time.perf_counter()
-    lines_log, rows = [], []
-
-    def log(s):
-        print(s, flush=True)
-        lines_log.append(s)
-
+    report = SuiteReport(args.out, "bench_tbe_cuda_layouts", layouts_markdown)
     props = torch.cuda.get_device_properties(0)
     bw_copy = copy_bandwidth()
-    meta = dict(device=props.name, torch=torch.__version__, fbgemm_gpu=getattr(fbgemm_gpu, "__version__", "?"),
-                copy_bw=bw_copy, methods=args.method_list, warmup=args.warmup, iters=args.iters,
-                batches=args.batches, tuning=triton_backend.TUNING,
-                layouts={m: LAYOUT_METHODS[m].describe() for m in args.method_list if m in LAYOUT_METHODS})
-    log(f"device {props.name}, torch {torch.__version__}, fbgemm_gpu {meta['fbgemm_gpu']}, copy bandwidth "
-        f"{bw_copy / 1e12:.2f} TB/s; methods {', '.join(args.method_list)}")
+    report.meta = dict(device=props.name, torch=torch.__version__,
+                       fbgemm_gpu=getattr(fbgemm_gpu, "__version__", "?"), copy_bw=bw_copy,
+                       methods=args.method_list, warmup=args.warmup, iters=args.iters, batches=args.batches,
+                       tuning=triton_backend.TUNING,
+                       layouts={m: LAYOUT_METHODS[m].describe() for m in args.method_list if m in LAYOUT_METHODS})
+    report.log(f"device {props.name}, torch {torch.__version__}, fbgemm_gpu {report.meta['fbgemm_gpu']}, "
+               f"copy bandwidth {bw_copy / 1e12:.2f} TB/s; methods {', '.join(args.method_list)}")
     os.makedirs(args.out, exist_ok=True)
-
-    def write():   # after every table: a run cut short keeps what it measured
-        meta["total_s"] = time.perf_counter() - t_start
-        return write_report(args.out, "bench_tbe_cuda_layouts", layouts_markdown(meta, rows), lines_log,
-                            meta, rows)
-
     shapes = select_shapes(production_shapes() if args.suite == "production" else default_shapes(args), args)
     for tbl in shapes:
-        T, E, D, B, wb = tbl["T"], tbl["E"], tbl["D"], tbl["B"], tbl["wbytes"]
-        prec = getattr(SparseType, tbl["precision"])
-        loads = []
-        for i, w in enumerate(tbl["workloads"]):
-            batches = (production_batches(T, E, B, w["L"], w["zipf_a"], args.batches, seed=i)
-                       if args.suite == "production" else
-                       make_batches(T, E, B, w["L"], w["dist"], args.batches, zipf_a=w["zipf_a"] or 1.15))
-            U = statistics.mean(
-                float(torch.unique(idx.view(T, -1) + torch.arange(T, device="cuda")[:, None] * E).numel())
-                for idx, _ in batches)
-            row = dict(table=tbl["name"], workload=w["name"], T=T, E=E, B=B, L=w["L"], D=D,
-                       precision=tbl["precision"], wbytes=wb, dist=w["dist"],
-                       ids="uniform" if w["zipf_a"] is None else f"Zipf({w['zipf_a']})",
-                       lookups=T * B * w["L"], unique_rows=U, results={})
-            loads.append((batches, row))
-            rows.append(row)
-            log(f"[{tbl['name']} {w['name']}] N={row['lookups']:,} U={U:,.0f}")
-        work = max(workspace_bytes(T, B, w["L"], D) for w in tbl["workloads"])
+        loads = layout_loads(args, report, tbl)
+        work = max(workspace_bytes(tbl["T"], tbl["B"], w["L"], tbl["D"]) for w in tbl["workloads"])
         for m in args.method_list:
-            gc.collect()
-            torch.cuda.empty_cache()
-            need = table_bytes(m, T, E, D, wb) + work
-            free = torch.cuda.mem_get_info()[0]
-            if need + MEMORY_MARGIN > free:
-                for _, row in loads:
-                    row["results"][m] = dict(row_bytes=row_bytes(m, D, wb), error=(
-                        f"skipped: tables + workspace {_gib(need):.1f} GiB + margin exceed the free "
-                        f"{_gib(free):.1f} GiB"))
-                log(f"  {m}: skipped (memory)")
-                continue
-            mod = None
-            try:
-                mod = build_ours(T, E, D, prec, m) if m in LAYOUT_METHODS else build_fbgemm(T, E, D, prec, m)
-                grad = torch.randn(B, T * D, device="cuda")
-                step = tbe_step(mod, grad)
-                for batches, row in loads:
-                    N, U = row["lookups"], row["unique_rows"]
-                    res = dict(row_bytes=row_bytes(m, D, wb), bytes=sum(bytes_model(m, N, U, T, B, D, wb)))
-                    try:
-                        res["ms"] = time_steps(step, batches, args.warmup, args.iters)
-                        res["kernel_ms"], per = profile_kernels(step, batches)
-                        if m in LAYOUT_METHODS:
-                            res["update_ms"] = sum(v for k, v in per.items() if k.startswith(UPDATE_KERNELS))
-                            res["update_bytes"] = update_bytes(m, U, T, B, D, wb)
-                        res["top_kernels"] = sorted(per.items(), key=lambda kv: -kv[1])[:8]
-                    except Exception as exc:  # noqa: BLE001 - a failing method is reported
-                        res["error"] = f"{type(exc).__name__}: {exc}"[:400]
-                    row["results"][m] = res
-                    floor = res["bytes"] / bw_copy * 1e3
-                    log(f"  {row['workload']:16s} {m:34s} " + (
-                        f"FAILED: {res['error']}" if "error" in res else
-                        f"{res['row_bytes']:5d} B/row  floor {floor:7.3f} ms  step {res['ms']:7.3f} ms  "
-                        f"kernel {res['kernel_ms']:7.3f} ms ({100 * floor / res['kernel_ms']:.0f}% of copy BW)"
-                        + (f"  update {res['update_ms']:.3f} ms "
-                           f"({100 * res['update_bytes'] / bw_copy * 1e3 / res['update_ms']:.0f}% of copy BW)"
-                           if res.get("update_ms") else "")))
-                    if args.profile and "top_kernels" in res:
-                        log("    top kernels: " + ", ".join(f"{k[:40]} {v:.3f} ms" for k, v in res["top_kernels"]))
-                del grad, step
-            except Exception as exc:  # noqa: BLE001 - e.g. out of memory while building
-                log(f"  {m} FAILED: {type(exc).__name__}: {exc}"[:500])
-                for _, row in loads:
-                    row["results"].setdefault(m, dict(row_bytes=row_bytes(m, D, wb),
-                                                      error=f"{type(exc).__name__}: {exc}"[:400]))
-            del mod
+            run_layout_method(args, report, tbl, loads, work, m)
         del loads
-        write()
-    print(write())
-    log(f"total {time.perf_counter() - t_start:.1f} s")
-    write()
+        report.write()
+    report.finish()
 
 
-def main() -> None:
+def layout_loads(args, report, tbl):
+    """``[(batches, row)]`` of one ``--layouts`` table: each workload's ``--batches`` batches (the
+    production suite's ``production_batches``, else ``make_batches``) and its row (unique rows, the
+    results to fill), logged and appended to ``report.rows``."""
+    T, E, D, B, wb, _ = table_dims(tbl)
+    loads = []
+    for i, w in enumerate(tbl["workloads"]):
+        batches = (production_batches(T, E, B, w["L"], w["zipf_a"], args.batches, seed=i)
+                   if args.suite == "production" else
+                   make_batches(T, E, B, w["L"], w["dist"], args.batches, zipf_a=w["zipf_a"] or 1.15))
+        U = mean_unique_rows(batches, T, E)
+        row = dict(table=tbl["name"], workload=w["name"], T=T, E=E, B=B, L=w["L"], D=D,
+                   precision=tbl["precision"], wbytes=wb, dist=w["dist"],
+                   ids="uniform" if w["zipf_a"] is None else f"Zipf({w['zipf_a']})",
+                   lookups=T * B * w["L"], unique_rows=U, results={})
+        loads.append((batches, row))
+        report.rows.append(row)
+        report.log(f"[{tbl['name']} {w['name']}] N={row['lookups']:,} U={U:,.0f}")
+    return loads
+
+
+def run_layout_method(args, report, tbl, loads, workspace, m) -> None:
+    """Method ``m`` on one ``--layouts`` table: skipped when its tables and ``workspace`` do not fit
+    (``memory_shortfall``), else built, measured on each of ``loads`` (``layout_loads``;
+    ``measure_layout_workload``) and freed; a failure is recorded in the rows' results."""
+    T, E, D, B, wb, prec = table_dims(tbl)
+    _, reason = memory_shortfall(m, T, E, D, wb, workspace)
+    if reason:
+        for _, row in loads:
+            row["results"][m] = dict(row_bytes=row_bytes(m, D, wb), error=reason)
+        report.log(f"  {m}: skipped (memory)")
+        return
+    mod = None
+    try:
+        mod = build_method(T, E, D, prec, m)
+        grad = torch.randn(B, T * D, device="cuda")
+        step = tbe_step(mod, grad)
+        for batches, row in loads:
+            res = measure_layout_workload(args, m, step, batches, row)
+            row["results"][m] = res
+            report.log(f"  {row['workload']:16s} {m:34s} " + layout_result_text(res, report.meta["copy_bw"]))
+            if args.profile and "top_kernels" in res:
+                report.log("    top kernels: " + ", ".join(f"{k[:40]} {v:.3f} ms" for k, v in res["top_kernels"]))
+        del grad, step
+    except Exception as exc:  # noqa: BLE001 - e.g. out of memory while building
+        report.log(f"  {m} FAILED: {type(exc).__name__}: {exc}"[:500])
+        for _, row in loads:
+            row["results"].setdefault(m, dict(row_bytes=row_bytes(m, D, wb),
+                                              error=f"{type(exc).__name__}: {exc}"[:400]))
+    del mod
+
+
+def measure_layout_workload(args, m, step, batches, row) -> dict:
+    """Method ``m``'s result on one ``--layouts`` workload: bytes per row and compulsory bytes per
+    step, step time, kernel time and its top kernels, and for ours the update kernels' time and
+    bytes; a failure as ``error``."""
+    T, B, D, wb = row["T"], row["B"], row["D"], row["wbytes"]
+    N, U = row["lookups"], row["unique_rows"]
+    res = dict(row_bytes=row_bytes(m, D, wb), bytes=sum(bytes_model(m, N, U, T, B, D, wb)))
+    try:
+        res["ms"] = time_steps(step, batches, args.warmup, args.iters)
+        res["kernel_ms"], per = profile_kernels(step, batches)
+        if m in LAYOUT_METHODS:
+            res["update_ms"] = sum(v for k, v in per.items() if k.startswith(UPDATE_KERNELS))
+            res["update_bytes"] = update_bytes(m, U, T, B, D, wb)
+        res["top_kernels"] = sorted(per.items(), key=lambda kv: -kv[1])[:8]
+    except Exception as exc:  # noqa: BLE001 - a failing method is reported
+        res["error"] = f"{type(exc).__name__}: {exc}"[:400]
+    return res
+
+
+def layout_result_text(res, bw_copy) -> str:
+    """A ``measure_layout_workload`` result as its log line's tail: the failure, or bytes per row,
+    floor, step and kernel time (and ours' update time), with their shares of ``bw_copy``."""
+    if "error" in res:
+        return f"FAILED: {res['error']}"
+    floor = res["bytes"] / bw_copy * 1e3
+    return (f"{res['row_bytes']:5d} B/row  floor {floor:7.3f} ms  step {res['ms']:7.3f} ms  "
+            f"kernel {res['kernel_ms']:7.3f} ms ({100 * floor / res['kernel_ms']:.0f}% of copy BW)"
+            + (f"  update {res['update_ms']:.3f} ms "
+               f"({100 * res['update_bytes'] / bw_copy * 1e3 / res['update_ms']:.0f}% of copy BW)"
+               if res.get("update_ms") else ""))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (see the module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--T", type=int, default=32)
     ap.add_argument("--E", type=int, default=100_000)
@@ -1085,15 +1257,29 @@ def main() -> None:
                     help=f"--tune-layouts: the layouts swept (comma list of {','.join(TUNE_LAYOUT_METHODS)}; "
                          "default: those among --methods, else all)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    args = ap.parse_args()
-    production = args.suite == "production"
+    return ap
+
+
+def suite_methods(args):
+    """``(allowed, default)`` methods of the run ``args`` asks for: ``--layouts``, the production
+    suite or the default suite."""
     if args.layouts:
-        allowed, default = tuple(LAYOUT_BASELINES) + ("fbgemm_adam_rbc",) + tuple(LAYOUT_METHODS), \
-            tuple(LAYOUT_BASELINES) + tuple(LAYOUT_METHODS)
-    elif production:
-        allowed, default = PROD_METHODS + ("fbgemm_adam_rbc",), PROD_METHODS
-    else:
-        allowed, default = DEFAULT_METHODS, DEFAULT_METHODS
+        return (tuple(LAYOUT_BASELINES) + ("fbgemm_adam_rbc",) + tuple(LAYOUT_METHODS),
+                tuple(LAYOUT_BASELINES) + tuple(LAYOUT_METHODS))
+    if args.suite == "production":
+        return PROD_METHODS + ("fbgemm_adam_rbc",), PROD_METHODS
+    return DEFAULT_METHODS, DEFAULT_METHODS
+
+
+def parse_args(argv=None):
+    """The flags, with ``method_list`` (``--methods``, checked against ``suite_methods``) and the
+    suite's ``--warmup`` / ``--iters`` defaults filled in. Exits with a usage error on a method the
+    run does not know, or on ``--tune`` / ``--tune-forward`` with the production suite or
+    ``--layouts``."""
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    production = args.suite == "production"
+    allowed, default = suite_methods(args)
     args.method_list = [m for m in (args.methods or ",".join(default)).split(",") if m]
     bad = [m for m in args.method_list if m not in allowed]
     if bad or not args.method_list:
@@ -1104,30 +1290,29 @@ def main() -> None:
         args.iters = 10 if production else 20
     if (production or args.layouts) and (args.tune or args.tune_forward):
         ap.error("--tune / --tune-forward run with the default suite, without --layouts")
-    if args.tune_layouts:
-        os.makedirs(args.out, exist_ok=True)
-        chosen = tune_layouts(args, print)
-        with open(os.path.join(args.out, "tune_layouts.json"), "w") as f:
-            json.dump(chosen, f, indent=1)
-        print("TUNING['layouts'] = " + repr({k: {g: tuple(v[g]) for g in ("fwd", "seg_launch")}
-                                              for k, v in chosen.items()}), flush=True)
-        print("TUNING['rows'] = " + repr(triton_backend.TUNING["rows"]), flush=True)
-    if args.layouts:
-        run_layouts(args)
-        return
-    if args.tune_layouts:
-        return
-    if production:
-        run_production(args)
-        return
+    return args
+
+
+def run_tune_layouts(args) -> None:
+    """``--tune-layouts``: ``tune_layouts``, its choice written to ``DIR/tune_layouts.json`` and
+    printed as the ``TUNING["layouts"]`` and ``TUNING["rows"]`` entries."""
+    os.makedirs(args.out, exist_ok=True)
+    chosen = tune_layouts(args, print)
+    with open(os.path.join(args.out, "tune_layouts.json"), "w") as f:
+        json.dump(chosen, f, indent=1)
+    print("TUNING['layouts'] = " + repr({k: {g: tuple(v[g]) for g in ("fwd", "seg_launch")}
+                                          for k, v in chosen.items()}), flush=True)
+    print("TUNING['rows'] = " + repr(triton_backend.TUNING["rows"]), flush=True)
+
+
+def run_default(args) -> None:
+    """The default suite (see the module docstring): every method of ``--methods`` on ``--T``
+    tables of ``--E`` rows at D=128, 64, 256 fp32 and D=128 fp16, uniform and Zipf ids; writes
+    ``DIR/bench_tbe_cuda.md`` / ``.json``. ``--tune`` sweeps the backward launch knobs first;
+    ``--tune-forward`` runs its sweep only."""
     T, E, B, L = args.T, args.E, args.B, args.L
     N = T * B * L
-    lines_log = []
-
-    def log(s):
-        print(s, flush=True)
-        lines_log.append(s)
-
+    log, lines_log = make_log()
     props = torch.cuda.get_device_properties(0)
     bw_copy = copy_bandwidth()
     log(f"device {props.name}, torch {torch.__version__}, copy bandwidth {bw_copy / 1e12:.2f} TB/s")
@@ -1138,9 +1323,7 @@ def main() -> None:
     shapes = [(128, SparseType.FP32), (64, SparseType.FP32), (256, SparseType.FP32), (128, SparseType.FP16)]
     if args.quick:
         shapes = shapes[:1]
-    results = []
     batches_cache = {}
-    row_profiled = False
     if args.tune or args.tune_forward:
         for dist in ("uniform", "zipf"):
             batches_cache[dist] = make_batches(T, E, B, L, dist, args.batches)
@@ -1149,66 +1332,85 @@ def main() -> None:
         return
     if args.tune:
         tune(T, E, B, L, batches_cache, log)
-    tiny = make_batches(T, E, 64, L, "zipf", args.batches)
-    tiny_grad = torch.randn(64, T * 64, device="cuda")
-    host_floor = {}
-    for m in (m for m in HOST_FLOOR_METHODS if m in args.method_list):
-        mod = build_ours(T, E, 64, SparseType.FP32, m) if m in OURS else \
-            build_fbgemm(T, E, 64, SparseType.FP32, m)
-        host_floor[m] = host_floor_ms(tbe_step(mod, tiny_grad), tiny)
-        del mod
-    log("host time per step with B=64 (GPU work negligible), D=64: " +
-        ", ".join(f"{LABELS[m]} {v:.3f} ms" for m, v in host_floor.items()))
-    del tiny, tiny_grad
+    host_floor = measure_host_floor(T, E, L, args.method_list, args.batches)
+    log(HOST_FLOOR_LINE + host_floor_text(host_floor))
+    results = []
     for D, prec in shapes:
         for dist in ("uniform", "zipf"):
             batches = batches_cache.get(dist) or make_batches(T, E, B, L, dist, args.batches)
             batches_cache[dist] = batches
-            U = statistics.mean(
-                float(torch.unique(i.view(T, -1) + torch.arange(T, device="cuda")[:, None] * E).numel())
-                for i, _ in batches)
-            wbytes = 2 if prec == SparseType.FP16 else 4
-            methods = [m for m in args.method_list if m != "eager" or (
-                D == 128 and prec == SparseType.FP32 and not args.no_eager)]
-            row = dict(D=D, precision=prec.name, wbytes=wbytes, dist=dist, unique_rows=U, lookups=N,
-                       ms={}, fwd_ms={}, device_ms={})
-            log(f"[D={D} {prec.name} {dist}] N={N} lookups, U={U:.0f} unique rows")
-            for m in methods:
-                try:
-                    grad = torch.randn(B, T * D, device="cuda")
-                    if m in OURS:
-                        mod = build_ours(T, E, D, prec, m)
-                        step = tbe_step(mod, grad)
-                    elif m in FB_OPT:
-                        mod = build_fbgemm(T, E, D, prec, m)
-                        step = tbe_step(mod, grad)
-                    else:
-                        mod, step = eager_step(T, E, D, B)
-                    iters = args.iters if m != "eager" else 3
-                    ms = time_steps(step, batches, args.warmup if m != "eager" else 1, iters)
-                    with torch.no_grad():
-                        fwd_ms = time_steps(lambda i, o: mod(i, o) if m != "eager" else None,
-                                            batches, 2, 10) if m != "eager" else float("nan")
-                    row["ms"][m], row["fwd_ms"][m] = ms, fwd_ms
-                    fb, bb = bytes_model(m, N, U, T, B, D, wbytes)
-                    log(f"  {m:24s} step {ms:8.3f} ms  fwd {fwd_ms:7.3f} ms  "
-                        f"model {(fb + bb) / 1e9:.2f} GB -> {(fb + bb) / (ms * 1e-3) / 1e12:.2f} TB/s")
-                    if m in ("ours", "ours_bf16"):
-                        row["device_ms"][m] = device_ms(step, batches)
-                        log(f"  {m:24s} kernel time {row['device_ms'][m]:.3f} ms per step")
-                    if args.profile and m in ("ours", "ours_bf16") and D == 128 and prec == SparseType.FP32:
-                        profile_step(step, batches, log, m)
-                        row_profiled = True
-                    del mod, step
-                except Exception as exc:  # keep the other methods running
-                    log(f"  {m} FAILED: {exc!r}")
-                    traceback.print_exc()
-                gc.collect()
-                torch.cuda.empty_cache()
-            results.append(row)
+            results.append(measure_default_row(args, log, D, prec, dist, batches))
+    text = default_markdown(args, props.name, bw_copy, host_floor, results)
+    print(text)
+    os.makedirs(args.out, exist_ok=True)
+    write_report(args.out, "bench_tbe_cuda", text, lines_log,
+                 dict(copy_bw=bw_copy, host_floor_ms=host_floor, tuning=triton_backend.TUNING,
+                      methods=args.method_list), results)
 
-    # ------------------------------------------------------------------ markdown
-    md = [f"One training step (fwd + bwd + fused optimizer update), {props.name}, torch {torch.__version__}; "
+
+def measure_default_row(args, log, D, prec, dist, batches) -> dict:
+    """One shape of the default suite (dim ``D``, weights ``prec``, ids ``dist`` in ``batches``):
+    its row, every method's times filled in (``measure_default_method``; the eager baseline at
+    D=128 fp32 only, unless ``--no-eager``). A method that fails is logged and left out."""
+    T, E, B, L = args.T, args.E, args.B, args.L
+    N = T * B * L
+    U = mean_unique_rows(batches, T, E)
+    wbytes = 2 if prec == SparseType.FP16 else 4
+    methods = [m for m in args.method_list if m != "eager" or (
+        D == 128 and prec == SparseType.FP32 and not args.no_eager)]
+    row = dict(D=D, precision=prec.name, wbytes=wbytes, dist=dist, unique_rows=U, lookups=N,
+               ms={}, fwd_ms={}, device_ms={})
+    log(f"[D={D} {prec.name} {dist}] N={N} lookups, U={U:.0f} unique rows")
+    for m in methods:
+        try:
+            measure_default_method(args, log, row, m, prec, batches)
+        except Exception as exc:  # keep the other methods running
+            log(f"  {m} FAILED: {exc!r}")
+            traceback.print_exc()
+        gc.collect()
+        torch.cuda.empty_cache()
+    return row
+
+
+def measure_default_method(args, log, row, m, prec, batches) -> None:
+    """Method ``m`` on one default-suite shape (``row``): step time (eager: 3 steps after 1) and
+    forward time into ``row``, logged with the bytes model's bandwidth; ours also its kernel time,
+    and with ``--profile`` at D=128 fp32 its kernel table."""
+    T, E, B = args.T, args.E, args.B
+    D, N, U, wbytes = row["D"], row["lookups"], row["unique_rows"], row["wbytes"]
+    eager = m == "eager"
+    grad = torch.randn(B, T * D, device="cuda")
+    if eager:
+        mod, step = eager_step(T, E, D, B)
+    else:
+        mod = build_method(T, E, D, prec, m)
+        step = tbe_step(mod, grad)
+    ms = time_steps(step, batches, 1 if eager else args.warmup, 3 if eager else args.iters)
+    with torch.no_grad():
+        fwd_ms = float("nan") if eager else time_steps(lambda i, o: mod(i, o), batches, 2, 10)
+    row["ms"][m], row["fwd_ms"][m] = ms, fwd_ms
+    fb, bb = bytes_model(m, N, U, T, B, D, wbytes)
+    log(f"  {m:24s} step {ms:8.3f} ms  fwd {fwd_ms:7.3f} ms  "
+        f"model {(fb + bb) / 1e9:.2f} GB -> {(fb + bb) / (ms * 1e-3) / 1e12:.2f} TB/s")
+    if m in ("ours", "ours_bf16"):
+        row["device_ms"][m] = device_ms(step, batches)
+        log(f"  {m:24s} kernel time {row['device_ms'][m]:.3f} ms per step")
+    if args.profile and m in ("ours", "ours_bf16") and D == 128 and prec == SparseType.FP32:
+        profile_step(step, batches, log, m)
+
+
+def default_markdown(args, device, bw_copy, host_floor, results) -> str:
+    """The default suite's report: every method's step time and bandwidth, ours' kernel time, and
+    ours' speed-up over each baseline."""
+    return "\n".join(_default_steps_section(args, device, bw_copy, results)
+                     + _default_kernel_section(args, bw_copy, host_floor, results)
+                     + _default_speedup_section(results))
+
+
+def _default_steps_section(args, device, bw_copy, results):
+    """The default report's caption and its table of every method's step time and bandwidth."""
+    T, E, B, L = args.T, args.E, args.B, args.L
+    md = [f"One training step (fwd + bwd + fused optimizer update), {device}, torch {torch.__version__}; "
           f"T={T}, E={E}, B={B}, L={L}, SUM pooling; median of {args.iters} steps (eager: 3) by CUDA "
           f"events. Measured copy bandwidth {bw_copy / 1e12:.2f} TB/s. BW = compulsory bytes "
           f"(benchmarks/README.md) / step time. Ours uses bounds_check_mode=WARNING (FBGEMM's default) "
@@ -1219,55 +1421,77 @@ def main() -> None:
     for row in results:
         adam, rwa = row["ms"].get("fbgemm_adam"), row["ms"].get("fbgemm_rowwise_adagrad")
         for m, ms in row["ms"].items():
-            fb, bb = bytes_model(m, N, row["unique_rows"], T, B, row["D"], row["wbytes"])
+            fb, bb = bytes_model(m, T * B * L, row["unique_rows"], T, B, row["D"], row["wbytes"])
             bw = (fb + bb) / (ms * 1e-3)
             md.append(f"| {row['D']} | {row['precision']} | {row['dist']} | {row['unique_rows']:.0f} | "
                       f"{LABELS[m]} | {ms:.3f} | {row['fwd_ms'][m]:.3f} | "
                       f"{f'{rwa / ms:.2f}x' if rwa else '–'} | {f'{adam / ms:.2f}x' if adam else '–'} | "
                       f"{bw / 1e12:.2f} | "
                       f"{100 * bw / bw_copy:.0f}% | {100 * bw / HBM_SPEC:.0f}% |")
-    md.append("")
-    md.append("Ours (WARNING; fp32 and bf16 state): step time against kernel time (device time summed by "
-              "torch.profiler; a step above it waits on the host). Host time per step with B=64, where the GPU work "
-              "is negligible: " + ", ".join(f"{LABELS[m]} {v:.3f} ms" for m, v in host_floor.items())
-              + ".")
-    md.append("")
-    md.append("| D | weights | indices | method | ms / step | kernel ms / step | BW by kernel time | % of copy BW | "
-              "% of 4.8 TB/s |")
-    md.append("|---:|---|---|---|---:|---:|---:|---:|---:|")
+    return md
+
+
+def _default_kernel_section(args, bw_copy, host_floor, results):
+    """The default report's table of ours' step time against its kernel time, after the host time
+    per step."""
+    T, B, L = args.T, args.B, args.L
+    md = ["", "Ours (WARNING; fp32 and bf16 state): step time against kernel time (device time summed by "
+          "torch.profiler; a step above it waits on the host). Host time per step with B=64, where the GPU work "
+          "is negligible: " + host_floor_text(host_floor) + ".", "",
+          "| D | weights | indices | method | ms / step | kernel ms / step | BW by kernel time | % of copy BW | "
+          "% of 4.8 TB/s |",
+          "|---:|---|---|---|---:|---:|---:|---:|---:|"]
     for row in results:
         for m in ("ours", "ours_bf16"):
             if m in row["device_ms"]:
-                fb, bb = bytes_model(m, N, row["unique_rows"], T, B, row["D"], row["wbytes"])
+                fb, bb = bytes_model(m, T * B * L, row["unique_rows"], T, B, row["D"], row["wbytes"])
                 kbw = (fb + bb) / (row["device_ms"][m] * 1e-3)
                 md.append(f"| {row['D']} | {row['precision']} | {row['dist']} | {LABELS[m]} | {row['ms'][m]:.3f} | "
                           f"{row['device_ms'][m]:.3f} | {kbw / 1e12:.2f} TB/s | "
                           f"{100 * kbw / bw_copy:.0f}% | {100 * kbw / HBM_SPEC:.0f}% |")
-    md.append("")
-    md.append("Speed-up of ours (WARNING; fp32 and bf16 state) over each baseline (baseline ms / ours ms); "
-              "\"bf16 vs fp32 state\": ours ms / ours bf16 ms:")
-    md.append("")
-    md.append("| D | weights | indices | method | vs ROWWISE_ADAGRAD | vs ADAM | vs ADAM, row-wise bias corr. | "
-              "vs SGD | vs eager | bf16 vs fp32 state |")
-    md.append("|---:|---|---|---|---:|---:|---:|---:|---:|---:|")
+    return md
+
+
+def _default_speedup_section(results):
+    """The default report's table of ours' speed-up (fp32 and bf16 state) over each baseline."""
+    md = ["", "Speed-up of ours (WARNING; fp32 and bf16 state) over each baseline (baseline ms / ours ms); "
+          "\"bf16 vs fp32 state\": ours ms / ours bf16 ms:", "",
+          "| D | weights | indices | method | vs ROWWISE_ADAGRAD | vs ADAM | vs ADAM, row-wise bias corr. | "
+          "vs SGD | vs eager | bf16 vs fp32 state |",
+          "|---:|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for row in results:
         for m in ("ours", "ours_bf16"):
             o = row["ms"].get(m)
             if o is None:
                 continue
-            cell = lambda k: f"{row['ms'][k] / o:.2f}x" if o and k in row["ms"] else "-"  # noqa: E731
+            cells = [_speedup_cell(row, o, k) for k in SPEEDUP_BASELINES]
+            cells.append(_speedup_cell(row, o, "ours") if m == "ours_bf16" else "-")
             md.append(f"| {row['D']} | {row['precision']} | {row['dist']} | {LABELS[m]} | "
-                      f"{cell('fbgemm_rowwise_adagrad')} | {cell('fbgemm_adam')} | {cell('fbgemm_adam_rbc')} | "
-                      f"{cell('fbgemm_sgd')} | {cell('eager')} | "
-                      f"{cell('ours') if m == 'ours_bf16' else '-'} |")
-    text = "\n".join(md)
-    print(text)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench_tbe_cuda.md"), "w") as f:
-        f.write(text + "\n\n```\n" + "\n".join(lines_log) + "\n```\n")
-    with open(os.path.join(args.out, "bench_tbe_cuda.json"), "w") as f:
-        json.dump(dict(copy_bw=bw_copy, host_floor_ms=host_floor, tuning=triton_backend.TUNING,
-                       methods=args.method_list, results=results), f, indent=1)
+                      + " | ".join(cells) + " |")
+    return md
+
+
+SPEEDUP_BASELINES = ("fbgemm_rowwise_adagrad", "fbgemm_adam", "fbgemm_adam_rbc", "fbgemm_sgd", "eager")
+
+
+def _speedup_cell(row, ours_ms, k):
+    """Method ``k``'s ms / ``ours_ms`` in default-suite row ``row`` ("-" where ``k`` did not run)."""
+    return f"{row['ms'][k] / ours_ms:.2f}x" if ours_ms and k in row["ms"] else "-"
+
+
+def main() -> None:
+    args = parse_args()
+    if args.tune_layouts:
+        run_tune_layouts(args)
+    if args.layouts:
+        run_layouts(args)
+        return
+    if args.tune_layouts:
+        return
+    if args.suite == "production":
+        run_production(args)
+        return
+    run_default(args)
 
 
 if __name__ == "__main__":

@@ -351,7 +351,8 @@ def resolve_variants(names: list[str], device: torch.device) -> tuple[list, dict
     return out, {}
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (see the module docstring)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--datasets", nargs="+", choices=("teacher", *SAMPLES), default=["teacher"])
     p.add_argument("--teacher", choices=tuple(TEACHERS), default="small", help="teacher preset")
@@ -374,61 +375,51 @@ def main(argv=None) -> int:
                    help="also FTRL at these per-example l1 values against row-wise Adagrad "
                         "magnitude-pruned to the same non-zero weights (OUT_l1.png)")
     p.add_argument("--out", required=True, help="output stem: OUT.json, OUT.md, OUT.png")
-    a = p.parse_args(argv)
-    device = torch.device(a.device)
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    names = a.variants if a.variants == ["all"] else [qm.REFERENCE] + [n for n in a.variants
-                                                                        if n != qm.REFERENCE]
-    variants, not_run = resolve_variants(names, device)
-    variants = [v for v in variants if v.name not in a.exclude or v.name == qm.REFERENCE]
-    t_start = time.perf_counter()
-    sets = [teacher_dataset(a.teacher, device, train_rows=a.train_rows) if d == "teacher"
-            else sample_dataset(d, device, a.num_embeddings, a.epochs) for d in a.datasets]
-    result = {"args": vars(a), "machine": platform.platform(), "device": str(device),
-              "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "reference": qm.REFERENCE,
-              "interval": "95% paired t-interval over seeds (scipy.stats.ttest_rel)",
-              "model": vars(qm.ModelConfig()),
-              "variants": {v.name: {"optimizer": v.optimizer, "knobs": v.knobs,
-                                    "state_dtypes": v.state_dtypes, "layout": v.layout,
-                                    "description": v.description} for v in variants},
-              "not_run": not_run, "datasets": {d.name: d.describe for d in sets}, "runs": [],
-              "seeds_done": [], "l1_sweep_runs": []}
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    cfg = qm.ModelConfig()
-    last_seed_s = 0.0
-    for seed in a.seeds:
-        elapsed = time.perf_counter() - t_start
-        if (a.time_budget_s is not None and len(result["seeds_done"]) >= 2
-                and elapsed + last_seed_s > a.time_budget_s):
-            result["stopped"] = (f"time budget {a.time_budget_s} s: {elapsed:.0f} s so far, the last "
-                                 f"seed took {last_seed_s:.0f} s; seed {seed} not started")
-            print(result["stopped"], flush=True)
-            break
-        for ds in sets:
-            train = ds.train(seed)
-            for b in a.batches:
-                order = qm.train_order(len(train), b, ds.epochs, seed, ds.shuffle, device)
-                for v in variants:
-                    r = qm.run(v, train, ds.evaluation, ds.sizes, b, seed, order, cfg, device)
-                    r.update(dataset=ds.name, batch=b, seed=seed, variant=v.name)
-                    result["runs"].append(r)
-                    print(f"{ds.name} batch {b} seed {seed} {v.name}: AUC {r['auc']:.4f} logloss "
-                          f"{r['logloss']:.4f} zero {100 * r['zero_weight_share_touched']:.1f}% "
-                          f"({r['steps']} steps, {r['train_s']:.1f} s)", flush=True)
-                    with open(a.out + ".json", "w") as f:
-                        json.dump(result, f, indent=1)
-                if a.l1_sweep:
-                    recs = l1_sweep(ds, train, b, seed, order, a.l1_sweep, cfg, device)
-                    result["l1_sweep_runs"] += recs
-                    for r in recs:
-                        print(f"{ds.name} batch {b} seed {seed} l1 {r['l1']:g} {r['method']}: AUC "
-                              f"{r['auc']:.4f}, {r['nonzero_weights_touched']:,} non-zero", flush=True)
-            del train
-        result["seeds_done"].append(seed)
-        last_seed_s = time.perf_counter() - t_start - elapsed
-    result["wall_s"] = time.perf_counter() - t_start
+    return p
+
+
+def new_result(a, device: torch.device, variants: list, not_run: dict, sets: list) -> dict:
+    """The study's JSON record before any run: flags, machine, versions, the variants (and those
+    not run, with the reason), the data sets, and empty run lists."""
+    return {"args": vars(a), "machine": platform.platform(), "device": str(device),
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "reference": qm.REFERENCE,
+            "interval": "95% paired t-interval over seeds (scipy.stats.ttest_rel)",
+            "model": vars(qm.ModelConfig()),
+            "variants": {v.name: {"optimizer": v.optimizer, "knobs": v.knobs,
+                                  "state_dtypes": v.state_dtypes, "layout": v.layout,
+                                  "description": v.description} for v in variants},
+            "not_run": not_run, "datasets": {d.name: d.describe for d in sets}, "runs": [],
+            "seeds_done": [], "l1_sweep_runs": []}
+
+
+def run_seed(a, result: dict, ds: Dataset, seed: int, variants: list, cfg, device: torch.device) -> None:
+    """Every variant (and with ``--l1-sweep`` the sweep) on ``ds`` at every batch size for one
+    seed, paired: the same training examples, order and initial weights. Each run goes to
+    ``result`` (written to ``OUT.json`` after it) and is printed."""
+    train = ds.train(seed)
+    for b in a.batches:
+        order = qm.train_order(len(train), b, ds.epochs, seed, ds.shuffle, device)
+        for v in variants:
+            r = qm.run(v, train, ds.evaluation, ds.sizes, b, seed, order, cfg, device)
+            r.update(dataset=ds.name, batch=b, seed=seed, variant=v.name)
+            result["runs"].append(r)
+            print(f"{ds.name} batch {b} seed {seed} {v.name}: AUC {r['auc']:.4f} logloss "
+                  f"{r['logloss']:.4f} zero {100 * r['zero_weight_share_touched']:.1f}% "
+                  f"({r['steps']} steps, {r['train_s']:.1f} s)", flush=True)
+            with open(a.out + ".json", "w") as f:
+                json.dump(result, f, indent=1)
+        if a.l1_sweep:
+            recs = l1_sweep(ds, train, b, seed, order, a.l1_sweep, cfg, device)
+            result["l1_sweep_runs"] += recs
+            for r in recs:
+                print(f"{ds.name} batch {b} seed {seed} l1 {r['l1']:g} {r['method']}: AUC "
+                      f"{r['auc']:.4f}, {r['nonzero_weights_touched']:,} non-zero", flush=True)
+
+
+def write_outputs(a, result: dict) -> None:
+    """Summarize the runs (and the l1 sweep) into ``result`` and write ``OUT.json``, ``OUT.md``
+    and ``OUT.png`` (with the sweep ``OUT_l1.png``); prints the tables."""
     result["summary"] = summarize(result["runs"], qm.REFERENCE)
     table = markdown(result)
     if a.l1_sweep:
@@ -443,6 +434,38 @@ def main(argv=None) -> int:
     plot(result, a.out + ".png")
     print(table)
     print(f"wrote {a.out}.json, .md, .png ({result['wall_s']:.0f} s)")
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
+    device = torch.device(a.device)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    names = a.variants if a.variants == ["all"] else [qm.REFERENCE] + [n for n in a.variants
+                                                                        if n != qm.REFERENCE]
+    variants, not_run = resolve_variants(names, device)
+    variants = [v for v in variants if v.name not in a.exclude or v.name == qm.REFERENCE]
+    t_start = time.perf_counter()
+    sets = [teacher_dataset(a.teacher, device, train_rows=a.train_rows) if d == "teacher"
+            else sample_dataset(d, device, a.num_embeddings, a.epochs) for d in a.datasets]
+    result = new_result(a, device, variants, not_run, sets)
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    cfg = qm.ModelConfig()
+    last_seed_s = 0.0
+    for seed in a.seeds:
+        elapsed = time.perf_counter() - t_start
+        if (a.time_budget_s is not None and len(result["seeds_done"]) >= 2
+                and elapsed + last_seed_s > a.time_budget_s):
+            result["stopped"] = (f"time budget {a.time_budget_s} s: {elapsed:.0f} s so far, the last "
+                                 f"seed took {last_seed_s:.0f} s; seed {seed} not started")
+            print(result["stopped"], flush=True)
+            break
+        for ds in sets:
+            run_seed(a, result, ds, seed, variants, cfg, device)
+        result["seeds_done"].append(seed)
+        last_seed_s = time.perf_counter() - t_start - elapsed
+    result["wall_s"] = time.perf_counter() - t_start
+    write_outputs(a, result)
     return 0
 
 

@@ -47,4 +47,4 @@ bench: venv
 	$(VPY) benchmarks/bench_tbe_cpu.py
 
 clean:
-	rm -rf $(VENV) $(VENV19) build *.egg-info torchrec_ftrl/kernels/_ftrl_tbe_cpu_*
+	rm -rf $(VENV) $(VENV19) build *.egg-info torchrec_ftrl/kernels/cpu/_ftrl_tbe_cpu_*

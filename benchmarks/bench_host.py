@@ -28,7 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_tbe_cuda import LABELS, build_fbgemm, build_ours, make_batches  # noqa: E402
 
 from torchrec_ftrl.fbgemm_enums import BoundsCheckMode, SparseType  # noqa: E402
-from torchrec_ftrl.kernels import launch, triton_backend  # noqa: E402
+from torchrec_ftrl.kernels.cuda import launch  # noqa: E402
+from torchrec_ftrl.kernels.cuda import backend as triton_backend  # noqa: E402
 
 METHODS = ("ours", "ours_fatal", "ours_triton_run", "ours_torch_sort", "ours_graph",
            "fbgemm_adam", "fbgemm_rowwise_adagrad", "fbgemm_sgd")
@@ -62,7 +63,7 @@ def torch_sort_step(module, batches, grad):
 
 def triton_run_step(module, batches, grad):
     """:func:`eager_step` with every Triton launch through ``JITFunction.run`` instead of the
-    backend's direct launcher (:mod:`torchrec_ftrl.kernels.launch`), to measure what it saves."""
+    backend's direct launcher (:mod:`torchrec_ftrl.kernels.cuda.launch`), to measure what it saves."""
     inner = eager_step(module, batches, grad)
 
     def step(i):

@@ -49,7 +49,8 @@ from torch import nn
 
 import torchrec_ftrl
 from torchrec_ftrl import FTRLTableBatchedEmbeddingBags
-from torchrec_ftrl.kernels import calls, triton_backend
+from torchrec_ftrl.kernels import calls
+from torchrec_ftrl.kernels.cuda import backend as triton_backend
 from torchrec_ftrl.row_layout import ACCUMULATORS, WEIGHTS, RowLayout
 from torchrec_ftrl.fbgemm_enums import BoundsCheckMode, ComputeDevice, EmbOptimType, PoolingMode, SparseType
 from torchrec_ftrl.state_dtype import parse_state_dtypes, state_bytes_per_element as _state_bytes

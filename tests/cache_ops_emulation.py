@@ -1,4 +1,4 @@
-"""FBGEMM's LRU cache ops as :class:`torchrec_ftrl.cache.RowCache` calls them, written out in Python
+"""FBGEMM's LRU cache ops as :class:`torchrec_ftrl.tbe.cache.RowCache` calls them, written out in Python
 for CPU tensors (FBGEMM's are CUDA-only), so that the interpreter tests can run a whole cached TBE.
 
 Transcribed from the contract of FBGEMM's ``split_embeddings_cache`` ops (``lru_cache_populate``:

@@ -325,7 +325,7 @@ def interp(monkeypatch):
     device, ``"cpu"``."""
     if not INTERP:
         pytest.skip("runs in the child process of test_interpreter_suite (TRITON_INTERPRET=1)")
-    from torchrec_ftrl.kernels import triton_backend
+    from torchrec_ftrl.kernels.cuda import backend as triton_backend
     for k, v in dict(seg=4, seg_launch={8: (32, 4)}, combine_cp=4, combine_nb=2, block=16,
                      repair_block=4).items():
         monkeypatch.setitem(triton_backend.TUNING, k, v)

@@ -140,7 +140,7 @@ def _ebc_plan(ebc, sharder, ws):
 
 def ftrl_kernels(dmp):
     """Our kernel objects inside the sharded modules of ``dmp``."""
-    from torchrec_ftrl.integration.kernels import FTRLBatchedFusedEmbedding, FTRLBatchedFusedEmbeddingBag
+    from torchrec_ftrl.integration.compute_kernels import FTRLBatchedFusedEmbedding, FTRLBatchedFusedEmbeddingBag
     found = []
     for m in dmp.modules():
         for lookup in getattr(m, "_lookups", []) or []:

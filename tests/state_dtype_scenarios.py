@@ -93,7 +93,7 @@ def bf16_state_train_and_dcp(rank: int, ws: int, ckpt_dir: str) -> None:
     FBGEMM with fp32 state, then DCP save -> fresh model load bitwise, and one more step equal."""
     import torch.distributed.checkpoint as dcp
     from torchrec.distributed.batched_embedding_kernel import BatchedFusedEmbeddingBag
-    from torchrec_ftrl.integration.kernels import FTRLBatchedFusedEmbeddingBag
+    from torchrec_ftrl.integration.compute_kernels import FTRLBatchedFusedEmbeddingBag
 
     dmp = _model(ws)
     ref = Reference({n: (ROWS, DIM) for n in TABLES})

@@ -299,7 +299,7 @@ def _prox64(z: np.ndarray, n: np.ndarray) -> np.ndarray:
 
 
 def _tables64(dmpc) -> list[dict[str, np.ndarray]]:
-    from torchrec_ftrl.integration.kernels import ftrl_tbes
+    from torchrec_ftrl.integration.compute_kernels import ftrl_tbes
     out = []
     for tbe in ftrl_tbes(dmpc):
         for w, st in zip(tbe.split_embedding_weights(), tbe.get_optimizer_state()):

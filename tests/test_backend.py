@@ -15,7 +15,7 @@ from torchrec_ftrl.kernels.capabilities import Capabilities, OpTable
 from torchrec_ftrl.kernels.ops import SCHEMAS
 
 MEMBERS = ("forward", "linearize", "backward_update_", "count_invalid", "repair_offsets")
-MODULES = {"triton": "triton_backend", "cpp": "cpp_backend", "torch": "composite"}
+MODULES = {"triton": "cuda.backend", "cpp": "cpu.backend", "torch": "pytorch.composite"}
 
 
 @pytest.mark.parametrize("name", BACKENDS)

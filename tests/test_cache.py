@@ -1,4 +1,4 @@
-"""Tests of the UVM placements (``fused_uvm``, ``fused_uvm_caching``): :mod:`torchrec_ftrl.cache`, the
+"""Tests of the UVM placements (``fused_uvm``, ``fused_uvm_caching``): :mod:`torchrec_ftrl.tbe.cache`, the
 cache paths of the Triton kernels, and the TBE under each placement.
 
 * Interpreter (CI, ``TRITON_INTERPRET=1`` child pytest): the kernels' cache path against the float64
@@ -29,6 +29,7 @@ from torchrec_ftrl import FTRLTableBatchedEmbeddingBags  # noqa: E402
 from torchrec_ftrl.fbgemm_enums import (BoundsCheckMode, CacheAlgorithm, ComputeDevice,  # noqa: E402
                                         EmbeddingLocation, PoolingMode, SparseType)
 from torchrec_ftrl.kernels import calls  # noqa: E402
+from torchrec_ftrl.tbe.cached_lookup import CachedLookup  # noqa: E402
 
 KNOBS = dict(learning_rate=0.05, ftrl_l1_reg=0.002, ftrl_l2_reg=0.01, ftrl_beta=0.3)
 BF16_STATES = {"accum": SparseType.BF16, "linear": SparseType.BF16}
@@ -142,7 +143,7 @@ def test_interp_cached_rows_are_read_and_updated_in_the_cache(interp, pooling, s
 def test_interp_state_cache_follows_slot_changes(interp):
     """Slots whose row changed write the old row's states back and load the new row's; empty slots,
     unchanged slots and the padding past D are left alone."""
-    from torchrec_ftrl.kernels.triton_cache import state_cache_follow_kernel
+    from torchrec_ftrl.kernels.cuda.cache import state_cache_follow_kernel
 
     specs = [(5, 4), (7, 8)]
     row_base = torch.tensor([0, 5, 12])
@@ -571,7 +572,7 @@ def test_interp_state_cache_fill_moves_each_inserted_slot_once(interp):
     """Indices whose slot after the populate held another row before it (misses): the slot's evicted
     row goes back and the inserted row comes in, once per slot (duplicates of a row claim the slot
     once); hits (the slot held the same row) and uncached misses are left alone."""
-    from torchrec_ftrl.kernels.triton_cache import state_cache_fill_kernel
+    from torchrec_ftrl.kernels.cuda.cache import state_cache_fill_kernel
 
     row_base, w_off, dims = torch.tensor([0, 5]), torch.tensor([0, 5 * 4]), torch.tensor([4, 8])
     total = 5 * 4 + 7 * 8
@@ -615,13 +616,14 @@ def test_row_cache_allocates_what_the_byte_model_counts(lfu, lock, states, dtype
     """The buffers RowCache allocates (on CPU here) equal placement.cache_bytes plus the small
     per-table / per-feature arrays and the statistics, counted here from their definitions; the
     state caches hold the state dtypes (bf16: half the bytes)."""
-    from torchrec_ftrl.cache import RowCache
-    from torchrec_ftrl.placement import cache_bytes, cache_slots
+    from torchrec_ftrl.tbe.cache import RowCache
+    from torchrec_ftrl.tbe.placement import cache_bytes, cache_slots
     from torchrec_ftrl.row_layout import RowLayout
     rows, dims, fmap = [4000, 1000], [128, 16], [0, 1, 1]
     algorithm = CacheAlgorithm.LFU if lfu else CacheAlgorithm.LRU
     c = RowCache(rows, dims, fmap, torch.tensor([0, 4000 * 128]), torch.float16, 0.2, 0, algorithm,
-                 lock, 0.0, False, torch.device("cpu"), state_dtypes=states)
+                 lock, 0.0, False, torch.device("cpu"),
+                 layout=RowLayout(accum_dtype=dtypes[0], linear_dtype=dtypes[1]))
     assert (c.lxu_cache_accum.dtype, c.lxu_cache_linear.dtype) == dtypes
     allocated = sum(b.numel() * b.element_size() for b in c.buffers())
     slots = cache_slots(sum(rows), 0.2)
@@ -636,7 +638,7 @@ def test_row_cache_allocates_what_the_byte_model_counts(lfu, lock, states, dtype
 def test_byte_model_counts_state_bytes_by_dtype():
     """A D=128 row with fp32 weights moves 128 x (4 + 4 + 4) = 1536 bytes with fp32 state and
     128 x (4 + 2 + 2) = 1024 with bf16 state; the table bytes count the same per element."""
-    from torchrec_ftrl.placement import cache_bytes, table_bytes
+    from torchrec_ftrl.tbe.placement import cache_bytes, table_bytes
     from torchrec_ftrl.row_layout import RowLayout
     from torchrec_ftrl.state_dtype import parse_state_dtypes, state_bytes_per_element
     dtypes = parse_state_dtypes({"accum": SparseType.BF16, "linear": "bf16"})
@@ -719,6 +721,7 @@ def _cpu_tbes(lock):
     m = FTRLTableBatchedEmbeddingBags([(50, 8), (45, 8)], device="cpu", **KNOBS)
     m.load_state_dict(ref.state_dict())
     m.cache = _FakeRowCache(lock)
+    m._cached = CachedLookup(m.cache, lock)
     m._backend = _fake_cache_backend(m._backend)
     m.prefetch_pipeline = lock
     return ref, m
@@ -778,7 +781,7 @@ def test_cached_flow_takes_the_prefetched_batch_and_tolerates_a_stale_one():
     names = [c[0] for c in m.cache.calls]
     assert names == ["linearize", "lookup", "unlock"]      # no populate: the queue had one
     assert m.cache.calls[-1][1][0] == "populate"                      # the prefetch's lines released
-    assert m._prefetched == []
+    assert m._cached.prefetched == []
     for a, b in zip(m.split_embedding_weights(), ref.split_embedding_weights()):
         assert torch.equal(a, b)
 
@@ -802,11 +805,11 @@ def test_prefetch_refuses_its_own_stream_without_locks_and_skips_what_it_cannot_
     with pytest.raises(ValueError, match="prefetch_pipeline=True"):
         m.prefetch(torch.tensor([1]), torch.tensor([0, 1, 1]), forward_stream=object())
     m.prefetch(torch.tensor([1, 2]), torch.tensor([0, 1, 2, 2]))     # 3 bags for 2 features: VBE
-    assert m.cache.calls == [] and m._prefetched == []
+    assert m.cache.calls == [] and m._cached.prefetched == []
     m.prefetch(torch.tensor([99, 2]), torch.tensor([0, 1, 2]))       # out of range: read as row 0
     assert m.cache.calls[0] == ("linearize", 2) and int(m.bounds_check_warning) == 0
     m.reset_cache_states()
-    assert m._prefetched == [] and m.cache.calls[-1] == ("reset",)
+    assert m._cached.prefetched == [] and m.cache.calls[-1] == ("reset",)
 
 
 def test_cached_flow_populates_a_vbe_batch_again_and_releases_both():

@@ -33,8 +33,9 @@ from test_layouts_triton import (LAYOUTS, Case, Tables, backend_stepper, batch_m
 from torchrec_ftrl import FTRLTableBatchedEmbeddingBags  # noqa: E402
 from torchrec_ftrl.fbgemm_enums import (BoundsCheckMode, CacheAlgorithm, ComputeDevice,  # noqa: E402
                                         EmbeddingLocation, SparseType)
-from torchrec_ftrl.kernels import index_rows, triton_backend  # noqa: E402
-from torchrec_ftrl.kernels.layout import TableArrays  # noqa: E402
+from torchrec_ftrl.kernels.pytorch import index_rows  # noqa: E402
+from torchrec_ftrl.kernels.cuda import backend as triton_backend  # noqa: E402
+from torchrec_ftrl.kernels.batch import TableArrays  # noqa: E402
 from torchrec_ftrl.row_layout import RowLayout  # noqa: E402
 
 KNOBS = dict(learning_rate=0.05, ftrl_l1_reg=0.002, ftrl_l2_reg=0.01, ftrl_beta=0.3)
@@ -160,9 +161,10 @@ EMU_FMAP = [0, 1, 0]
 
 def _emulated_pair(weights, accumulator, state_dtype):
     """``(uncached, cached)`` Triton TBEs on the CPU from the same start; the second with a
-    :class:`~torchrec_ftrl.cache.RowCache` of one set (32 slots for 100 rows) on FBGEMM's emulated
+    :class:`~torchrec_ftrl.tbe.cache.RowCache` of one set (32 slots for 100 rows) on FBGEMM's emulated
     ops (``cache_ops_emulation``)."""
-    from torchrec_ftrl.cache import RowCache
+    from torchrec_ftrl.tbe.cache import RowCache
+    from torchrec_ftrl.tbe.cached_lookup import CachedLookup
     kw = dict(feature_table_map=EMU_FMAP, device="cpu", backend="triton", ftrl_weights=weights,
               ftrl_accumulator=accumulator, ftrl_initial_accumulator_value=0.1,
               optimizer_state_dtypes={"accum": state_dtype, "linear": state_dtype}, **KNOBS)
@@ -174,6 +176,7 @@ def _emulated_pair(weights, accumulator, state_dtype):
                             cached._table_w_offset, torch.float32, 0.2, 1, CacheAlgorithm.LRU, False, 0.0,
                             False, torch.device("cpu"), layout=cached.row_layout)
     cached.cache.reset_states(0.1)
+    cached._cached = CachedLookup(cached.cache, False)
     return plain, cached
 
 
@@ -252,7 +255,7 @@ def test_per_sample_weight_gradient_reads_cached_rows(weights, accumulator):
 def test_interp_state_cache_moves_a_rowwise_accum_with_its_row(interp, kernel):
     """Row-wise ``accum`` (one value per row at its row key, cached at ``cn[slot, 0]``): a slot that
     changes rows writes the old row's value back and loads the new one's, with the row's ``linear``."""
-    from torchrec_ftrl.kernels.triton_cache import state_cache_fill_kernel, state_cache_follow_kernel
+    from torchrec_ftrl.kernels.cuda.cache import state_cache_fill_kernel, state_cache_follow_kernel
     row_base, w_off, dims = torch.tensor([0, 5]), torch.tensor([0, 5 * 4]), torch.tensor([4, 8])
     total, rows = 5 * 4 + 7 * 8, 12
     accum = torch.arange(rows, dtype=torch.float32) + 0.5
@@ -296,8 +299,8 @@ def test_row_cache_holds_the_layouts_arrays(weights, accumulator):
     """RowCache (on CPU here) per layout: no weight cache and zero-width FBGEMM rows for derived
     weights, one ``accum`` value per slot when row-wise; its buffers' bytes equal the byte model
     (``placement.cache_bytes`` with the layout) plus the small per-table arrays, counted here."""
-    from torchrec_ftrl.cache import RowCache
-    from torchrec_ftrl.placement import cache_bytes
+    from torchrec_ftrl.tbe.cache import RowCache
+    from torchrec_ftrl.tbe.placement import cache_bytes
     rows, dims, fmap = [4000, 1000], [128, 16], [0, 1, 1]
     layout = RowLayout(weights, accumulator, torch.bfloat16, torch.float32)
     c = RowCache(rows, dims, fmap, torch.tensor([0, 4000 * 128]), torch.float16, 0.2, 0,

@@ -1,4 +1,4 @@
-"""The kernels' rule is generated from ``kernels/rule_spec.py`` (``kernels/codegen.py``): the committed
+"""The kernels' rule is generated from ``rule_spec.py`` (``kernels/codegen/__init__.py``): the committed
 header is the generator's output, the Triton module is written where missing or stale, the generator refuses what a backend cannot compute, and
 the CPU kernel's build digest covers the generated header. That the generated kernels compute the rule
 bit for bit is checked against the independent torch transcription by the backend suites
@@ -10,8 +10,9 @@ import os
 
 import pytest
 
-from torchrec_ftrl.kernels import codegen, cpu_build
-from torchrec_ftrl.kernels.rule_spec import Fn
+from torchrec_ftrl.kernels import codegen
+from torchrec_ftrl.kernels.cpu import build as cpu_build
+from torchrec_ftrl.rule_spec import Fn
 
 
 def test_committed_header_is_the_generators_output():
@@ -25,7 +26,7 @@ def test_importing_the_triton_kernels_writes_their_rule_module(tmp_path):
     import sys
     path = tmp_path / "triton_rule_gen.py"
     code = ("import sys; from torchrec_ftrl.kernels import codegen; codegen.TRITON_PATH = sys.argv[1]; "
-            "import torchrec_ftrl.kernels.triton_forward")
+            "import torchrec_ftrl.kernels.cuda.forward")
     subprocess.run([sys.executable, "-c", code, str(path)], check=True, capture_output=True)
     assert path.read_text() == codegen.generate_triton()
 
@@ -60,16 +61,17 @@ def test_setup_writes_the_triton_module_without_torch(tmp_path):
     import subprocess
     import sys
     src = tmp_path / "src"
-    shutil.copytree(codegen.HERE, src / "torchrec_ftrl" / "kernels",
-                    ignore=shutil.ignore_patterns("triton_rule_gen.py", "*.so", "__pycache__"))
-    shutil.copy(os.path.join(os.path.dirname(os.path.dirname(codegen.HERE)), "setup.py"), src)
+    package = os.path.dirname(codegen.KERNELS)
+    shutil.copytree(package, src / "torchrec_ftrl",
+                    ignore=shutil.ignore_patterns("rule_gen.py", "*.so", "__pycache__"))
+    shutil.copy(os.path.join(os.path.dirname(package), "setup.py"), src)
     (tmp_path / "blocker").mkdir()
     (tmp_path / "blocker" / "torch.py").write_text("raise ImportError('no torch here')\n")
     code = ("import runpy, sys; sys.argv = ['setup.py', '--version'];"
             "runpy.run_path('setup.py')")
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "blocker")}
     subprocess.run([sys.executable, "-c", code], cwd=src, env=env, check=True, capture_output=True)
-    assert (src / "torchrec_ftrl" / "kernels" / "triton_rule_gen.py").read_text() == codegen.generate_triton()
+    assert (src / "torchrec_ftrl" / "kernels" / "cuda" / "rule_gen.py").read_text() == codegen.generate_triton()
 
 
 def test_check_reports_a_stale_file(tmp_path, monkeypatch, capsys):

@@ -42,10 +42,11 @@ import torchrec_ftrl
 from conftest import STOCK, stock_snapshot
 from torchrec_ftrl import integration, optim_type
 from torchrec_ftrl.fbgemm_enums import BoundsCheckMode
-from torchrec_ftrl.integration import kernels as kernels_mod
+from torchrec_ftrl.integration import compute_kernels as kernels_mod
 from torchrec_ftrl.integration import patches, routing
-from torchrec_ftrl.integration.kernels import tbe_kwargs_from_fused_params
+from torchrec_ftrl.integration.compute_kernels import tbe_kwargs_from_fused_params
 from torchrec_ftrl.integration.versions import check_torchrec_version
+from torchrec_ftrl.row_layout import RowLayout
 
 sharders_mod = importlib.import_module("torchrec_ftrl.integration.sharders")   # integration.sharders is the function
 MAPS = ("_OPTIMIZER_CLASS_TO_EMB_OPT_TYPE", "_EMB_OPT_TYPE_TO_OPTIMIZER_CLASS")
@@ -189,9 +190,11 @@ def test_fused_params_to_tbe_kwargs():
                 "ftrl_l2_shrinkage": 0.0, "ftrl_initial_accumulator_value": 0.0,
                 "ftrl_l2_convention": "tensorflow"}
     assert kw == {**defaults, "learning_rate": 0.3, "ftrl_l1_reg": 0.1,
-                  "bounds_check_mode": BoundsCheckMode.WARNING}
-    kw = tbe_kwargs_from_fused_params({"lr": 0.3, "bounds_check_mode": BoundsCheckMode.FATAL})
-    assert kw == {**defaults, "learning_rate": 0.3, "bounds_check_mode": BoundsCheckMode.FATAL}
+                  "bounds_check_mode": BoundsCheckMode.WARNING, "row_layout": RowLayout()}
+    kw = tbe_kwargs_from_fused_params({"lr": 0.3, "bounds_check_mode": BoundsCheckMode.FATAL,
+                                       "ftrl_weights": "derived"})
+    assert kw == {**defaults, "learning_rate": 0.3, "bounds_check_mode": BoundsCheckMode.FATAL,
+                  "row_layout": RowLayout(weights="derived")}
     assert tbe_kwargs_from_fused_params(None)["learning_rate"] == 0.01
     with pytest.raises(ValueError, match="ftrl_l1_regg"):
         tbe_kwargs_from_fused_params({"ftrl_l1_regg": 0.1})
@@ -495,7 +498,7 @@ def _cpu_kernel(kernels_cls, compute_kernel, **fused_params):
 
 @pytest.mark.parametrize("compute_kernel", FTRL_KERNELS)
 def test_cpu_kernel_builds_a_host_tbe_and_flushes_before_optimizer_state_dict(one_process_group, compute_kernel):
-    from torchrec_ftrl.integration.kernels import FTRLBatchedFusedEmbeddingBag
+    from torchrec_ftrl.integration.compute_kernels import FTRLBatchedFusedEmbeddingBag
 
     kernel = _cpu_kernel(FTRLBatchedFusedEmbeddingBag, compute_kernel)
     tbe = kernel._emb_module
@@ -515,8 +518,8 @@ def test_cpu_kernel_keeps_a_lean_layout_in_host_memory(one_process_group, comput
     """On a CPU device every FTRL kernel, fused_uvm too, builds a HOST TBE (TorchRec keeps CPU tables
     in host memory) with the layout of its fused_params: derived weights (no weight array; the
     kernel's weight parameter computes them) and a row-wise accum of one value per row."""
-    from torchrec_ftrl.derived_weight import DerivedWeight
-    from torchrec_ftrl.integration.kernels import FTRLBatchedFusedEmbeddingBag
+    from torchrec_ftrl.tbe.derived_weight import DerivedWeight
+    from torchrec_ftrl.integration.compute_kernels import FTRLBatchedFusedEmbeddingBag
 
     kernel = _cpu_kernel(FTRLBatchedFusedEmbeddingBag, compute_kernel, ftrl_weights="derived",
                          ftrl_accumulator="rowwise", ftrl_beta=0.5)
@@ -532,7 +535,7 @@ def test_enforce_hbm_refused_for_cached_ftrl_tables():
     cache, whose tables stay in unified memory: refused, naming the key; accepted where nothing is
     cached."""
     from torchrec_ftrl.fbgemm_enums import EmbeddingLocation
-    from torchrec_ftrl.integration.kernels import tbe_kwargs_from_fused_params
+    from torchrec_ftrl.integration.compute_kernels import tbe_kwargs_from_fused_params
     fp = {"optimizer": EmbOptimType.FTRL, "enforce_hbm": True}
     with pytest.raises(ValueError, match="enforce_hbm"):
         tbe_kwargs_from_fused_params(fp, EmbeddingLocation.MANAGED_CACHING)

@@ -1,4 +1,4 @@
-"""The direct launcher of compiled Triton kernels (:mod:`torchrec_ftrl.kernels.launch`), on CPU with a
+"""The direct launcher of compiled Triton kernels (:mod:`torchrec_ftrl.kernels.cuda.launch`), on CPU with a
 stand-in kernel: what separates two launches, when it falls back to ``JITFunction.run``, and the
 argument list its compiled launcher gets. The real kernels run through it in the CUDA tests."""
 
@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-launch = pytest.importorskip("torchrec_ftrl.kernels.launch")
+launch = pytest.importorskip("torchrec_ftrl.kernels.cuda.launch")
 
 
 class _Compiled:
@@ -98,7 +98,7 @@ def test_unkeyed_argument_kinds_and_callable_grids_always_take_the_jit(launcher)
 
 
 def test_disabled_or_interpreted_kernels_are_returned_unchanged(monkeypatch):
-    from torchrec_ftrl.kernels.triton_cache import state_cache_fill_kernel
+    from torchrec_ftrl.kernels.cuda.cache import state_cache_fill_kernel
     k = _Kernel()
     assert launch.direct(k) is k                           # not a JITFunction
     monkeypatch.setattr(launch, "ENABLED", False)

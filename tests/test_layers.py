@@ -12,8 +12,12 @@ Python's doing, not an edge.
   TorchRec glue) or ``job`` (the CTR job), not even through other modules;
 * only the job itself imports ``job`` (the torchx component names it as a string only), and importing
   the library loads no job module;
-* the TBE reaches its kernels only through the ops' calls (``kernels.calls``; no ``*_backend`` module);
-* the pooling-mode numbers agree in ``kernels/layout.py``, FBGEMM and the C++ kernel.
+* the TBE reaches its kernels only through the ops' calls (``kernels.calls``; no backend's module);
+* the modules of the package's root that the rest builds on (the rule's spec, knobs, state dtype, row
+  layout, rule) import none of its sub-packages: no import runs back up;
+* the embedding module lives in ``tbe/`` (no ``tbe_*.py`` in the package's root);
+* no function of ``torchrec_ftrl/`` or ``benchmarks/`` is over 80 lines, and README.md is at most 250;
+* the pooling-mode numbers agree in ``kernels/batch.py``, FBGEMM and the C++ kernel.
 """
 
 from __future__ import annotations
@@ -108,11 +112,11 @@ def test_the_graph_is_read():
     # a few edges known from the source, so a broken parser cannot pass the checks below vacuously
     assert {"torchrec_ftrl.tbe", "torchrec_ftrl.kernels.backend", "torchrec_ftrl.optim_type",
             "torchrec_ftrl.integration.patches", "torchrec_ftrl.job.train"} <= set(MODULES)
-    assert "torchrec_ftrl.kernels.backend" in GRAPH["torchrec_ftrl.tbe"]
+    assert "torchrec_ftrl.kernels.backend" in GRAPH["torchrec_ftrl.tbe.args"]
     assert "torchrec_ftrl.optim_type" in GRAPH["torchrec_ftrl.integration.patches"]   # from .. import x
-    assert "torchrec_ftrl.rule" in GRAPH["torchrec_ftrl.kernels.torch_backend"]        # from ..rule import
+    assert "torchrec_ftrl.rule" in GRAPH["torchrec_ftrl.kernels.pytorch.rows"]        # from ..rule import
     assert "torchrec_ftrl" in GRAPH["torchrec_ftrl.job.train"]                        # in a function
-    assert "torchrec_ftrl.job.faults" in GRAPH["torchrec_ftrl.job.checkpoint"]        # from . import x
+    assert "torchrec_ftrl.job.faults" in GRAPH["torchrec_ftrl.job.atomic_checkpoint"]   # from . import x
 
 
 def test_no_import_cycles():
@@ -176,17 +180,61 @@ def test_library_never_imports_the_job():
 def test_tbe_reaches_kernels_only_through_the_ops_calls():
     reached = _reach("torchrec_ftrl.tbe")
     assert {"torchrec_ftrl.kernels.calls", "torchrec_ftrl.kernels.backend"} <= reached
-    assert sorted(n for n in reached if n.endswith("_backend")) == []
+    backends = [n for n in MODULES if n.startswith("torchrec_ftrl.kernels.") and n.endswith(".backend")
+                and n != "torchrec_ftrl.kernels.backend"]
+    assert len(backends) == 2   # kernels.cpu.backend, kernels.cuda.backend
+    assert sorted(n for n in reached if n in backends or n.endswith(".composite")) == []
+
+
+# The root modules every layer reads; each imports only others of them (and fbgemm_enums).
+FOUNDATION = ("rule_spec", "fbgemm_enums", "optim_type", "hyperparams", "state_dtype", "row_layout", "rule")
+
+
+@pytest.mark.parametrize("name", FOUNDATION)
+def test_foundation_imports_no_sub_package(name):
+    module = f"{PACKAGE}.{name}"
+    assert module in MODULES
+    allowed = {f"{PACKAGE}.{n}" for n in FOUNDATION}
+    assert sorted(n for n in _reach(module) if n not in allowed) == []
+
+
+def test_no_tbe_module_in_the_package_root():
+    assert sorted(f for f in os.listdir(ROOT) if f.startswith("tbe_") and f.endswith(".py")) == []
+    assert os.path.isfile(os.path.join(ROOT, "tbe", "module.py"))
+
+
+def test_no_function_over_80_lines():
+    long = []
+    for top in (ROOT, os.path.join(REPO, "benchmarks")):
+        for dirpath, _, files in os.walk(top):
+            for f in files:
+                if not f.endswith(".py"):
+                    continue
+                path = os.path.join(dirpath, f)
+                with open(path) as fh:
+                    tree = ast.parse(fh.read())
+                long += [f"{os.path.relpath(path, REPO)}:{node.lineno} {node.name} "
+                         f"({node.end_lineno - node.lineno + 1} lines)" for node in ast.walk(tree)
+                         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                         and node.end_lineno - node.lineno + 1 > 80]
+    assert long == []
 
 
 def test_pooling_mode_numbers_agree():
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 
-    from torchrec_ftrl.kernels import layout
-    ours = {"Sum": layout.POOL_SUM, "Mean": layout.POOL_MEAN, "None": layout.POOL_NONE}
+    from torchrec_ftrl.kernels import batch
+    ours = {"Sum": batch.POOL_SUM, "Mean": batch.POOL_MEAN, "None": batch.POOL_NONE}
     assert ours == {"Sum": int(PoolingMode.SUM), "Mean": int(PoolingMode.MEAN),
                     "None": int(PoolingMode.NONE)}
-    with open(os.path.join(ROOT, "kernels", "csrc", "ftrl_tbe_cpu.cpp")) as f:
+    with open(os.path.join(ROOT, "kernels", "cpu", "csrc", "ftrl_tbe_cpu.cpp")) as f:
         cpp = {name: int(v) for name, v in re.findall(r"constexpr\s+int\s+kPool(\w+)\s*=\s*(\d+)\s*;",
                                                        f.read())}
     assert cpp == ours
+
+
+def test_readme_is_at_most_250_lines():
+    """README.md is the user's document (quick start, usage, what is supported, links); the package's
+    rooms are in docs/architecture.md."""
+    with open(os.path.join(REPO, "README.md")) as f:
+        assert len(f.read().splitlines()) <= 250

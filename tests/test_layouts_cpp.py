@@ -1,6 +1,6 @@
 """The compiled CPU kernel ("cpp") in every row layout (stored / derived weights, element-wise /
 row-wise ``accum``, each state fp32 or bf16), called through the ops' calls
-(:mod:`torchrec_ftrl.kernels.calls`) on :class:`~torchrec_ftrl.kernels.layout.TableArrays` allocated
+(:mod:`torchrec_ftrl.kernels.calls`) on :class:`~torchrec_ftrl.kernels.batch.TableArrays` allocated
 here: against the float64 oracle (``tests/reference.py``) step by step, against the PyTorch backend
 over several steps, derived weights bit for bit against stored ones from a zero start, and bf16
 states bit for bit against the PyTorch backend wherever the two backends' fp32 updates agree.
@@ -25,8 +25,10 @@ import torch
 
 from torchrec_ftrl import FTRLTableBatchedEmbeddingBags
 from torchrec_ftrl.fbgemm_enums import PoolingMode, SparseType
-from torchrec_ftrl.kernels import backend, calls, cpp_backend, torch_backend
-from torchrec_ftrl.kernels.layout import TableArrays
+from torchrec_ftrl.kernels import backend, calls
+from torchrec_ftrl.kernels.cpu import backend as cpp_backend
+from torchrec_ftrl.kernels.pytorch import rows as torch_backend
+from torchrec_ftrl.kernels.batch import TableArrays
 from torchrec_ftrl.state_dtype import store_state
 
 from conftest import bits, index_tables, reference_forward

@@ -3,7 +3,7 @@
 Every ``(weights, accumulator)`` layout of :class:`torchrec_ftrl.row_layout.RowLayout`, each with fp32
 or bf16 ``accum`` / ``linear``, through the ops' calls of the Triton backend
 (:mod:`torchrec_ftrl.kernels.calls`: ``forward_train``, ``backward_update_``) on
-:class:`~torchrec_ftrl.kernels.layout.TableArrays` allocated here and batches made by a TBE
+:class:`~torchrec_ftrl.kernels.batch.TableArrays` allocated here and batches made by a TBE
 (``_make_batch``), over several steps. Expected values:
 
 * the float64 oracle, transcribed from ``docs/ftrl.md`` in ``tests/reference.py``
@@ -13,7 +13,7 @@ or bf16 ``accum`` / ``linear``, through the ops' calls of the Triton backend
 * the PyTorch backend (``torch_backend``) run on copies of the same arrays;
 * bitwise: a derived table against a stored table that starts at w = 0 (fp32 state), whose weights,
   states and forward outputs must keep the same bits step after step, since the forward's derived
-  weight and the update's stored weight come from one function (``kernels/triton_rule_gen.py``).
+  weight and the update's stored weight come from one function (``kernels/cuda/rule_gen.py``).
 
 On a CPU-only machine the ``interp`` tests run under ``TRITON_INTERPRET=1`` in a child pytest
 (:func:`test_interpreter_suite`, ``conftest.run_interpreter_suite``) with tiny launch shapes (the
@@ -40,8 +40,10 @@ from reference import (ftrl_reference_step, ftrl_reference_step_rowwise,  # noqa
 from tbe_harness import bf16_spacing  # noqa: E402
 from torchrec_ftrl import FTRLTableBatchedEmbeddingBags  # noqa: E402
 from torchrec_ftrl.fbgemm_enums import BoundsCheckMode, PoolingMode  # noqa: E402
-from torchrec_ftrl.kernels import backend, calls, torch_backend, triton_backend  # noqa: E402
-from torchrec_ftrl.kernels.layout import TableArrays  # noqa: E402
+from torchrec_ftrl.kernels import backend, calls  # noqa: E402
+from torchrec_ftrl.kernels.pytorch import rows as torch_backend  # noqa: E402
+from torchrec_ftrl.kernels.cuda import backend as triton_backend  # noqa: E402
+from torchrec_ftrl.kernels.batch import TableArrays  # noqa: E402
 
 KNOBS = dict(learning_rate=0.05, ftrl_l1_reg=0.002, ftrl_l2_reg=0.01, ftrl_beta=0.3)
 LAYOUTS = [("stored", "elementwise"), ("stored", "rowwise"), ("derived", "elementwise"),
@@ -339,7 +341,7 @@ def check_case(case: Case, device, through_module: bool = False) -> None:
 
 def check_against_twin(case: Case, ours: TableArrays, twin: TableArrays, out, out2, what: str) -> None:
     """Triton against the PyTorch backend after the same steps. Their fp32 arithmetic differs by
-    ulps (the Triton rule is rearranged, ``kernels/triton_backward.py``): fp32 states agree closely
+    ulps (the Triton rule is rearranged, ``kernels/cuda/backward.py``): fp32 states agree closely
     (hot rows: summation order too); a bf16 state is the same stochastic rounding of nearly the same
     fp32 value, so most values keep the same bits and the others sit one or two bf16 spacings away
     after a step; over several steps such a difference feeds the next update (its weight moves by

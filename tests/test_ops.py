@@ -14,9 +14,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from conftest import REPO, cuda, needs_cuda, reference_update
 from torchrec_ftrl.fbgemm_enums import PoolingMode
 from torchrec_ftrl.hyperparams import KernelScalars
-from torchrec_ftrl.kernels import cpp_backend, cpu_build
+from torchrec_ftrl.kernels.cpu import backend as cpp_backend
+from torchrec_ftrl.kernels.cpu import build as cpu_build
 from torchrec_ftrl.kernels.knobs import knob_args
-from torchrec_ftrl.kernels.layout import POOL_SUM
+from torchrec_ftrl.kernels.batch import POOL_SUM
 
 ops = torch.ops.torchrec_ftrl
 ROWS, DIMS = (5, 3), (4, 8)        # two tables, one feature each
@@ -160,7 +161,7 @@ def test_isa_variant(capability, variant):
 _PROBE = """
 import torch
 from torchrec_ftrl import FTRLTableBatchedEmbeddingBags
-from torchrec_ftrl.kernels import cpp_backend
+from torchrec_ftrl.kernels.cpu import backend as cpp_backend
 # Inputs exact in fp32 and made without vectorised float ops (ATen's own kernels round differently
 # per CPU capability), so only the FTRL kernel's variant differs between the runs.
 tbe = FTRLTableBatchedEmbeddingBags([(50, 16), (30, 40)], learning_rate=0.3, ftrl_l1_reg=0.01,

@@ -1,4 +1,4 @@
-"""The PyTorch fallback of ``torch.ops.torchrec_ftrl.*`` (torchrec_ftrl/kernels/composite.py), the ops'
+"""The PyTorch fallback of ``torch.ops.torchrec_ftrl.*`` (torchrec_ftrl/kernels/pytorch/composite.py), the ops'
 ``CompositeExplicitAutograd`` implementations: against the compiled CPU kernel (bitwise but for two
 sums rounded in another order) and a float64 reference for every fp32 row layout, pooling mode and
 per-sample weights; bf16 states; what the dispatcher runs on a CPU without the compiled kernel
@@ -18,7 +18,8 @@ from reference import ftrl_reference_step, ftrl_reference_step_rowwise, ftrl_ref
 from torchrec_ftrl import FTRLTableBatchedEmbeddingBags
 from torchrec_ftrl.fbgemm_enums import PoolingMode, SparseType
 from torchrec_ftrl.hyperparams import KernelScalars
-from torchrec_ftrl.kernels import composite, cpp_backend
+from torchrec_ftrl.kernels.pytorch import composite
+from torchrec_ftrl.kernels.cpu import backend as cpp_backend
 from torchrec_ftrl.kernels.knobs import knob_args
 from torchrec_ftrl.kernels.ops import NAMESPACE
 
@@ -271,7 +272,7 @@ import torch
 import torchrec_ftrl
 sys.path.insert(0, "tests")
 import test_ops_composite as t
-from torchrec_ftrl.kernels import cpp_backend
+from torchrec_ftrl.kernels.cpu import backend as cpp_backend
 from torchrec_ftrl.fbgemm_enums import PoolingMode
 assert cpp_backend._library is None
 assert not torch._C._dispatch_has_kernel_for_dispatch_key("torchrec_ftrl::tbe_forward", "CPU")

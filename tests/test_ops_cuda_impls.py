@@ -1,5 +1,5 @@
 """The CUDA implementations of ``torch.ops.torchrec_ftrl.tbe_forward`` / ``tbe_backward_update_``
-(torchrec_ftrl/kernels/cuda_impls.py: the Triton backend through the ops' schemas).
+(torchrec_ftrl/kernels/cuda/impls.py: the Triton backend through the ops' schemas).
 
 On a CPU-only machine the ``interp`` tests call those implementations directly on CPU tensors under
 ``TRITON_INTERPRET=1`` (child pytest, :func:`test_interpreter_suite`), against the compiled CPU kernel
@@ -70,17 +70,18 @@ def test_interp_triton_impls_bf16_states_round_like_cpu_kernel(interp, layout):
 def test_interp_cuda_impls_run_the_triton_backend(interp, monkeypatch):
     """The registered CUDA implementations call the Triton backend's forward and update (and no other
     backend's)."""
-    from torchrec_ftrl.kernels import torch_backend, triton_backend
+    from torchrec_ftrl.kernels.pytorch import rows as torch_backend
+    from torchrec_ftrl.kernels.cuda import backend as triton_backend
     calls = []
     for module, name in ((triton_backend, "tbe_forward"), (triton_backend, "tbe_backward_update_"),
                          (torch_backend, "forward"), (torch_backend, "backward_update_")):
-        def spy(*args, _f=getattr(module, name), _key=f"{module.__name__.rsplit('.', 1)[1]}.{name}"):
+        def spy(*args, _f=getattr(module, name), _key=f"{module.__name__.split('.', 2)[2]}.{name}"):
             calls.append(_key)
             return _f(*args)
         monkeypatch.setattr(module, name, spy)
     layout = ("derived", "rowwise")
     _train(_state(layout), layout, _batch(PoolingMode.SUM, False), _by_triton)
-    assert calls == ["triton_backend.tbe_forward", "triton_backend.tbe_backward_update_"]
+    assert calls == ["cuda.backend.tbe_forward", "cuda.backend.tbe_backward_update_"]
 
 
 @cuda

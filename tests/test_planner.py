@@ -140,7 +140,7 @@ def test_ours_places_what_fits():
 
 
 # ---------------------------------------------------------------- placements: fused_uvm, fused_uvm_caching
-# The storage each FTRL placement needs, written out here from the byte model (docs: torchrec_ftrl/placement.py):
+# The storage each FTRL placement needs, written out here from the byte model (docs: torchrec_ftrl/tbe/placement.py):
 #   fused (HBM on CUDA, DDR on CPU), fused_uvm (DDR), fused_uvm_caching (DDR):
 #     rows * D * (weight bytes + 8)                       weight + accum + linear (fp32 states)
 #   fused_uvm_caching, HBM: slots * (D * (weight bytes + 8) + 8 + 8 + 8 + 8) + rows * 4 for LRU (cache rows of

@@ -11,7 +11,8 @@ import pytest
 import torch
 from conftest import run_job
 
-from torchrec_ftrl.job import cli, layout, train, warmup
+from torchrec_ftrl.job import cli, train, warmup
+from torchrec_ftrl.job import layout_flags as layout
 
 # MLPerf DLRM-DCNv2 (Criteo 1TB multi-hot), as listed in the issue.
 ROWS = [40000000, 39060, 17295, 7424, 20265, 3, 7122, 1543, 63, 40000000, 3067956, 405282, 10, 2209,

@@ -46,7 +46,7 @@ def test_kernel_layouts():
 
 def test_tbe_takes_the_layout_and_refuses_what_its_kernels_lack():
     from torchrec_ftrl import FTRLTableBatchedEmbeddingBags
-    from torchrec_ftrl.kernels import composite   # the "torch" backend's OPS and CAPABILITIES
+    from torchrec_ftrl.kernels.pytorch import composite   # the "torch" backend's OPS and CAPABILITIES
     from torchrec_ftrl.kernels.capabilities import Capabilities
     tbe = FTRLTableBatchedEmbeddingBags([(10, 4)], optimizer_state_dtypes={"accum": BF16}, backend="torch")
     assert tbe.row_layout == RowLayout(accum_dtype=BF16)

@@ -229,7 +229,7 @@ def test_layout_refusals_name_the_layout():
 def test_derived_weight_tensor_reads_and_writes_the_table(monkeypatch, tmp_path):
     """DerivedWeight: reads are prox(z, n) (float64 reference), writes encode, row views stay views,
     chunked copies and writes give the same values as whole ones, pickling gives a plain tensor."""
-    from torchrec_ftrl import derived_weight
+    from torchrec_ftrl.tbe import derived_weight
     monkeypatch.setattr(derived_weight, "CHUNK_ROWS", 5)      # several chunks per table
     m = _tbe("torch", "derived", "elementwise", ftrl_l1_reg=0.0)
     w = m.split_embedding_weights()[0]
@@ -264,7 +264,7 @@ def test_derived_weight_views_it_cannot_hold_refuse_writes():
     """Reads through any view work; a write through a view the table cannot hold (an element, a
     column, a reshape, a split) raises instead of being lost, and so does out=; row indices out of
     a view's bounds raise IndexError as for a tensor."""
-    from torchrec_ftrl.derived_weight import ReadOnlyWeights
+    from torchrec_ftrl.tbe.derived_weight import ReadOnlyWeights
     m = _tbe("torch", "derived", "rowwise")
     w = m.split_embedding_weights()[0]
     full = w.clone()

@@ -214,7 +214,7 @@ def _check_sr_of_fp32_update(backend, states, pooling, steps=3, device="cpu"):
     the others, the same weights, and leave untouched rows' bits alone."""
     compact = _tbe_module(backend, STATES[states], pooling=pooling, device=device)
     twin = _tbe_module(backend, None, pooling=pooling, device=device)
-    specs = [(30, compact._table_dims[0]), (7, compact._table_dims[1])]
+    specs = [(30, compact._geometry.dims[0]), (7, compact._geometry.dims[1])]
     row_base = [0, 30]
     for step, (idx, off, g_seed) in enumerate(_batches(steps, seed=3)):
         with torch.no_grad():
@@ -270,7 +270,7 @@ def _check_nonfinite_rows_keep_bf16_bits(backend):
     g[1, 1] = 1.0
     out.backward(g)
     assert int(m.nonfinite_grad_rows) == 1
-    D = m._table_dims[0]
+    D = m._geometry.dims[0]
     row2, row3 = slice(2 * D, 3 * D), slice(3 * D, 4 * D)
     for now, old in zip((m.weights_dev, m.accum_dev, m.linear_dev), before):
         assert torch.equal(bits(now[row2]), bits(old[row2]))
@@ -351,7 +351,8 @@ def test_tbe_state_dtype_surface():
 
 
 def test_backends_refuse_bf16_state_without_a_step():
-    from torchrec_ftrl.kernels import backend, calls, torch_backend
+    from torchrec_ftrl.kernels import backend, calls
+    from torchrec_ftrl.kernels.pytorch import rows as torch_backend
     m = _tbe_module("torch", STATES["linear"])
     idx, off = torch.tensor([1, 2]), torch.tensor([0, 1, 2, 2, 2, 2, 2, 2, 2, 2])
     batch = dataclasses.replace(m._make_batch(idx, off, None, None), step=None)
@@ -416,7 +417,7 @@ def test_interp_cached_rows_with_bf16_state_match_the_flat_update(interp, states
     uniq = sorted(set(keys))
     rng = np.random.default_rng(0)
     hot = [int(k) for k in rng.permutation(uniq)[: len(uniq) // 2]]
-    slots, S = len(uniq) + 2, max(cached._table_dims) + 3
+    slots, S = len(uniq) + 2, max(cached._geometry.dims) + 3
     slot_of = dict(zip(hot, rng.permutation(slots)[: len(hot)].tolist()))
     cw = torch.full((slots, S), 7.0)
     cn = torch.full((slots, S), 9.0, dtype=cached.accum_dev.dtype)
@@ -424,7 +425,7 @@ def test_interp_cached_rows_with_bf16_state_match_the_flat_update(interp, states
     row_off = {}
     for k, s in slot_of.items():
         t = 0 if k < 30 else 1
-        D = cached._table_dims[t]
+        D = cached._geometry.dims[t]
         o = cached.weights_physical_offsets[t] + (k - [0, 30][t]) * D
         row_off[k] = (o, D)
         cw[s, :D], cn[s, :D], cz[s, :D] = (cached.weights_dev[o:o + D], cached.accum_dev[o:o + D],
@@ -455,7 +456,7 @@ def test_interp_cached_rows_with_bf16_state_match_the_flat_update(interp, states
 
 def test_interp_state_cache_kernels_move_bf16_rows_bit_for_bit(interp):
     """The follow kernel (flush / slot changes) on bf16 state caches: rows are copied as stored."""
-    from torchrec_ftrl.kernels.triton_cache import state_cache_follow_kernel
+    from torchrec_ftrl.kernels.cuda.cache import state_cache_follow_kernel
     row_base = torch.tensor([0, 5, 12])
     w_off = torch.tensor([0, 5 * 4])
     dims = torch.tensor([4, 8])

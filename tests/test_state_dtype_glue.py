@@ -7,7 +7,7 @@ a NumPy transcription of the documented rounding hash (``torchrec_ftrl/state_dty
 ``sr_bits``), and hand-computed bf16 / fp32 values.
 
 Tests marked ``needs_tbe_state_dtypes`` build an FTRL TBE with ``optimizer_state_dtypes=`` and wait
-for that keyword in ``torchrec_ftrl/tbe.py``; every other test runs on the current TBE.
+for that keyword in ``torchrec_ftrl/tbe/module.py``; every other test runs on the current TBE.
 """
 
 from __future__ import annotations
@@ -263,10 +263,10 @@ def test_dense_bf16_state_dict_round_trip_and_mismatch_refused():
 def test_in_backward_state_dtype_builds_bf16_dense_state():
     """``apply_optimizer_in_backward(torchrec.optim.FTRL, ..., {"state_dtype": ...})``: the per-parameter
     dense optimizer it builds keeps bf16 state, and the kwargs reach the fused_params as the TBE's
-    ``optimizer_state_dtypes``."""
+    row layout's state dtypes."""
     import torchrec
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
-    from torchrec_ftrl.integration.kernels import tbe_kwargs_from_fused_params
+    from torchrec_ftrl.integration.compute_kernels import tbe_kwargs_from_fused_params
     emb = torch.nn.Embedding(6, 4)
     apply_optimizer_in_backward(torchrec.optim.FTRL, emb.parameters(), {"lr": 0.1, "state_dtype": torch.bfloat16})
     emb(torch.tensor([1, 2])).sum().backward()
@@ -274,8 +274,8 @@ def test_in_backward_state_dtype_builds_bf16_dense_state():
     assert inner.state[emb.weight]["accum"].dtype == torch.bfloat16
     # TorchRec merges sharder fused_params with the in-backward kwargs (the latter win)
     merged = {**FTRL_FUSED, "optimizer_state_dtypes": frozenset(), **emb.weight._optimizer_kwargs[0]}
-    assert tbe_kwargs_from_fused_params(merged)["optimizer_state_dtypes"] == {
-        "accum": SparseType.BF16, "linear": SparseType.BF16}
+    assert tbe_kwargs_from_fused_params(merged)["row_layout"].state_dtypes == {
+        "accum": torch.bfloat16, "linear": torch.bfloat16}
 
 
 # ---------------------------------------------------------------------------- fused_params
@@ -320,16 +320,19 @@ def test_sharders_refuse_bad_state_dtypes_naming_key_and_value(extra, match):
 
 
 def test_tbe_kwargs_get_the_state_dtypes_only_when_compact():
-    from torchrec_ftrl.integration.kernels import fused_state_dtypes, tbe_kwargs_from_fused_params
+    from torchrec_ftrl.integration.compute_kernels import tbe_kwargs_from_fused_params
+    from torchrec_ftrl.row_layout import RowLayout
+    from torchrec_ftrl.state_dtype import state_dtypes_from_options
     kw = tbe_kwargs_from_fused_params({**FTRL_FUSED, "optimizer_state_dtypes": frozenset({("accum", BF16)})})
-    assert kw["optimizer_state_dtypes"] == {"accum": SparseType.BF16, "linear": SparseType.FP32}
-    assert "optimizer_state_dtypes" not in tbe_kwargs_from_fused_params(dict(FTRL_FUSED))
-    assert "optimizer_state_dtypes" not in tbe_kwargs_from_fused_params(
-        {**FTRL_FUSED, "optimizer_state_dtypes": frozenset()})
+    assert kw["row_layout"] == RowLayout(accum_dtype=torch.bfloat16)
+    assert "optimizer_state_dtypes" not in kw
+    assert tbe_kwargs_from_fused_params(dict(FTRL_FUSED))["row_layout"] == RowLayout()
+    assert tbe_kwargs_from_fused_params(
+        {**FTRL_FUSED, "optimizer_state_dtypes": frozenset()})["row_layout"] == RowLayout()
     # a table's own state_dtype (its in-backward kwargs) wins over the sharder's optimizer_state_dtypes
-    assert fused_state_dtypes({"optimizer_state_dtypes": frozenset({("accum", BF16), ("linear", BF16)}),
+    assert state_dtypes_from_options({"optimizer_state_dtypes": frozenset({("accum", BF16), ("linear", BF16)}),
                                "state_dtype": "fp32"}) == {"accum": torch.float32, "linear": torch.float32}
-    assert fused_state_dtypes({"state_dtype": None, "optimizer_state_dtypes": {"linear": "bf16"}}) == {
+    assert state_dtypes_from_options({"state_dtype": None, "optimizer_state_dtypes": {"linear": "bf16"}}) == {
         "accum": torch.float32, "linear": torch.bfloat16}
 
 
@@ -445,7 +448,7 @@ def test_cli_state_dtype_flag_maps_to_the_hashable_fused_param():
 
 
 def test_resume_refuses_another_state_dtype():
-    from torchrec_ftrl.job.checkpoint import CheckpointError, check_ftrl_state_dtype
+    from torchrec_ftrl.job.atomic_checkpoint import CheckpointError, check_ftrl_state_dtype
     check_ftrl_state_dtype("p", {"args": {"ftrl_state_dtype": "bf16"}}, "bf16", "ftrl")
     check_ftrl_state_dtype("p", {"args": {}}, "fp32", "ftrl")   # a checkpoint from before the flag: fp32
     with pytest.raises(CheckpointError, match=r"holds FTRL state in fp32 .* asks for --ftrl-state-dtype bf16"):
@@ -475,7 +478,7 @@ def test_job_resume_with_another_state_dtype_fails_in_one_line(tmp_path):
 
 @needs_tbe_state_dtypes
 def test_kernel_builds_a_bf16_state_tbe_from_fused_params():
-    from torchrec_ftrl.integration.kernels import tbe_kwargs_from_fused_params
+    from torchrec_ftrl.integration.compute_kernels import tbe_kwargs_from_fused_params
     kwargs = tbe_kwargs_from_fused_params(torchrec_ftrl.sharders(
         {**FTRL_FUSED, "optimizer_state_dtypes": {"accum": SparseType.BF16, "linear": SparseType.BF16}})[0]
         .fused_params)

@@ -15,6 +15,7 @@ import state_path_scenarios as sc
 import torchrec_ftrl
 from torchrec_ftrl import integration
 from torchrec_ftrl.integration import delta_tracker, replica_sync, resharding
+from torchrec_ftrl.row_layout import RowLayout
 
 
 DISTRIBUTED = {   # test id: (worker in state_path_scenarios, world size); world size 1 also runs on one GPU
@@ -113,7 +114,7 @@ def test_dmp_collection_refuses_ftrl_without_exactly_one_replica_group():
 
 def test_replica_sync_derives_weights_only_where_the_layout_stores_them():
     assert replica_sync.stores_weights(_with_ftrl_tbe().tbe)
-    assert not replica_sync.stores_weights(types.SimpleNamespace(row_layout=types.SimpleNamespace(weights="derived")))
+    assert not replica_sync.stores_weights(types.SimpleNamespace(row_layout=RowLayout(weights="derived")))
 
 
 def test_dmp_collection_refuses_ftrl_under_fully_sharded():

@@ -26,7 +26,8 @@ import tbe_harness as H  # noqa: E402
 from reference import reference_knobs  # noqa: E402
 from torchrec_ftrl import FTRLTableBatchedEmbeddingBags  # noqa: E402
 from torchrec_ftrl.fbgemm_enums import BoundsCheckMode, PoolingMode, SparseType  # noqa: E402
-from torchrec_ftrl.kernels import calls, triton_backend  # noqa: E402
+from torchrec_ftrl.kernels import calls  # noqa: E402
+from torchrec_ftrl.kernels.cuda import backend as triton_backend  # noqa: E402
 from torchrec_ftrl.kernels.knobs import knob_args  # noqa: E402
 
 KNOBS = dict(learning_rate=0.05, ftrl_l1_reg=0.002, ftrl_l2_reg=0.01, ftrl_beta=0.3)
@@ -447,7 +448,7 @@ def _run_mark(keys, gofs, ws, tiles, *, block, seg, lookback, grid, perm_dtype=t
     """Runs segment_mark_kernel on sorted ``keys`` scattered by a fixed permutation (entry p of the
     sorted order sits at position N-1-p, reversed by blocks of 5); returns (sorted keys, sorted
     gradient offsets, segment starts) and the permutation."""
-    from torchrec_ftrl.kernels.triton_backward import segment_mark_kernel
+    from torchrec_ftrl.kernels.cuda.backward import segment_mark_kernel
     N = len(keys)
     perm = np.concatenate([np.arange(i, min(i + 5, N))[::-1] for i in range(0, N, 5)])[::-1].copy()
     key_in = np.empty(N, dtype=np.int64)
@@ -584,7 +585,7 @@ def test_interp_empty_batch_changes_nothing(interp):
 
 
 def test_ops_registered():
-    """The unified ops whose CUDA kernels are the Triton functions (torchrec_ftrl/kernels/cuda_impls.py),
+    """The unified ops whose CUDA kernels are the Triton functions (torchrec_ftrl/kernels/cuda/impls.py),
     with the arguments their schemas mutate."""
     update_mutates = {"weights", "accum", "linear", "nonfinite_rows", "cache_weights", "cache_accum",
                       "cache_linear"}

@@ -7,8 +7,7 @@ planner's storage estimate (every patch is listed in :mod:`torchrec_ftrl.integra
 """
 
 from .hyperparams import FTRLHyperparams
-from .kernels import composite as _composite  # noqa: F401  (registers the ops' PyTorch fallback)
-from .kernels import cuda_impls as _cuda_impls  # noqa: F401  (registers the ops' CUDA (Triton) kernels)
+from . import kernels  # noqa: F401  (registers the ops torch.ops.torchrec_ftrl.*)
 from .integration import FTRLStorageEstimator, ftrl_planner, install, sharders, uninstall
 from .optim import FTRL, ftrl
 from .tbe import FTRLTableBatchedEmbeddingBags

@@ -25,9 +25,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .derived_weight import DerivedWeight
-
-SLOTS = ("accum", "linear")
+from .state_dtype import STATE_NAMES as SLOTS  # the per-table state files, by FTRL's state names
+from .tbe.derived_weight import DerivedWeight
 
 
 def _local_pieces(t) -> Iterator[tuple[tuple[int, ...], torch.Tensor]]:

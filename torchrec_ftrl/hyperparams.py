@@ -16,7 +16,7 @@ import math
 import numbers
 from typing import Any, Mapping, NamedTuple, Optional
 
-from .kernels.rule_spec import KNOBS
+from .rule_spec import KNOBS
 
 L2_CONVENTIONS = ("tensorflow", "mcmahan")
 DEFAULT_LEARNING_RATE = 0.01
@@ -142,7 +142,7 @@ class FTRLHyperparams:
 
 class KernelScalars(NamedTuple("_KernelScalars", [(knob.name, float) for knob in KNOBS])):
     """Derived scalars of the rule, in the order the C++ (``FtrlHp``) and Triton kernels take them:
-    :data:`torchrec_ftrl.kernels.rule_spec.KNOBS` (names, meanings, values)."""
+    :data:`torchrec_ftrl.rule_spec.KNOBS` (names, meanings, values)."""
 
     __slots__ = ()
 

@@ -17,14 +17,12 @@ from torch.optim.optimizer import Optimizer
 from .hyperparams import LEARNING_RATE_KEYS, FTRLHyperparams, parse_options
 from .optim_type import FTRL_VALUE
 from .rule import ftrl_rule, ftrl_update_rows_
-from .state_dtype import parse_state_dtypes, store_state
+from .state_dtype import DTYPE_NAMES, STATE_NAMES, parse_one_state_dtype, parse_state_dtypes, store_state
 
-__all__ = ["FTRL", "ftrl", "parse_dense_state_dtype", "state_dtype"]
+__all__ = ["FTRL", "ftrl", "state_dtype"]
 
-_STATE_KEYS = ("accum", "linear")
-# Canonical names of the dense optimizer's state_dtype (kept as strings in param groups, so a state_dict
-# stays plain data): fp32 (the default; fp64 state for fp64 parameters) or bf16.
-_STATE_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+# The dense optimizer's state_dtype is kept in param groups by its name (DTYPE_NAMES), so a state_dict
+# stays plain data: fp32 (the default; fp64 state for fp64 parameters) or bf16.
 _STORAGE = {"fp32": None, "bf16": torch.bfloat16}
 
 
@@ -49,26 +47,6 @@ def state_dtype(p: torch.Tensor) -> torch.dtype:
     return torch.float64 if p.dtype == torch.float64 else torch.float32
 
 
-def parse_dense_state_dtype(value: Any, where: str = "state_dtype") -> str:
-    """``"fp32"`` or ``"bf16"`` from ``value``: ``None`` (fp32), ``torch.float32`` / ``torch.bfloat16``,
-    ``SparseType.FP32`` / ``SparseType.BF16`` (or their ``as_int()``), or the strings ``"fp32"`` /
-    ``"bf16"`` (any case).
-
-    Raises:
-        ValueError: anything else (fp16 among them: ``accum`` overflows its range), naming ``where``
-            and the value.
-    """
-    if value is None:
-        return "fp32"
-    try:
-        dtype = parse_state_dtypes({"accum": value}, where)["accum"]
-    except ValueError:
-        raise ValueError(f"{where} must be fp32 or bf16 (torch.float32 / torch.bfloat16, SparseType.FP32 / "
-                         f"SparseType.BF16, or 'fp32' / 'bf16'; fp16 is refused: accum overflows its "
-                         f"range), got {value!r}") from None
-    return _STATE_DTYPE_NAMES[dtype]
-
-
 def _dense_state_dtype_option(state_dtype_value: Any, optimizer_state_dtypes: Any, where: str) -> str:
     """The one state dtype of a dense FTRL group from its ``state_dtype`` and/or a ``fused_params``-style
     ``optimizer_state_dtypes`` (any form :func:`torchrec_ftrl.state_dtype.parse_state_dtypes` takes).
@@ -77,11 +55,11 @@ def _dense_state_dtype_option(state_dtype_value: Any, optimizer_state_dtypes: An
         ValueError: an invalid value; ``optimizer_state_dtypes`` with different dtypes for ``accum``
             and ``linear`` (the dense optimizer stores both in one dtype); both given and different.
     """
-    name = parse_dense_state_dtype(state_dtype_value, f"{where} state_dtype")
+    name = parse_one_state_dtype(state_dtype_value, f"{where} state_dtype")
     if optimizer_state_dtypes is None:
         return name
     per_state = parse_state_dtypes(optimizer_state_dtypes, f"{where} optimizer_state_dtypes")
-    names = {_STATE_DTYPE_NAMES[d] for d in per_state.values()}
+    names = {DTYPE_NAMES[d] for d in per_state.values()}
     if len(names) != 1:
         raise ValueError(f"{where} optimizer_state_dtypes={optimizer_state_dtypes!r} gives accum and linear "
                          f"different dtypes; the dense FTRL stores both in one dtype: pass state_dtype")
@@ -300,7 +278,7 @@ class FTRL(Optimizer):
         Raises:
             ValueError: an invalid ``state_dtype``, or ``"bf16"`` for a group with an fp64 parameter.
         """
-        name = parse_dense_state_dtype(group.get("state_dtype"), f"{where} state_dtype")
+        name = parse_one_state_dtype(group.get("state_dtype"), f"{where} state_dtype")
         if name == "bf16":
             for i, p in enumerate(group.get("params", ())):
                 if isinstance(p, torch.Tensor) and p.dtype == torch.float64:
@@ -367,7 +345,7 @@ class FTRL(Optimizer):
                 group and both), a bf16 group's saved state that is not bf16, or (from
                 ``torch.optim``) other numbers of groups or parameters. Nothing is modified then.
         """
-        saved_groups = [{**g, "state_dtype": parse_dense_state_dtype(g.get("state_dtype"),
+        saved_groups = [{**g, "state_dtype": parse_one_state_dtype(g.get("state_dtype"),
                                                                      f"saved param group {i} state_dtype")}
                         for i, g in enumerate(state_dict["param_groups"])]
         for g in saved_groups:
@@ -385,11 +363,11 @@ class FTRL(Optimizer):
                     id_map[pid], name_of[pid] = p, saved_g["state_dtype"]
         for pid, p in id_map.items():
             saved = saved_state.get(pid, {})
-            missing = [k for k in (*_STATE_KEYS, "step") if saved and not isinstance(saved.get(k), torch.Tensor)]
+            missing = [k for k in (*STATE_NAMES, "step") if saved and not isinstance(saved.get(k), torch.Tensor)]
             if missing:
                 raise ValueError(f"saved state of parameter {pid!r} lacks tensor(s) {missing} (has keys "
                                  f"{sorted(saved)}); FTRL state needs 'accum', 'linear' and 'step'")
-            for key in _STATE_KEYS:
+            for key in STATE_NAMES:
                 v = saved.get(key)
                 if isinstance(v, torch.Tensor) and v.shape != p.shape:
                     raise ValueError(f"saved {key} of shape {tuple(v.shape)} does not match parameter "
@@ -400,7 +378,7 @@ class FTRL(Optimizer):
         super().load_state_dict({**state_dict, "param_groups": saved_groups})
         for pid, p in id_map.items():
             dtype = self._storage_dtype(p, name_of[pid])
-            for key in _STATE_KEYS:
+            for key in STATE_NAMES:
                 v = saved_state.get(pid, {}).get(key)
                 if isinstance(v, torch.Tensor):
                     self.state[p][key] = v.detach().to(device=p.device, dtype=dtype, copy=True)
@@ -425,7 +403,7 @@ class FTRL(Optimizer):
                     _check_grad(p, p.grad)
                     state = self.state.get(p)
                     want = self._storage_dtype(p, group["state_dtype"])
-                    for key in _STATE_KEYS:
+                    for key in STATE_NAMES:
                         have = state.get(key) if state else None
                         if isinstance(have, torch.Tensor) and have.dtype != want:
                             raise ValueError(

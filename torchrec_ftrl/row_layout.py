@@ -23,7 +23,7 @@ from typing import Any, Mapping
 import torch
 
 from .hyperparams import NOT_KNOBS
-from .state_dtype import STATE_NAMES, parse_state_dtypes
+from .state_dtype import STATE_NAMES, parse_state_dtypes, state_dtypes_from_options
 
 # The options keys of the layout (TBE kwargs, fused_params), besides optimizer_state_dtypes: the
 # ftrl_* keys that are not knobs.
@@ -33,7 +33,7 @@ ACCUMULATORS = ("elementwise", "rowwise")
 # (weights, accumulator) pairs the TBE kernels of every backend implement (HBM and host placements;
 # each backend declares its own, and those under MANAGED_CACHING, in its Capabilities).
 KERNEL_LAYOUTS = frozenset({(w, a) for w in WEIGHTS for a in ACCUMULATORS})
-# Those the MANAGED_CACHING (fused_uvm_caching) HBM cache holds (torchrec_ftrl.cache.RowCache: each
+# Those the MANAGED_CACHING (fused_uvm_caching) HBM cache holds (torchrec_ftrl.tbe.cache.RowCache: each
 # slot holds the layout's arrays of one row, no weight where derived, one accum value where row-wise).
 CACHED_LAYOUTS = KERNEL_LAYOUTS
 
@@ -65,15 +65,17 @@ class RowLayout:
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | None, where: str = "options") -> "RowLayout":
-        """The layout named by ``ftrl_weights``, ``ftrl_accumulator`` and ``optimizer_state_dtypes``
-        (any form :func:`~torchrec_ftrl.state_dtype.parse_state_dtypes` takes) in ``options``
-        (TBE kwargs, ``fused_params``); absent keys take the defaults.
+        """The layout named by ``ftrl_weights``, ``ftrl_accumulator`` and the state dtype
+        (``state_dtype`` or ``optimizer_state_dtypes``,
+        :func:`~torchrec_ftrl.state_dtype.state_dtypes_from_options`) in ``options`` (TBE keywords,
+        ``fused_params``); absent keys take the defaults. The one parse of these options: the
+        result is passed on from there.
 
         Raises:
             ValueError: a bad value, naming ``where``, the key and the value.
         """
         options = options or {}
-        dtypes = parse_state_dtypes(options.get("optimizer_state_dtypes"), f"{where} optimizer_state_dtypes")
+        dtypes = state_dtypes_from_options(options, where)
         try:
             weights, accumulator = options.get("ftrl_weights"), options.get("ftrl_accumulator")
             return cls(weights="stored" if weights is None else weights,
@@ -81,6 +83,22 @@ class RowLayout:
                        accum_dtype=dtypes["accum"], linear_dtype=dtypes["linear"])
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
+
+    @property
+    def stores_weights(self) -> bool:
+        """True when a row stores its weight (``weights="stored"``); False when it is derived."""
+        return self.weights == "stored"
+
+    @property
+    def rowwise(self) -> bool:
+        """True for one ``accum`` value per row (``accumulator="rowwise"``)."""
+        return self.accumulator == "rowwise"
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """``(weights, accumulator)``, as :data:`KERNEL_LAYOUTS` and a backend's
+        ``Capabilities.layouts`` list layouts."""
+        return layout_key(self.stores_weights, self.rowwise)
 
     @property
     def state_dtypes(self) -> dict[str, torch.dtype]:
@@ -91,7 +109,7 @@ class RowLayout:
         """Values of state ``name`` per row of a table of dim ``dim``: 1 for a row-wise ``accum``."""
         if name not in STATE_NAMES:
             raise ValueError(f"FTRL states are {STATE_NAMES}, got {name!r}")
-        return 1 if (name == "accum" and self.accumulator == "rowwise") else int(dim)
+        return 1 if (name == "accum" and self.rowwise) else int(dim)
 
     def state_bytes_per_row(self, dim: int) -> int:
         """Bytes of ``accum`` + ``linear`` per row of a table of dim ``dim``."""
@@ -99,7 +117,7 @@ class RowLayout:
 
     def weight_bytes_per_row(self, dim: int, weight_bytes: int) -> int:
         """Bytes of the stored weight per row (``weight_bytes`` per value); 0 for derived weights."""
-        return int(dim) * int(weight_bytes) if self.weights == "stored" else 0
+        return int(dim) * int(weight_bytes) if self.stores_weights else 0
 
     def bytes_per_row(self, dim: int, weight_bytes: int) -> int:
         """Bytes one row stores: weight (if stored) + ``accum`` + ``linear``."""
@@ -110,6 +128,12 @@ class RowLayout:
         names = {torch.float32: "fp32", torch.bfloat16: "bf16"}
         return (f"weights={self.weights}, accumulator={self.accumulator}, "
                 f"accum={names[self.accum_dtype]}, linear={names[self.linear_dtype]}")
+
+
+def layout_key(stores_weights: bool, rowwise: bool) -> tuple[str, str]:
+    """``(weights, accumulator)`` of the layout that stores or derives its weights and keeps a
+    row-wise or element-wise ``accum`` (:attr:`RowLayout.key`)."""
+    return ("stored" if stores_weights else "derived"), ("rowwise" if rowwise else "elementwise")
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -128,7 +152,7 @@ def require_kernel_layout(layout: RowLayout, where: str, capabilities=None, back
     """
     have = KERNEL_LAYOUTS if capabilities is None else (
         capabilities.cached_layouts if cached else capabilities.layouts)
-    if (layout.weights, layout.accumulator) in have:
+    if layout.key in have:
         return
     what = "the FTRL TBE" if capabilities is None else (
         f"the {backend} backend" + (" under MANAGED_CACHING" if cached else ""))

@@ -1,8 +1,8 @@
 """The FTRL-Proximal update rule on PyTorch tensors: the one statement of the rule in Python.
 
 Used by the dense optimizer (:mod:`torchrec_ftrl.optim`) and the TBE's PyTorch backend
-(:mod:`torchrec_ftrl.kernels.torch_backend`). The kernels' rule is generated from
-``kernels/rule_spec.py`` (its ``IEEE`` form for the C++ kernel, ``FAST`` for Triton); this module is
+(:mod:`torchrec_ftrl.kernels.pytorch.rows`). The kernels' rule is generated from
+``rule_spec.py`` (its ``IEEE`` form for the C++ kernel, ``FAST`` for Triton); this module is
 written independently of it, the oracle the tests compare the kernels with.
 
 Per element, with w the weight, n = accum, z = linear, g the gradient summed over duplicates, the

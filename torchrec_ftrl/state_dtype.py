@@ -37,7 +37,7 @@ from typing import Any, Iterable, Mapping, Optional
 import torch
 
 from .fbgemm_enums import SparseType
-from .kernels.rule_spec import CONSTANTS
+from .rule_spec import CONSTANTS
 
 STATE_NAMES = ("accum", "linear")
 _SUPPORTED = {SparseType.FP32: torch.float32, SparseType.BF16: torch.bfloat16}
@@ -101,6 +101,57 @@ def parse_state_dtypes(value: Any, where: str = "optimizer_state_dtypes") -> dic
     return out
 
 
+# The options keys of FTRL's state dtype. ``optimizer_state_dtypes``: FBGEMM's keyword, per state (any
+# form :func:`parse_state_dtypes` takes; in TorchRec's fused_params the hashable form). ``state_dtype``:
+# one dtype for both states, the dense FTRL's keyword, which reaches fused_params from
+# apply_optimizer_in_backward(torchrec.optim.FTRL, ..., {"state_dtype": ...}).
+OPTIMIZER_STATE_DTYPES = "optimizer_state_dtypes"
+STATE_DTYPE = "state_dtype"
+# The dense FTRL's names of the state dtypes.
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+
+
+def parse_one_state_dtype(value: Any, where: str = STATE_DTYPE) -> str:
+    """``"fp32"`` or ``"bf16"``: one dtype for both states (the dense FTRL's ``state_dtype``), from
+    ``None`` (fp32), ``torch.float32`` / ``torch.bfloat16``, ``SparseType.FP32`` / ``SparseType.BF16``
+    (or their ``as_int()``), or the strings ``"fp32"`` / ``"bf16"`` (any case).
+
+    Raises:
+        ValueError: anything else (fp16 among them: ``accum`` overflows its range), naming ``where``
+            and the value.
+    """
+    if value is None:
+        return "fp32"
+    try:
+        dtype = parse_state_dtypes({"accum": value}, where)["accum"]
+    except ValueError:
+        raise ValueError(f"{where} must be fp32 or bf16 (torch.float32 / torch.bfloat16, SparseType.FP32 / "
+                         f"SparseType.BF16, or 'fp32' / 'bf16'; fp16 is refused: accum overflows its "
+                         f"range), got {value!r}") from None
+    return DTYPE_NAMES[dtype]
+
+
+def state_dtypes_from_options(options: Optional[Mapping[str, Any]],
+                              where: str = "options") -> dict[str, torch.dtype]:
+    """``{"accum": dtype, "linear": dtype}`` from an options mapping (TBE keywords, ``fused_params``):
+    ``state_dtype`` (both states) when given and not None, else ``optimizer_state_dtypes`` (any form
+    :func:`parse_state_dtypes` takes), else fp32.
+
+    ``state_dtype`` wins because in a table's fused_params it can only come from the table's own
+    in-backward optimizer kwargs (the sharders turn a sharder's ``state_dtype`` into
+    ``optimizer_state_dtypes``), which TorchRec lets override the sharder's fused_params.
+
+    Raises:
+        ValueError: an invalid value, naming ``where``, the key and the value.
+    """
+    options = options or {}
+    if options.get(STATE_DTYPE) is not None:
+        name = parse_one_state_dtype(options[STATE_DTYPE], f"{where} {STATE_DTYPE}")
+        dtype = torch.bfloat16 if name == "bf16" else torch.float32
+        return {state: dtype for state in STATE_NAMES}
+    return parse_state_dtypes(options.get(OPTIMIZER_STATE_DTYPES), f"{where} {OPTIMIZER_STATE_DTYPES}")
+
+
 def hashable_state_dtypes(value: Any, where: str = "optimizer_state_dtypes") -> frozenset:
     """The ``fused_params`` form: ``frozenset`` of ``(state, SparseType.as_int())`` for the compact
     states only (fp32 states are left out, so fp32 everywhere is the empty set).
@@ -143,7 +194,7 @@ def sr_bits(row_key: torch.Tensor, col: torch.Tensor, step: int | torch.Tensor, 
     (the TBE's ``iter`` before the step's increment; int or int64 tensor, taken mod 2^32) of state
     ``state`` (0 accum, 1 linear). Broadcasts ``row_key``, ``col`` and a tensor ``step``. Every
     product is reduced mod 2^32, so this is exactly the uint32 arithmetic of the kernels
-    (``sr_seed``, ``sr_row`` and ``sr_bits`` of ``kernels/rule_spec.py``, generated into both)::
+    (``sr_seed``, ``sr_row`` and ``sr_bits`` of ``rule_spec.py``, generated into both)::
 
         lowbias32(x) = x ^= x >> 16; x *= 0x7FEB352D; x ^= x >> 15; x *= 0x846CA68B; x ^= x >> 16
         h = lowbias32(step * 0x9E3779B9 + state)

@@ -13,7 +13,7 @@ import functools
 import inspect
 from typing import Callable
 
-from .kernels import ftrl_tbes
+from .compute_kernels import ftrl_tbes
 
 OPTIMIZER_STATE_MODES = ("momentum_last", "momentum_diff", "rowwise_adagrad")
 

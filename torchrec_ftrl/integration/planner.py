@@ -4,7 +4,7 @@ Stock TorchRec counts a shard's tensor storage as its weight bytes plus optimize
 ``weight bytes x _get_optimizer_multipler(cls)``, reading ``cls`` only from a tensor's in-backward
 ``_optimizer_classes`` (0 x for tables whose optimizer comes from a sharder's ``fused_params``, 1 x for
 an unknown class), and sizes a ``fused_uvm_caching`` cache as ``cache_load_factor`` x the weight
-bytes. The FTRL TBE stores something else (:mod:`torchrec_ftrl.placement`): weights plus 8 bytes of
+bytes. The FTRL TBE stores something else (:mod:`torchrec_ftrl.tbe.placement`): weights plus 8 bytes of
 state per element where the table lives (4 with bf16 ``accum`` and ``linear``: ``optimizer_state_dtypes``
 / ``state_dtype``), and for ``fused_uvm_caching`` an HBM cache of whole rows
 (weight, ``accum`` and ``linear``) with FBGEMM's cache state. And stock TorchRec may plan a small
@@ -40,10 +40,11 @@ from torchrec.distributed.planner.utils import sharder_name
 from torchrec.distributed.types import ShardingType, compute_storage_usage
 
 from ..optim_type import is_ftrl
-from ..placement import (CACHE_DIM_MULTIPLE, DEFAULT_LAYOUT, cache_bytes, cache_slots,
+from ..tbe.placement import (CACHE_DIM_MULTIPLE, DEFAULT_LAYOUT, cache_bytes, cache_slots,
                          check_cache_options, table_bytes)
 from ..row_layout import CACHED_LAYOUTS, LAYOUT_KEYS, RowLayout
-from .kernels import FTRL_COMPUTE_KERNELS, fused_row_layout
+from ..state_dtype import OPTIMIZER_STATE_DTYPES, STATE_DTYPE
+from .compute_kernels import FTRL_COMPUTE_KERNELS
 
 _FUSED = EmbeddingComputeKernel.FUSED.value
 _UVM = EmbeddingComputeKernel.FUSED_UVM.value
@@ -57,7 +58,7 @@ def ftrl_shard_storage(rows: int, cols: int, weight_bytes: int, compute_kernel: 
                        layout: RowLayout = DEFAULT_LAYOUT) -> tuple[int, int]:
     """``(hbm, ddr)`` bytes of one FTRL shard of ``rows x cols``: each row what ``layout`` stores
     (:meth:`~torchrec_ftrl.row_layout.RowLayout.bytes_per_row`, weights of ``weight_bytes`` bytes per
-    element), and any cache, as :mod:`torchrec_ftrl.placement` sizes them (the cache holds the rows'
+    element), and any cache, as :mod:`torchrec_ftrl.tbe.placement` sizes them (the cache holds the rows'
     arrays in their stored dtypes):
 
     * ``fused`` on CUDA: HBM ``table_bytes(DEVICE)``; any kernel on another compute device: DDR
@@ -72,7 +73,7 @@ def ftrl_shard_storage(rows: int, cols: int, weight_bytes: int, compute_kernel: 
 
     Raises:
         ValueError: a compute kernel that is not an FTRL kernel, or a bad ``load_factor`` /
-            ``cache_sets`` (:func:`torchrec_ftrl.placement.cache_slots`).
+            ``cache_sets`` (:func:`torchrec_ftrl.tbe.placement.cache_slots`).
     """
     if compute_kernel not in FTRL_COMPUTE_KERNELS:
         raise ValueError(f"FTRL has no compute kernel {compute_kernel!r}; expected one of "
@@ -119,7 +120,7 @@ def option_row_layout(option, fused_params: dict) -> RowLayout:
     """What a row of the FTRL table of ``option`` stores: its sharder's ``fused_params``
     (``optimizer_state_dtypes`` / ``state_dtype``, ``ftrl_weights``, ``ftrl_accumulator``) with the
     state dtype overridden by its in-backward FTRL kwargs, as TorchRec merges them
-    (``merge_fused_params``); :func:`.kernels.fused_row_layout` reads them.
+    (``merge_fused_params``); :meth:`~torchrec_ftrl.row_layout.RowLayout.from_options` reads them.
 
     Raises:
         ValueError: an invalid state dtype, naming the table, the key and the value.
@@ -130,13 +131,13 @@ def option_row_layout(option, fused_params: dict) -> RowLayout:
     kwargs = getattr(option.tensor, "_optimizer_kwargs", None)
     if kwargs:
         in_backward = kwargs[0] or {}
-        if in_backward.get("state_dtype") is not None or in_backward.get("optimizer_state_dtypes") is not None:
-            merged.pop("state_dtype", None)
-            merged.pop("optimizer_state_dtypes", None)
-            merged.update({k: v for k, v in in_backward.items()
-                           if k in ("state_dtype", "optimizer_state_dtypes")})
+        dtype_keys = (STATE_DTYPE, OPTIMIZER_STATE_DTYPES)
+        if any(in_backward.get(k) is not None for k in dtype_keys):
+            for k in dtype_keys:
+                merged.pop(k, None)
+            merged.update({k: v for k, v in in_backward.items() if k in dtype_keys})
         merged.update({k: in_backward[k] for k in LAYOUT_KEYS if in_backward.get(k) is not None})
-    return fused_row_layout(merged, where=f"table {option.name!r} fused_params")
+    return RowLayout.from_options(merged, where=f"table {option.name!r} fused_params")
 
 
 def _load_factor(option, fused_params: dict) -> float:

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ..tbe import FTRLTableBatchedEmbeddingBags
-from .kernels import ftrl_tbes
+from .compute_kernels import ftrl_tbes
 
 # The TBE's names (``get_optimizer_state``) of the two states the weight derives from.
 
@@ -65,7 +65,8 @@ def average_ftrl_replicas(tbes: list[FTRLTableBatchedEmbeddingBags], replica_pg)
 def stores_weights(tbe: FTRLTableBatchedEmbeddingBags) -> bool:
     """Whether ``tbe``'s row layout stores the weight (a TBE without ``row_layout`` does); a layout
     with derived weights computes ``prox(z, n)`` where it reads them, so only its states sync."""
-    return getattr(getattr(tbe, "row_layout", None), "weights", "stored") == "stored"
+    layout = getattr(tbe, "row_layout", None)
+    return layout is None or layout.stores_weights
 
 
 def _replica_groups(dmpc) -> list:

@@ -37,7 +37,7 @@ from torchrec.distributed.types import ShardingType
 from torchrec.optim.keyed import CombinedOptimizer
 
 from ..optim_type import is_ftrl
-from .kernels import FTRL_COMPUTE_KERNELS, ftrl_tbes
+from .compute_kernels import FTRL_COMPUTE_KERNELS, ftrl_tbes
 
 # A shard of one state tensor: (offsets, sizes, rank), in the tensor's global index space.
 Box = tuple[tuple[int, ...], tuple[int, ...], int]

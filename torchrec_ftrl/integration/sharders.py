@@ -33,8 +33,9 @@ from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.types import ModuleSharder, ParameterSharding, ShardingType
 
 from ..optim_type import is_ftrl
-from .kernels import (FTRL_COMPUTE_KERNELS, OPTIMIZER_STATE_DTYPES, STATE_DTYPE, canonical_fused_params,
-                      fused_state_dtypes, refuse_ftrl_keys_without_ftrl, tbe_kwargs_from_fused_params)
+from ..state_dtype import OPTIMIZER_STATE_DTYPES, STATE_DTYPE, state_dtypes_from_options
+from .compute_kernels import (FTRL_COMPUTE_KERNELS, canonical_fused_params, refuse_ftrl_keys_without_ftrl,
+                              tbe_kwargs_from_fused_params)
 
 __all__ = ["FTRL_COMPUTE_KERNELS", "FTRLEmbeddingBagCollectionSharder", "FTRLEmbeddingCollectionSharder",
            "mixed_ftrl_placements", "sharders"]
@@ -107,7 +108,7 @@ class _FTRLKernelFilter:
             if kwargs.get(STATE_DTYPE) is None and kwargs.get(OPTIMIZER_STATE_DTYPES) is None:
                 continue
             where = f"table {name!r} in-backward FTRL kwargs"
-            dtypes = fused_state_dtypes(kwargs, where)
+            dtypes = state_dtypes_from_options(kwargs, where)
             # Both keys: the dense FTRL constructor has checked that they agree.
             canonical = canonical_fused_params({k: v for k, v in kwargs.items() if k != STATE_DTYPE}
                                                | {OPTIMIZER_STATE_DTYPES: dtypes}, where)

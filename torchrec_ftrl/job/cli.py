@@ -364,7 +364,7 @@ def sparse_fused_params(args: argparse.Namespace, world_size: Optional[int] = No
     fused = {"optimizer": ftrl, **ftrl_fused_knobs(args, world_size),
              "ftrl_learning_rate_power": args.ftrl_lr_power,
              "ftrl_l2_convention": args.ftrl_l2_convention}
-    from .layout import fused_layout_params
+    from .layout_flags import fused_layout_params
     fused.update(fused_layout_params(args))
     state = getattr(args, "ftrl_state_dtype", "fp32")
     if state != "fp32":

@@ -9,7 +9,7 @@ kernel, ranks, bytes of weights and of optimizer state) and ends with one JSON l
     {"sparse_bytes": ..., "weight_bytes": ..., "optimizer_state_bytes": ..., "fits_in_hbm": ...,
      "fits": ..., ...}
 
-``sparse_bytes`` = weights + optimizer state of all tables (:func:`.layout.bytes_per_row`);
+``sparse_bytes`` = weights + optimizer state of all tables (:func:`.layout_flags.bytes_per_row`);
 ``fits`` whether the planner found a placement in HBM + host memory; ``fits_in_hbm`` whether it
 placed every table whole in HBM (compute kernel ``fused``).
 """
@@ -21,7 +21,10 @@ from typing import Optional
 
 import torch
 
-from . import cli, layout, model as model_lib, presets
+from . import cli
+from . import layout_flags
+from . import model as model_lib
+from . import presets
 
 GB = 1e9
 
@@ -36,8 +39,8 @@ def layout_name(args) -> str:
 
 def table_bytes(args, rows: list) -> tuple[list, list]:
     """Per table ``(weight bytes, optimizer-state bytes)`` lists for ``rows`` rows at
-    ``--embedding-dim`` (:func:`.layout.bytes_per_row`)."""
-    w, s = layout.bytes_per_row(args.embedding_dim, args.sparse_optimizer, args.ftrl_weights,
+    ``--embedding-dim`` (:func:`.layout_flags.bytes_per_row`)."""
+    w, s = layout_flags.bytes_per_row(args.embedding_dim, args.sparse_optimizer, args.ftrl_weights,
                                 args.ftrl_accumulator, args.ftrl_state_dtype)
     return [n * w for n in rows], [n * s for n in rows]
 

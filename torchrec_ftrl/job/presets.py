@@ -46,7 +46,7 @@ PLAN_ONLY_HOST_GIB = 128.0
 
 def add_flags(p: argparse.ArgumentParser) -> None:
     """Add the preset, multi-hot, DCN, planning, layout and warm-up flags to the job's parser."""
-    from .layout import LAYOUT_FLAGS
+    from .layout_flags import LAYOUT_FLAGS
 
     g = p.add_argument_group("production shape")
     g.add_argument("--preset", choices=tuple(PRESETS), default=None,
@@ -129,7 +129,7 @@ def check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     """Check the flags of :func:`add_flags` (argparse errors naming flag and value) and derive
     ``a.multi_hot_list`` (ids per table, or None for one-hot input) and ``a.num_embeddings_list``
     scaled by ``--rows-scale``."""
-    from .layout import layout_error
+    from .layout_flags import layout_error
 
     if not (0.0 < a.rows_scale <= 1.0):
         p.error(f"--rows-scale must be in (0, 1], got {a.rows_scale}")

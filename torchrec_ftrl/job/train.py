@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
-from . import (checkpoint, cli, dist_env, evaluate, faults, model as model_lib, pipeline, plan_only,
-               profile as profile_lib, report, sparsity, validate, warmup as kernel_warmup, zch)
+from . import (atomic_checkpoint, cli, dist_env, evaluate, faults, layout_flags, model as model_lib, pipeline,
+               plan_only, profile as profile_lib, report, sparsity, validate, warmup as kernel_warmup, zch)
 from .errors import JobConfigError, exit_with_error
 from .source import make_source, steps_for_epochs
 from torchrec_ftrl.data import train_loader
@@ -198,9 +198,9 @@ def _checked_resume_path(args) -> Optional[str]:
     """
     if args.resume is None:
         return None
-    path = checkpoint.resolve(args.resume, args.checkpoint_dir)
-    checkpoint.check_ftrl_state_dtype(path, checkpoint.read_meta(path), args.ftrl_state_dtype,
-                                      args.sparse_optimizer)
+    path = atomic_checkpoint.resolve(args.resume, args.checkpoint_dir)
+    atomic_checkpoint.check_ftrl_state_dtype(path, atomic_checkpoint.read_meta(path), args.ftrl_state_dtype,
+                                             args.sparse_optimizer)
     return path
 
 
@@ -221,7 +221,7 @@ def _build_model(job: _Job) -> _Model:
     net = model_lib.build_dlrm(job.features, job.sizes, args.embedding_dim, len(job.source.dense_names),
                                args.dense_arch_list, args.over_arch_list, env.device,
                                dcn=(args.dcn_layers, args.dcn_rank) if args.dcn_layers else None,
-                               zero_init=args.sparse_optimizer == "ftrl" and args.ftrl_weights == "derived")
+                               zero_init=layout_flags.derives_weights(args))
     if args.compile_dense:
         model_lib.compile_dense(net)
     sharders = torchrec_ftrl.sharders(job.fused_params)
@@ -251,14 +251,14 @@ def _resume(job: _Job, path: str, model: _Model, tracker: sparsity.TouchTracker)
         CheckpointError: the checkpoint cannot be loaded, or its step is past the run's last step.
     """
     extra = tracker.state_dict()
-    meta = checkpoint.load(path, model.dmp, model.opt, extra=extra)
+    meta = atomic_checkpoint.load(path, model.dmp, model.opt, extra=extra)
     tracker.load_state_dict(extra)
     start_step = int(meta["step"])
     # TorchRec does not checkpoint a TBE's step counter (one per training step); bf16 FTRL state
     # rounds with it, so the resumed run rounds as the uninterrupted one.
     model.dmp.fused_optimizer.set_optimizer_step(start_step)
     if start_step > job.steps:
-        raise checkpoint.CheckpointError(
+        raise atomic_checkpoint.CheckpointError(
             f"--resume: the run ends at step {job.steps} (--steps / --epochs), before the step of the "
             f"checkpoint {path} ({start_step})")
     start = _Start(start_step, meta.get("loss_history", []), meta.get("val_history", []),
@@ -441,7 +441,7 @@ class _Training:
                 "loss_window": {"n": self.window_n, "sums": sums}}
         with record_function(f"{profile_lib.EXCLUDED_PREFIX} checkpoint ##"):
             tracker.reduce(env.device)
-            path = checkpoint.save(args.checkpoint_dir, step, self.model.dmp, self.model.opt, meta,
+            path = atomic_checkpoint.save(args.checkpoint_dir, step, self.model.dmp, self.model.opt, meta,
                                    keep=args.keep_checkpoints, extra=tracker.state_dict())
         self._say(f"step {step}: checkpoint {path}")
 
@@ -566,7 +566,7 @@ def main(argv=None) -> dict:
     try:
         return run(argv)
     except (JobConfigError, FileNotFoundError, MalformedRowError, NoUsableRowsError,
-            checkpoint.CheckpointError, model_lib.PlanDoesNotFitError) as e:  # one clear line, no traceback
+            atomic_checkpoint.CheckpointError, model_lib.PlanDoesNotFitError) as e:  # one clear line, no traceback
         exit_with_error(str(e))
 
 

@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from torchrec_ftrl.integration.kernels import ftrl_tbes
+from torchrec_ftrl.integration.compute_kernels import ftrl_tbes
 
 WARMUP_ROWS = 64
 

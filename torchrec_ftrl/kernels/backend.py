@@ -6,11 +6,11 @@ The TBE reaches the kernels only through :mod:`.calls`, which turns its batch in
 the same way for every backend and reads the capabilities, never a backend's name.
 
 * ``"triton"`` (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``, eager only: a compiled
-  graph calls the ops, whose CPU kernels are the others): :mod:`.triton_backend`.
+  graph calls the ops, whose CPU kernels are the others): :mod:`.cuda.backend`.
 * ``"cpp"`` (CPU): the ops by the dispatcher, whose CPU kernels are the compiled
-  ``csrc/ftrl_tbe_cpu.cpp`` (:mod:`.cpp_backend`).
+  ``cpu/csrc/ftrl_tbe_cpu.cpp`` (:mod:`.cpu.backend`).
 * ``"torch"`` (any device): the ops' vectorised PyTorch implementation, called directly
-  (:mod:`.composite`).
+  (:mod:`.pytorch.composite`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 from .capabilities import Capabilities, OpTable
 
 BACKENDS = ("triton", "cpp", "torch")
-_MODULES = {"triton": "triton_backend", "cpp": "cpp_backend", "torch": "composite"}
+_MODULES = {"triton": "cuda.backend", "cpp": "cpu.backend", "torch": "pytorch.composite"}
 _warned = False
 
 

@@ -1,6 +1,6 @@
 """The TBE's calls of the ops (:mod:`.ops`), the same for every backend (:class:`~.backend.Backend`).
 
-Turns the tables' arrays (:class:`~.layout.TableArrays`), a batch (:class:`~.layout.TBEBatch`) and the
+Turns the tables' arrays (:class:`~.batch.TableArrays`), a batch (:class:`~.batch.TBEBatch`) and the
 knobs (:class:`~torchrec_ftrl.hyperparams.FTRLHyperparams`, :mod:`.knobs`) into the ops' arguments and
 reads the backend's :class:`~.capabilities.Capabilities` to choose which ops a step runs: a backend
 that ``linearizes`` runs ``tbe_linearize`` in the training forward and hands its result to the
@@ -17,8 +17,8 @@ import torch
 from ..hyperparams import FTRLHyperparams
 from .backend import Backend
 from .knobs import knob_args
-from .index_rows import per_sample_weight_grad  # noqa: F401  (the TBE's, on every backend)
-from .layout import TableArrays, TBEBatch
+from .pytorch.index_rows import per_sample_weight_grad  # noqa: F401  (the TBE's, on every backend)
+from .batch import TableArrays, TBEBatch
 
 
 class Linearized(NamedTuple):

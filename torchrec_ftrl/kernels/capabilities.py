@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+from ..row_layout import RowLayout
+
 
 @dataclasses.dataclass(frozen=True)
 class OpTable:
@@ -33,7 +35,7 @@ class Capabilities:
         linearizes: has ``tbe_linearize``: a training forward linearises the batch once, looks up
             by its row keys and hands it to the backward.
         cached_placement: runs the ``MANAGED_CACHING`` (``fused_uvm_caching``) placement: batches
-            whose rows may sit in the HBM cache (:mod:`torchrec_ftrl.cache`; the ``cache_*``
+            whose rows may sit in the HBM cache (:mod:`torchrec_ftrl.tbe.cache`; the ``cache_*``
             arguments).
         graph_capture: a training step can be captured in a CUDA graph (no host sync, no host-side
             state per step).
@@ -46,5 +48,5 @@ class Capabilities:
     linearizes: bool = False
     cached_placement: bool = False
     graph_capture: bool = False
-    layouts: frozenset = frozenset({("stored", "elementwise")})
+    layouts: frozenset = frozenset({RowLayout().key})
     cached_layouts: frozenset = frozenset()

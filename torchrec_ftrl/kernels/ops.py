@@ -1,10 +1,10 @@
 """The FTRL TBE's registered operators, ``torch.ops.torchrec_ftrl.*``: their schemas and Meta (fake)
 implementations, stated once here.
 
-Every implementation implements these schemas: the compiled CPU kernel (``csrc/ftrl_tbe_cpu.cpp``,
-``CPU``, loaded by :func:`torchrec_ftrl.kernels.cpp_backend.load_extension`), the Triton kernels
-(``CUDA``, :mod:`.cuda_impls`) and the vectorised PyTorch implementation
-(``CompositeExplicitAutograd``, :mod:`.composite`: every device without a kernel of its own, e.g.
+Every implementation implements these schemas: the compiled CPU kernel (``cpu/csrc/ftrl_tbe_cpu.cpp``,
+``CPU``, loaded by :func:`torchrec_ftrl.kernels.cpu.backend.load_extension`), the Triton kernels
+(``CUDA``, :mod:`.cuda.impls`) and the vectorised PyTorch implementation
+(``CompositeExplicitAutograd``, :mod:`.pytorch.composite`: every device without a kernel of its own, e.g.
 the CPU when the compiled kernel is not loaded). The Meta implementations give shapes and dtypes
 only, so the ops run under fake tensors and ``torch.compile`` traces them without a graph break. The
 TBE calls them through :mod:`.calls`; which optional arguments an implementation takes is declared in
@@ -12,12 +12,12 @@ its :class:`~.capabilities.Capabilities`, and one it does not take raises ``Runt
 
 Arguments, in this order:
 
-* the tables' arrays by row layout (:class:`~.layout.TableArrays`) ``weights?, accum, linear,
+* the tables' arrays by row layout (:class:`~.batch.TableArrays`) ``weights?, accum, linear,
   rowwise``: ``weights`` flat ``[total]`` fp32/fp16/bf16, or None for derived weights (``w =
   prox(linear, accum)`` computed where it is read); ``accum`` (n) and ``linear`` (z) fp32 or bf16,
   ``linear`` ``[total]``, ``accum`` ``[total]`` or, with ``rowwise``, ``[total_rows]`` (row ``r`` of
   table ``t`` at ``table_row_base[t] + r``);
-* the batch (:class:`~.layout.TBEBatch`, int64 index tensors): ``table_w_offset, table_dim,
+* the batch (:class:`~.batch.TBEBatch`, int64 index tensors): ``table_w_offset, table_dim,
   table_rows, table_row_base, feature_table, bag_feature, bag_out_offset, indices, offsets,
   per_sample_weights?, pooling_mode, max_D, table_dims, total_rows`` (``table_dims`` and
   ``total_rows``: ``table_dim`` and the sum of ``table_rows`` as host integers, which a kernel
@@ -36,7 +36,7 @@ Ops:
   are unchecked; one outside ``[0, rows)`` reads row 0 and is counted in ``warn``. ``row_keys``
   (``linearizes``): the checked row keys of :func:`tbe_linearize`, read instead of ``indices``.
   ``cache_*`` (``cached_placement``; all or none): rows with a cache slot (``cache_locations[i] >= 0``) are read
-  from the HBM cache (:mod:`.layout`).
+  from the HBM cache (:mod:`.batch`).
 * ``tbe_linearize(<batch>, out_numel, warn?) -> (key, gofs, scale, tid, offsets)`` (``linearizes``):
   each index's row key ``table_row_base[t] + index`` (int32 when the tables have fewer than 2**31
   rows, else int64), its gradient offset (int32 / int64), its fp32 factor (per-sample weight and 1/L
@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import torch
 
-from .layout import index_factors
+from .batch import index_factors
 
 NAMESPACE = "torchrec_ftrl"
 

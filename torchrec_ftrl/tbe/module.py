@@ -21,8 +21,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
-from ..fbgemm_enums import (BoundsCheckMode, CacheAlgorithm, ComputeDevice, EmbeddingLocation,
-                            PoolingMode, SparseType)
+from ..fbgemm_enums import BoundsCheckMode, CacheAlgorithm, ComputeDevice, PoolingMode, SparseType
 from ..hyperparams import DEFAULT_LEARNING_RATE, FTRLHyperparams, parse_options
 from ..kernels import calls
 from ..kernels.batch import TableArrays, TBEBatch

@@ -14,7 +14,7 @@ domain):
 
 * :data:`KNOBS`: the fp32 scalars every kernel computes with, each named once, with its meaning and
   how it follows from :class:`~torchrec_ftrl.hyperparams.FTRLHyperparams`. The generator makes the
-  C++ ``FtrlHp`` struct (the layout of the ops' knob tensor, :mod:`.knobs`) from it;
+  C++ ``FtrlHp`` struct (the layout of the ops' knob tensor, :mod:`torchrec_ftrl.kernels.knobs`) from it;
   :meth:`FTRLHyperparams.kernel_scalars` reads it.
 * :data:`CONSTANTS`: the hash's uint32 constants (also read by :mod:`torchrec_ftrl.state_dtype`).
 * :data:`SHARED`, :data:`IEEE` and :data:`FAST`: functions, each a list of statements in a tiny
@@ -50,7 +50,7 @@ written (no contraction into an FMA: the C++ build has ``-ffp-contract=off``).
 ``__post_init__``), add ``Knob("foo", ..., lambda hp: hp.foo)`` to :data:`KNOBS` and use ``foo`` in the
 statements here; run ``python -m torchrec_ftrl.kernels.codegen --write`` (and rebuild the CPU kernel).
 ``kernel_scalars``, the C++ struct and the Triton kernels follow: the ops take the knobs as one fp32
-tensor (:func:`.knobs.knob_tensor`), which the C++ kernel reads into its struct and the Triton
+tensor (:func:`torchrec_ftrl.kernels.knobs.knob_tensor`), which the C++ kernel reads into its struct and the Triton
 kernels into one tuple by the
 generated ``ftrl_knobs`` and passed whole to the generated functions, which name only the knobs they
 use.

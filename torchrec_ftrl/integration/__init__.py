@@ -1,5 +1,5 @@
 """Everything that touches TorchRec / FBGEMM: the patch list (:mod:`.patches`), lookup routing
-(:mod:`.routing`), TorchRec kernel wrappers (:mod:`.kernels`), sharders (:mod:`.sharders`), the
+(:mod:`.routing`), TorchRec kernel wrappers (:mod:`.compute_kernels`), sharders (:mod:`.sharders`), the
 planner's storage estimator (:mod:`.planner`), and the paths that move or sync optimizer state:
 dynamic sharding (:mod:`.resharding`), 2D parallel's replica sync (:mod:`.replica_sync`) and the model
 delta tracker's modes (:mod:`.delta_tracker`). The core package never imports this subpackage.

@@ -4,8 +4,8 @@ verified on. :func:`install` applies them (idempotent; ``import torchrec_ftrl`` 
 
 Where TorchRec has an extension point, the package uses it instead of a patch: sharders are
 subclasses (:mod:`.sharders`), the planner's storage estimate is an estimator class
-and enumerator (:mod:`.planner`), the fused optimizer and kernels are subclasses (:mod:`.kernels`). The patches
-below cover what has none.
+and enumerator (:mod:`.planner`), the fused optimizer and kernels are subclasses
+(:mod:`.compute_kernels`). The patches below cover what has none.
 """
 
 from __future__ import annotations

@@ -28,7 +28,8 @@ from torchrec.distributed.embedding_types import (
 from torchrec.distributed.types import ShardingType
 
 from ..optim_type import is_ftrl
-from .compute_kernels import FTRL_COMPUTE_KERNELS, FTRLBatchedFusedEmbedding, FTRLBatchedFusedEmbeddingBag, ftrl_only_key
+from .compute_kernels import (FTRL_COMPUTE_KERNELS, FTRLBatchedFusedEmbedding, FTRLBatchedFusedEmbeddingBag,
+                              ftrl_only_key)
 
 _FTRL_KERNEL_NAMES = ", ".join(repr(k) for k in FTRL_COMPUTE_KERNELS)
 

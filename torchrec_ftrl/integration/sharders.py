@@ -11,7 +11,7 @@ With ``import torchrec_ftrl`` done, TorchRec's stock sharders already route FTRL
   sharder with a manual plan and :class:`torchrec_ftrl.FTRL` as the dense optimizer.
 * FTRL's state dtype may be given in FBGEMM's dict form (``"optimizer_state_dtypes": {"accum":
   SparseType.BF16, "linear": SparseType.BF16}``) or as ``"state_dtype"``: the constructor turns it
-  into the hashable form TorchRec's table grouping needs (:func:`.kernels.canonical_fused_params`),
+  into the hashable form TorchRec's table grouping needs (:func:`.compute_kernels.canonical_fused_params`),
   and :meth:`shard` does the same for the kwargs of in-backward FTRL tables
   (``apply_optimizer_in_backward(torchrec.optim.FTRL, ..., {"optimizer_state_dtypes": {...}})``).
 * TorchRec groups a rank's ``fused``, ``fused_uvm`` and ``fused_uvm_caching`` tables of one sharding
@@ -87,7 +87,7 @@ class _FTRLKernelFilter:
 
     def _canonical_in_backward_kwargs(self, module) -> None:
         """Give every in-backward FTRL table's optimizer kwargs (``param._optimizer_kwargs``) its state
-        dtype in the hashable fused_params form (:func:`.kernels.canonical_fused_params`; a kwargs
+        dtype in the hashable fused_params form (:func:`.compute_kernels.canonical_fused_params`; a kwargs
         dict whose state dtype is already canonical is left as it is). The kwargs list is replaced by
         a new one; the dicts the caller passed are not modified.
 
@@ -95,7 +95,7 @@ class _FTRLKernelFilter:
             ValueError: an invalid state dtype, naming the table, the key and the value; an FTRL-only
                 key (``ftrl_*``, FTRL's state dtypes) in a non-FTRL table's kwargs, naming the table,
                 the key, its value and the optimizer class
-                (:func:`.kernels.refuse_ftrl_keys_without_ftrl`).
+                (:func:`.compute_kernels.refuse_ftrl_keys_without_ftrl`).
         """
         for name, param in self.shardable_parameters(module).items():
             classes = getattr(param, "_optimizer_classes", None)
@@ -160,7 +160,7 @@ def sharders(fused_params: Optional[dict[str, Any]] = None) -> list[ModuleSharde
     Raises:
         ValueError: invalid FTRL knobs, cache keys or state dtypes, or FTRL-only keys (``ftrl_*``
             knobs and row-layout keys, FTRL's state dtypes) with another ``"optimizer"``, which
-            would not apply (:func:`.kernels.refuse_ftrl_keys_without_ftrl`); checked here, before
+            would not apply (:func:`.compute_kernels.refuse_ftrl_keys_without_ftrl`); checked here, before
             any process builds a kernel, naming the key and the value.
     """
     refuse_ftrl_keys_without_ftrl(fused_params, (fused_params or {}).get("optimizer"), "fused_params")

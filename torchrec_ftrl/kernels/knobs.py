@@ -2,7 +2,7 @@
 
 Every op that runs the rule (:mod:`.ops`) takes ``knobs``, :meth:`FTRLHyperparams.kernel_scalars
 <torchrec_ftrl.hyperparams.FTRLHyperparams.kernel_scalars>` as an fp32 ``[len(KNOBS)]`` tensor on the
-tables' device in the order of :data:`.rule_spec.KNOBS`, and ``pow_half, has_shrink``
+tables' device in the order of :data:`torchrec_ftrl.rule_spec.KNOBS`, and ``pow_half, has_shrink``
 (:func:`knob_flags`), so no op, kernel or launch names a knob: the Triton kernels read the tensor on
 the device (:func:`.cuda.rule_gen.ftrl_knobs`), the compiled CPU kernel reads it into its
 ``FtrlHp``, and the PyTorch implementation reads its values back.

@@ -88,7 +88,8 @@ class TableStates:
         dropped = 0
         for start in range(0, weights.shape[0], CHUNK_ROWS):   # temporaries of one chunk of rows at a time
             if isinstance(rows_written, slice):
-                sel = slice(rows_written.start + start, min(rows_written.stop, rows_written.start + start + CHUNK_ROWS))
+                first = rows_written.start + start
+                sel = slice(first, min(rows_written.stop, first + CHUNK_ROWS))
             else:
                 sel = rows_written[start:start + CHUNK_ROWS]
             dropped += self._encode_chunk(accum, linear, hp, t, sel, weights[start:start + CHUNK_ROWS],

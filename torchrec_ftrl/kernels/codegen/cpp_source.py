@@ -1,4 +1,5 @@
-"""The C++ backend of :mod:`torchrec_ftrl.kernels.codegen`: ``cpu/csrc/ftrl_rule_gen.h`` from the spec's ``SHARED + IEEE``."""
+"""The C++ backend of :mod:`torchrec_ftrl.kernels.codegen`: ``cpu/csrc/ftrl_rule_gen.h`` from the spec's
+``SHARED + IEEE``."""
 
 from __future__ import annotations
 
@@ -94,7 +95,7 @@ def _cpp_function(fn: Function, known: dict[str, Function]) -> list[str]:
 
 
 def generate_cpp(spec_fns: tuple = rule_spec.SHARED + rule_spec.IEEE) -> str:
-    """The text of ``cpu/csrc/ftrl_rule_gen.h`` (of ``spec_fns``, :class:`~.rule_spec.Fn` s)."""
+    """The text of ``cpu/csrc/ftrl_rule_gen.h`` (of ``spec_fns``, :class:`~torchrec_ftrl.rule_spec.Fn` s)."""
     fns = functions(spec_fns, triton=False)
     known = {f.name: f for f in fns}
     knobs = [f"  float {k.name};  // {k.meaning}" for k in rule_spec.KNOBS]

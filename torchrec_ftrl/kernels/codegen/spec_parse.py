@@ -1,4 +1,4 @@
-"""The spec's functions (:mod:`.rule_spec`) parsed and resolved, and the expression emitter that the
+"""The spec's functions (:mod:`torchrec_ftrl.rule_spec`) parsed and resolved, and the expression emitter that the
 C++ (:mod:`.cpp_source`) and Triton (:mod:`.triton_source`) backends of :mod:`torchrec_ftrl.kernels.codegen` share."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class Param:
 
 
 class Function:
-    """A spec :class:`~.rule_spec.Fn` resolved against the functions before it: its knobs and flags
+    """A spec :class:`~torchrec_ftrl.rule_spec.Fn` resolved against the functions before it: its knobs and flags
     (its own and its callees', in spec order), for one backend."""
 
     def __init__(self, fn: rule_spec.Fn, known: dict[str, "Function"], triton: bool):

@@ -1,4 +1,5 @@
-"""The Triton backend of :mod:`torchrec_ftrl.kernels.codegen`: ``cuda/rule_gen.py`` from the spec's ``SHARED + FAST``."""
+"""The Triton backend of :mod:`torchrec_ftrl.kernels.codegen`: ``cuda/rule_gen.py`` from the spec's
+``SHARED + FAST``."""
 
 from __future__ import annotations
 
@@ -146,7 +147,7 @@ from ..cuda.pow import pow_'''
 
 
 def generate_triton(spec_fns: tuple = rule_spec.SHARED + rule_spec.FAST) -> str:
-    """The text of ``cuda/rule_gen.py`` (of ``spec_fns``, :class:`~.rule_spec.Fn` s)."""
+    """The text of ``cuda/rule_gen.py`` (of ``spec_fns``, :class:`~torchrec_ftrl.rule_spec.Fn` s)."""
     fns = functions(spec_fns, triton=True)
     known = {f.name: f for f in fns}
     lines = [_TRITON_PRELUDE.format(header=HEADER), *_knobs_loader()]

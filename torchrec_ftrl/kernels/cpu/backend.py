@@ -107,8 +107,8 @@ def load_extension() -> str:
 
 def _dispatched(name: str, takes_hp: bool = False):
     """The op ``name`` by the dispatcher, its compiled CPU kernel loaded first. ``takes_hp``: the
-    :class:`~.capabilities.OpTable` entry takes the hyper-parameters first (unused: the kernel reads
-    the knob tensor)."""
+    :class:`~torchrec_ftrl.kernels.capabilities.OpTable` entry takes the hyper-parameters first
+    (unused: the kernel reads the knob tensor)."""
     op = getattr(torch.ops.torchrec_ftrl, name).default
 
     def call(*args):

@@ -1,9 +1,9 @@
 """Triton (CUDA) implementation of the FTRL TBE's ops (:mod:`torchrec_ftrl.kernels.ops`): ``tbe_forward``,
 ``tbe_linearize``, ``tbe_backward_update_`` and ``tbe_repair_offsets``, with every optional argument
 of their schemas (the fused bounds check, the linearised batch, the HBM cache of the UVM-caching
-placement), for every row layout (:class:`~torchrec_ftrl.kernels.batch.TableArrays`) and fp32 or bf16 states (the kernels
-specialise on each; a bf16 state is stored by stochastic rounding with the step read from the
-``step`` tensor on the device). Kernels: :mod:`.forward` and :mod:`.backward`, the rule
+placement), for every row layout (:class:`~torchrec_ftrl.kernels.batch.TableArrays`) and fp32 or
+bf16 states (the kernels specialise on each; a bf16 state is stored by stochastic rounding with the
+step read from the ``step`` tensor on the device). Kernels: :mod:`.forward` and :mod:`.backward`, the rule
 from :mod:`.rule_gen`.
 
 The functions below are the ops' CUDA kernels (:mod:`.impls` registers them); :data:`OPS` calls
@@ -229,7 +229,7 @@ def tbe_linearize(table_w_offset, table_dim, table_rows, table_row_base, feature
 def _linearize(indices, offsets, bag_feature, bag_out_offset, feature_table, row_base, table_rows,
                warn, check: bool, count: bool, per_sample_weights, pooling_mode: int, max_D: int,
                total_rows: int, out_numel: int, even_d: bool) -> tuple:
-    """``(key, gofs, scale, tid, fixed)`` (:func:`.ops.linearized_like`); ``check``: bad indices
+    """``(key, gofs, scale, tid, fixed)`` (:func:`torchrec_ftrl.kernels.ops.linearized_like`); ``check``: bad indices
     read as row 0, and with ``count`` the raw offsets are repaired into ``fixed`` and the repairs
     counted in ``warn``."""
     repair = check and count
@@ -402,8 +402,8 @@ def _backward_kernels(weights, accum, linear, nonfinite_rows, grad, indices, off
 
 
 def tbe_repair_offsets(offsets: torch.Tensor, warn: torch.Tensor, num_indices: int) -> torch.Tensor:
-    """``tbe_repair_offsets`` (:mod:`torchrec_ftrl.kernels.ops`): one pass over tiles of ``TUNING["repair_block"]`` bags
-    (:func:`.backward.offsets_repair_kernel`), no host sync."""
+    """``tbe_repair_offsets`` (:mod:`torchrec_ftrl.kernels.ops`): one pass over tiles of
+    ``TUNING["repair_block"]`` bags (:func:`.backward.offsets_repair_kernel`), no host sync."""
     n = offsets.numel()
     fixed = torch.empty_like(offsets)
     if n == 0:

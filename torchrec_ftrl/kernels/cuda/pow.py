@@ -1,4 +1,4 @@
-"""``x^e`` in Triton kernels: the lowering of the rule spec's ``pow`` (:mod:`.rule_spec`) that
+"""``x^e`` in Triton kernels: the lowering of the rule spec's ``pow`` (:mod:`torchrec_ftrl.rule_spec`) that
 :mod:`.rule_gen` calls, libdevice's when compiled, exp2/log2 under ``TRITON_INTERPRET=1``
 (which has no libdevice)."""
 

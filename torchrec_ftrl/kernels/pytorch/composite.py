@@ -1,23 +1,24 @@
-"""The PyTorch implementation of the registered ops ``torch.ops.torchrec_ftrl.*`` (:mod:`torchrec_ftrl.kernels.ops`): their
-``CompositeExplicitAutograd`` kernels, which run on every device without a kernel of its own, and
-the backend ``"torch"`` (:data:`OPS`, which calls them directly on every device; :data:`CAPABILITIES`).
+"""The PyTorch implementation of the registered ops ``torch.ops.torchrec_ftrl.*``
+(:mod:`torchrec_ftrl.kernels.ops`): their ``CompositeExplicitAutograd`` kernels, which run on every device
+without a kernel of its own, and the backend ``"torch"`` (:data:`OPS`, which calls them directly on every
+device; :data:`CAPABILITIES`).
 
-The dispatcher prefers a kernel registered for the tensors' own device key (the compiled CPU kernels
-of :mod:`torchrec_ftrl.kernels.cpu.backend` once loaded: forward, backward update and count; the Triton kernels of
-:mod:`torchrec_ftrl.kernels.cuda.impls` on CUDA: all but the count) and the Meta (fake) implementations of :mod:`torchrec_ftrl.kernels.ops`
-under fake tensors, so these run where neither exists: every op on a CPU without the compiled
-kernel, ``tbe_repair_offsets`` (and ``tbe_linearize``, which raises here) on every CPU, and
-``tbe_count_invalid`` on CUDA. ``CompositeExplicitAutograd`` rather than
-``CompositeImplicitAutograd`` because the ops keep their fake implementations and mutate their
-inputs: an implicit composite would be traced through (its data-dependent ``torch.unique`` and host
-reads break fake tensors), and ``torch.library.register_fake`` refuses an op that has one.
+The dispatcher prefers a kernel registered for the tensors' own device key (the compiled CPU kernels of
+:mod:`torchrec_ftrl.kernels.cpu.backend` once loaded: forward, backward update and count; the Triton
+kernels of :mod:`torchrec_ftrl.kernels.cuda.impls` on CUDA: all but the count) and the Meta (fake)
+implementations of :mod:`torchrec_ftrl.kernels.ops` under fake tensors, so these run where neither exists:
+every op on a CPU without the compiled kernel, ``tbe_repair_offsets`` (and ``tbe_linearize``, which raises
+here) on every CPU, and ``tbe_count_invalid`` on CUDA. ``CompositeExplicitAutograd`` rather than
+``CompositeImplicitAutograd`` because the ops keep their fake implementations and mutate their inputs: an
+implicit composite would be traced through (its data-dependent ``torch.unique`` and host reads break fake
+tensors), and ``torch.library.register_fake`` refuses an op that has one.
 
 Each implementation rebuilds the arrays (:class:`~torchrec_ftrl.kernels.batch.TableArrays`) and the batch
-(:class:`~torchrec_ftrl.kernels.batch.TBEBatch`) from the op's arguments and runs :mod:`.rows`'s vectorised code
-on them with the knobs' hyper-parameters: :data:`OPS` is handed them by the TBE's calls (no tensor is
-read back, so ``backend="torch"`` traces under ``torch.compile``), a registered kernel reads them from
-the knob tensor (:func:`.knobs.hyperparams_of`, a host read). It takes no fused check, linearised batch
-or cache (``tbe_linearize`` raises; :data:`CAPABILITIES`).
+(:class:`~torchrec_ftrl.kernels.batch.TBEBatch`) from the op's arguments and runs :mod:`.rows`'s
+vectorised code on them with the knobs' hyper-parameters: :data:`OPS` is handed them by the TBE's calls
+(no tensor is read back, so ``backend="torch"`` traces under ``torch.compile``), a registered kernel reads
+them from the knob tensor (:func:`torchrec_ftrl.kernels.knobs.hyperparams_of`, a host read). It takes no
+fused check, linearised batch or cache (``tbe_linearize`` raises; :data:`CAPABILITIES`).
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ CAPABILITIES = Capabilities(layouts=KERNEL_LAYOUTS)
 
 
 def batch_of(args: tuple, out_numel: int, step=None) -> TBEBatch:
-    """The :class:`~torchrec_ftrl.kernels.batch.TBEBatch` of an op's batch arguments (:data:`torchrec_ftrl.kernels.ops.N_BATCH` of them, in
-    the schema's order)."""
+    """The :class:`~torchrec_ftrl.kernels.batch.TBEBatch` of an op's batch arguments
+    (:data:`torchrec_ftrl.kernels.ops.N_BATCH` of them, in the schema's order)."""
     (table_w_offset, table_dim, table_rows, table_row_base, feature_table, bag_feature, bag_out_offset,
      indices, offsets, per_sample_weights, pooling_mode, max_D, table_dims, total_rows) = args
     return TBEBatch(
@@ -90,7 +91,8 @@ def tbe_forward(*args):
 
 
 def tbe_linearize(*args):
-    """``tbe_linearize`` (:mod:`torchrec_ftrl.kernels.ops`): not implemented here (``Capabilities.linearizes`` False)."""
+    """``tbe_linearize`` (:mod:`torchrec_ftrl.kernels.ops`): not implemented here (``Capabilities.linearizes``
+    False)."""
     raise RuntimeError("torchrec_ftrl::tbe_linearize: the PyTorch implementation keeps no linearised "
                        "batch (the Triton kernels' tbe_linearize runs on CUDA devices)")
 
@@ -102,17 +104,17 @@ def tbe_backward_update_(*args):
 
 
 def tbe_count_invalid(table_rows, feature_table, bag_feature, indices, offsets):
-    """``tbe_count_invalid`` (:mod:`torchrec_ftrl.kernels.ops`): int64 ``[1]``, by :func:`.index_rows.count_invalid` (0 for
-    a valid batch, like the compiled kernel; a malformed batch may count differently, never 0); empty
-    ``offsets`` count as one problem."""
+    """``tbe_count_invalid`` (:mod:`torchrec_ftrl.kernels.ops`): int64 ``[1]``, by
+    :func:`.index_rows.count_invalid` (0 for a valid batch, like the compiled kernel; a malformed batch
+    may count differently, never 0); empty ``offsets`` count as one problem."""
     if offsets.numel() == 0:
         return torch.ones(1, dtype=torch.int64, device=indices.device)
     return count_invalid(table_rows, feature_table, bag_feature, indices, offsets).reshape(1)
 
 
 def tbe_repair_offsets(offsets, warn, num_indices):
-    """``tbe_repair_offsets`` (:mod:`torchrec_ftrl.kernels.ops`), by :func:`.index_rows.repair_offsets`; empty ``offsets``
-    give an empty result."""
+    """``tbe_repair_offsets`` (:mod:`torchrec_ftrl.kernels.ops`), by :func:`.index_rows.repair_offsets`; empty
+    ``offsets`` give an empty result."""
     if offsets.numel() == 0:
         return torch.empty_like(offsets)
     fixed = repair_offsets(offsets, int(num_indices))

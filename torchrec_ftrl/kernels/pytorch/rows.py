@@ -34,7 +34,8 @@ def backward_update_(arrays: TableArrays, batch: TBEBatch, grad_out: torch.Tenso
     """Sum gradients per unique (table, row), then one FTRL update per touched row, in place.
 
     Rows whose summed gradient has NaN/Inf are skipped and counted in ``nonfinite_rows`` (int64 [1]).
-    Every row layout of :class:`~torchrec_ftrl.kernels.batch.TableArrays` (:func:`torchrec_ftrl.rule.ftrl_update_rows_`).
+    Every row layout of :class:`~torchrec_ftrl.kernels.batch.TableArrays`
+    (:func:`torchrec_ftrl.rule.ftrl_update_rows_`).
     ``accum`` / ``linear`` fp32 or bf16: the math is fp32, a bf16 state is stored by
     :func:`torchrec_ftrl.state_dtype.store_state` with row key ``table_row_base[t] + row`` and step
     ``batch.step`` (read as a tensor: no host sync on a device).

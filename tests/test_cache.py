@@ -29,7 +29,6 @@ from torchrec_ftrl import FTRLTableBatchedEmbeddingBags  # noqa: E402
 from torchrec_ftrl.fbgemm_enums import (BoundsCheckMode, CacheAlgorithm, ComputeDevice,  # noqa: E402
                                         EmbeddingLocation, PoolingMode, SparseType)
 from torchrec_ftrl.kernels import calls  # noqa: E402
-from torchrec_ftrl.tbe.cached_lookup import CachedLookup  # noqa: E402
 
 KNOBS = dict(learning_rate=0.05, ftrl_l1_reg=0.002, ftrl_l2_reg=0.01, ftrl_beta=0.3)
 BF16_STATES = {"accum": SparseType.BF16, "linear": SparseType.BF16}
@@ -721,7 +720,6 @@ def _cpu_tbes(lock):
     m = FTRLTableBatchedEmbeddingBags([(50, 8), (45, 8)], device="cpu", **KNOBS)
     m.load_state_dict(ref.state_dict())
     m.cache = _FakeRowCache(lock)
-    m._cached = CachedLookup(m.cache, lock)
     m._backend = _fake_cache_backend(m._backend)
     m.prefetch_pipeline = lock
     return ref, m

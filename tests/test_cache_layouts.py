@@ -164,7 +164,6 @@ def _emulated_pair(weights, accumulator, state_dtype):
     :class:`~torchrec_ftrl.tbe.cache.RowCache` of one set (32 slots for 100 rows) on FBGEMM's emulated
     ops (``cache_ops_emulation``)."""
     from torchrec_ftrl.tbe.cache import RowCache
-    from torchrec_ftrl.tbe.cached_lookup import CachedLookup
     kw = dict(feature_table_map=EMU_FMAP, device="cpu", backend="triton", ftrl_weights=weights,
               ftrl_accumulator=accumulator, ftrl_initial_accumulator_value=0.1,
               optimizer_state_dtypes={"accum": state_dtype, "linear": state_dtype}, **KNOBS)
@@ -176,7 +175,6 @@ def _emulated_pair(weights, accumulator, state_dtype):
                             cached._table_w_offset, torch.float32, 0.2, 1, CacheAlgorithm.LRU, False, 0.0,
                             False, torch.device("cpu"), layout=cached.row_layout)
     cached.cache.reset_states(0.1)
-    cached._cached = CachedLookup(cached.cache, False)
     return plain, cached
 
 

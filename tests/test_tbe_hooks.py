@@ -26,7 +26,6 @@ from conftest import INTERP, bits, cuda, interpreter_parent, needs_cuda, \
 from reference import reference_knobs
 from torchrec_ftrl import FTRLTableBatchedEmbeddingBags
 from torchrec_ftrl.fbgemm_enums import ComputeDevice, EmbeddingLocation, PoolingMode, SparseType
-from torchrec_ftrl.tbe.cached_lookup import CachedLookup
 
 SPECS = [(12, 4), (9, 8), (7, 4)]
 N0 = 0.1
@@ -416,7 +415,6 @@ def test_flush_purge_and_prefetch_reach_the_cache():
     for b, a in zip(before, tbe_state(m)):
         assert torch.equal(bits(b), bits(a))
     m.cache = _RecordingCache()
-    m._cached = CachedLookup(m.cache, False)
     m.flush()
     m.prefetch(torch.tensor([1, 2, 3]), torch.tensor([0, 1, 2, 3]))
     m.reset_cache_states()

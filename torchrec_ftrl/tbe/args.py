@@ -201,17 +201,21 @@ def parse_row_layout(options: dict[str, Any]) -> RowLayout:
     return layout
 
 
-def _parse_tables(options: dict[str, Any]) -> tuple[TableGeometry, Optional[EmbeddingLocation]]:
+def _parse_tables(options: dict[str, Any]) -> tuple[TableGeometry, Optional[EmbeddingLocation], PoolingMode,
+                                                    BoundsCheckMode]:
+    """The tables' geometry, their unified-memory placement (or None), and the pooling and
+    bounds-check modes, checked in this order: specs, feature map, modes, names."""
     rows_dims, placement = parse_embedding_specs(options["embedding_specs"])
     T = len(rows_dims)
     feature_table_map = parse_feature_table_map(options["feature_table_map"], T)
+    pooling_mode, bounds_check_mode = _parse_modes(options, [d for _, d in rows_dims])
     names = options["table_names"]
     if names is not None and len(names) != T:
         raise ValueError(f"table_names must have {T} names, got {list(names)!r}")
     names = tuple(names) if names is not None else tuple(f"t{t}" for t in range(T))
     geometry = TableGeometry(tuple(r for r, _ in rows_dims), tuple(d for _, d in rows_dims),
                              tuple(feature_table_map), names)
-    return geometry, placement
+    return geometry, placement, pooling_mode, bounds_check_mode
 
 
 def _parse_modes(options: dict[str, Any], dims: Sequence[int]) -> tuple[PoolingMode, BoundsCheckMode]:
@@ -254,8 +258,7 @@ def parse_tbe_args(options: dict[str, Any]) -> TBEArgs:
     """
     hp = parse_options({k: options[k] for k in ("learning_rate", *FTRL_KWARGS)}, where=WHERE)
     layout = parse_row_layout(options)
-    geometry, placement = _parse_tables(options)
-    pooling_mode, bounds_check_mode = _parse_modes(options, geometry.dims)
+    geometry, placement, pooling_mode, bounds_check_mode = _parse_tables(options)
     device = torch.device(options["device"]) if options["device"] is not None else torch.device("cpu")
     weights_precision = _as_sparse_type("weights_precision", options["weights_precision"])
     cache = _parse_cache(options, placement, device, geometry.dims, weights_precision)

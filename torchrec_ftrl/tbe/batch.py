@@ -21,8 +21,8 @@ def refuse_capture(backend: Backend, mode: BoundsCheckMode, cached: bool, bsfpr:
 
     A captured training step (and a captured lookup of derived weights) replays its kernels with
     the learning rate and ``ftrl_*`` knobs of the capture (a device tensor of them, kept with the
-    captured hyper-parameters), so the forward remembers them and :meth:`set_learning_rate` and
-    :meth:`update_hyper_parameters` warn after such a capture.
+    captured hyper-parameters), so the TBE's forward remembers them and its ``set_learning_rate`` and
+    ``update_hyper_parameters`` warn after such a capture.
 
     Raises:
         RuntimeError: ``bounds_check_mode=FATAL`` (it reads its count on the host), the

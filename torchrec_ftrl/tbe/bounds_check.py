@@ -14,7 +14,7 @@ A batch is ``indices`` / ``offsets`` (int64, FBGEMM's layout: bag ``k`` holds
 * ``IGNORE`` / ``NONE``: the batch is trusted.
 
 Backends that fuse the check into their kernels (``Capabilities.fused_check``,
-:mod:`torchrec_ftrl.kernels.capabilities`) get the raw batch instead (:func:`kernels_check`); under
+:mod:`torchrec_ftrl.kernels.capabilities`) get the raw batch instead (:meth:`BatchCheck.by_kernels`); under
 ``FATAL`` the TBE then reads their count once after the forward (:func:`raise_if_counted`).
 """
 

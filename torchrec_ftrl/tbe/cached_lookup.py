@@ -1,6 +1,7 @@
 """The ``MANAGED_CACHING`` (``fused_uvm_caching``) placement's steps of the FTRL TBE: populating the HBM
 cache for a batch (or taking a prefetched one), finding each row again for the update, and FBGEMM's
-``prefetch``. The cache itself is :class:`~.cache.RowCache`."""
+``prefetch``. The cache itself is :class:`~.cache.RowCache`, the TBE's ``cache``, which every step is
+given."""
 
 from __future__ import annotations
 
@@ -22,24 +23,20 @@ def bags_per_feature(bsfpr: Optional[Sequence[Sequence[int]]]) -> Optional[list[
 
 
 class CachedLookup:
-    """The cached steps of one TBE's lookups (see the module docstring).
-
-    Args:
-        cache: the TBE's HBM row cache.
-        prefetch_pipeline: a prefetched batch's lines stay locked until its update (LRU only).
+    """The cached steps of one TBE's lookups (see the module docstring), with the batches prefetched
+    ahead of their forward.
 
     Attributes:
         prefetched: ``(keys, slots)`` of each batch :meth:`prefetch` brought in, oldest first.
         prefetch_stream: the stream prefetches overlap the forward on, once one did.
     """
 
-    def __init__(self, cache: RowCache, prefetch_pipeline: bool) -> None:
-        self.cache = cache
-        self.prefetch_pipeline = bool(prefetch_pipeline)
+    def __init__(self) -> None:
         self.prefetched: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.prefetch_stream: Optional[torch.cuda.Stream] = None
 
-    def batch(self, batch: TBEBatch, bsfpr, buffers: FlatBuffers) -> tuple[TBEBatch, torch.Tensor, list]:
+    def batch(self, cache: RowCache, batch: TBEBatch, bsfpr,
+              buffers: FlatBuffers) -> tuple[TBEBatch, torch.Tensor, list]:
         """``batch`` with its rows' cache slots, the row keys, and the slot tensors whose lines
         populates locked for it (``prefetch_pipeline``; released after its update).
 
@@ -48,49 +45,45 @@ class CachedLookup:
         prefetched batch that is not this one (a prefetch left over from a training loop) costs
         cache hits, never a wrong row. A VBE batch is populated again: TorchRec's pooled lookup
         prefetches it without its batch sizes, so the prefetch cached other rows."""
-        keys = self.cache.linearize(batch.indices, batch.offsets, bags_per_feature(bsfpr))
+        keys = cache.linearize(batch.indices, batch.offsets, bags_per_feature(bsfpr))
         if self.prefetched:
             _, prefetched = self.prefetched.pop(0)
             self._wait_for_prefetch()
             if bsfpr is None:
-                slots, locked = self.cache.lookup(keys), [prefetched]
+                slots, locked = cache.lookup(keys), [prefetched]
             else:
-                slots = self.cache.populate(keys, *buffers)
+                slots = cache.populate(keys, *buffers)
                 locked = [prefetched, slots]
         else:
-            slots = self.cache.populate(keys, *buffers)
+            slots = cache.populate(keys, *buffers)
             locked = [slots]
-        return dataclasses.replace(batch, cache_locations=slots, cache_weights=self.cache.lxu_cache_weights,
-                                   cache_states=self.cache.lxu_cache_states), keys, locked
+        return dataclasses.replace(batch, cache_locations=slots, cache_weights=cache.lxu_cache_weights,
+                                   cache_states=cache.lxu_cache_states), keys, locked
 
     def _wait_for_prefetch(self) -> None:
         if self.prefetch_stream is not None:
             torch.cuda.current_stream().wait_stream(self.prefetch_stream)
 
-    def relocate(self, batch: TBEBatch, keys: torch.Tensor, generation: int) -> TBEBatch:
+    def relocate(self, cache: RowCache, batch: TBEBatch, keys: torch.Tensor, generation: int) -> TBEBatch:
         """The batch for its update, with each row's slot where it is now. Unchanged when no
         populate, invalidation or reset was issued since the forward looked the rows up (cache
         ``generation``): the forward's slots still hold. Otherwise the prefetch of a later batch is
         waited for and the rows are looked up again (a row may have been evicted, and written back,
         or cached since the forward)."""
-        if self.cache.generation == generation:
+        if cache.generation == generation:
             return batch
         self._wait_for_prefetch()
-        return dataclasses.replace(batch, cache_locations=self.cache.lookup(keys, count=False))
+        return dataclasses.replace(batch, cache_locations=cache.lookup(keys, count=False))
 
-    def after_update(self, locked: list) -> None:
+    def after_update(self, cache: RowCache, locked: list) -> None:
         """After a cached batch's update: release its lines, and make the prefetch stream wait for
         the update (a later prefetch must not copy a row into the cache while it is updated)."""
-        self.cache.written = True
-        self.release(locked)
+        cache.written = True
+        release(cache, locked)
         if self.prefetch_stream is not None:
             self.prefetch_stream.wait_stream(torch.cuda.current_stream())
 
-    def release(self, locked: list) -> None:
-        for slots in locked:
-            self.cache.unlock(slots)
-
-    def use_stream(self, forward_stream: Optional[torch.cuda.Stream]) -> None:
+    def use_stream(self, forward_stream: Optional[torch.cuda.Stream], prefetch_pipeline: bool) -> None:
         """Before a prefetch: with ``forward_stream`` (the prefetch overlaps the forward of the batch
         before), prefetches run on the current stream from now on.
 
@@ -100,25 +93,31 @@ class CachedLookup:
         """
         if forward_stream is None:
             return
-        if not self.prefetch_pipeline:
+        if not prefetch_pipeline:
             raise ValueError("prefetch(forward_stream=...) overlaps the previous batch's forward and "
                              "needs prefetch_pipeline=True (LRU line locking); got "
                              "prefetch_pipeline=False")
         if self.prefetch_stream is None:
             self.prefetch_stream = torch.cuda.current_stream()
 
-    def prefetch(self, batch: TBEBatch, bsfpr, buffers: FlatBuffers,
+    def prefetch(self, cache: RowCache, batch: TBEBatch, bsfpr, buffers: FlatBuffers,
                  forward_stream: Optional[torch.cuda.Stream]) -> None:
         """Bring the rows of ``batch`` into the cache ahead of its forward (see the TBE's
         :meth:`prefetch`; :meth:`use_stream` first)."""
-        keys = self.cache.linearize(batch.indices, batch.offsets, bags_per_feature(bsfpr))
-        slots = self.cache.populate(keys, *buffers)
+        keys = cache.linearize(batch.indices, batch.offsets, bags_per_feature(bsfpr))
+        slots = cache.populate(keys, *buffers)
         if forward_stream is not None:
             keys.record_stream(forward_stream)
             slots.record_stream(forward_stream)
         self.prefetched.append((keys, slots))
 
-    def reset(self) -> None:
+    def reset(self, cache: RowCache) -> None:
         """Empty the cache without writing it back and forget prefetched batches."""
-        self.cache.reset()
+        cache.reset()
         self.prefetched.clear()
+
+
+def release(cache: RowCache, locked: list) -> None:
+    """Unlock the cache lines of each slot tensor in ``locked``."""
+    for slots in locked:
+        cache.unlock(slots)

@@ -32,7 +32,7 @@ from .args import _PRECISIONS, TBEArgs, parse_tbe_args
 from .batch import BatchBuilder, refuse_capture
 from .bounds_check import BatchCheck, raise_if_counted
 from .cache import UVM_CACHE_STATS, RowCache
-from .cached_lookup import CachedLookup
+from .cached_lookup import CachedLookup, release as release_lines
 from .derived_weight import CHUNK_ROWS, DerivedWeight
 from .table_api import FTRLOptimizerState, TableStates
 from .tables import TableTensors
@@ -109,7 +109,7 @@ class _FTRLLookupFunction(torch.autograd.Function):
         module, batch = ctx.module, ctx.batch
         if ctx.cache_keys is not None:
             keys, _, generation = ctx.cache_keys
-            batch = module._cached.relocate(batch, keys, generation)
+            batch = module._cached.relocate(module.cache, batch, keys, generation)
         grad_out = grad_out.contiguous().reshape(-1)
         arrays = module.table_arrays
         grad_psw = (calls.per_sample_weight_grad(arrays, batch, grad_out, module._hp)
@@ -117,7 +117,7 @@ class _FTRLLookupFunction(torch.autograd.Function):
         calls.backward_update_(module._backend, arrays, batch, ctx.linearized, grad_out, module._hp,
                                module.nonfinite_grad_rows)
         if ctx.cache_keys is not None:
-            module._cached.after_update(ctx.cache_keys[1])
+            module._cached.after_update(module.cache, ctx.cache_keys[1])
         module.iter.add_(1)   # in place: no nn.Module.__setattr__ per step
         return None, None, None, grad_psw, None, None
 
@@ -248,8 +248,8 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         self._take_args(args)
         self._register_tables(args)
         self._register_counters(args.device)
-        self.cache: Optional[RowCache] = None
-        self._cached: Optional[CachedLookup] = None
+        self.cache: Optional[RowCache] = None   # the MANAGED_CACHING placement's HBM cache
+        self._cached = CachedLookup()           # its steps and prefetched batches
         if args.cached:
             self._init_cache(args)
         # Makes the output require grad so backward (the fused update) runs, as in FBGEMM.
@@ -290,7 +290,6 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
                               c.prefetch_pipeline, c.reserved_memory, c.gather_stats, args.device,
                               layout=args.layout)
         self.cache.reset_states(self._hp.initial_accumulator_value)
-        self._cached = CachedLookup(self.cache, c.prefetch_pipeline)
         self.register_state_dict_pre_hook(_flush_before_state_dict)
         self.register_load_state_dict_post_hook(_empty_cache_after_load)
 
@@ -383,14 +382,14 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
             # the knobs the captured kernels will replay, kept alive; the latest capture's last
             self._captured_hps = [hp for hp in self._captured_hps if hp is not self._hp] + [self._hp]
         cache_keys, release = None, None
-        if self._cached is not None:
+        if self.cache is not None:
             batch, cache_keys, release = self._cached_batch(batch, bsfpr, train)
         out = _FTRLLookupFunction.apply(self.placeholder_autograd_tensor, self, batch, per_sample_weights,
                                         train, cache_keys)
         if self.bounds_check_mode == BoundsCheckMode.FATAL and batch.unchecked_counter is not None:
             raise_if_counted(self._fatal_count, self.table_names, batch)
         if release is not None:
-            self._cached.release(release)
+            release_lines(self.cache, release)
         if self.pooling_mode == PoolingMode.NONE:
             return out.view(-1, self.max_D)
         return out if bsfpr is not None else out.view(-1, self.total_D)
@@ -412,7 +411,7 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         """A cached placement's batch with its slots, what its update needs (``(keys, locked,
         generation)``, or None without one) and the lines to release after the lookup (None when
         the update releases them)."""
-        batch, keys, locked = self._cached.batch(batch, bsfpr, self._flat_buffers)
+        batch, keys, locked = self._cached.batch(self.cache, batch, bsfpr, self._flat_buffers)
         generation = self.cache.generation   # the slots in batch are valid while it lasts
         if train and self.training:
             return batch, (keys, locked, generation), None   # the update releases the lines
@@ -437,15 +436,15 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
                 from being evicted under it; indices / offsets that are not 1-D int tensors on the
                 tables' device.
         """
-        if self._cached is None:
+        if self.cache is None:
             return
-        self._cached.use_stream(forward_stream)
+        self._cached.use_stream(forward_stream, self.prefetch_pipeline)
         bsfpr = batch_size_per_feature_per_rank
         if bsfpr is None and (offsets.numel() - 1) % len(self.feature_table_map) != 0:
             return
         batch = self._make_batch(indices, offsets, None, bsfpr, BoundsCheckMode.WARNING,
                                  torch.zeros_like(self.bounds_check_warning))
-        self._cached.prefetch(batch, bsfpr, self._flat_buffers, forward_stream)
+        self._cached.prefetch(self.cache, batch, bsfpr, self._flat_buffers, forward_stream)
 
     def get_uvm_cache_stats(self) -> torch.Tensor:
         """int64 ``[6]`` cumulative FBGEMM cache statistics (``torchrec_ftrl.tbe.cache.UVM_CACHE_STATS``:
@@ -476,8 +475,8 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
     def reset_cache_states(self) -> None:
         """Empty the HBM cache without writing it back, and forget prefetched batches (after a
         load has replaced the tables). A no-op for the other placements."""
-        if self._cached is not None:
-            self._cached.reset()
+        if self.cache is not None:
+            self._cached.reset(self.cache)
 
     # ------------------------------------------------------------------ FBGEMM's table API
     def split_embedding_weights(self) -> list[torch.Tensor]:

@@ -12,7 +12,8 @@ import torch
 from ..fbgemm_enums import BoundsCheckMode, CacheAlgorithm, EmbeddingLocation, PoolingMode, SparseType
 from ..hyperparams import FTRL_KWARGS, FTRLHyperparams, parse_options
 from ..kernels.backend import Backend, resolve_backend
-from ..row_layout import RowLayout, require_kernel_layout
+from ..row_layout import LAYOUT_KEYS, RowLayout, require_kernel_layout
+from ..state_dtype import OPTIMIZER_STATE_DTYPES
 from .placement import PLACEMENTS, check_cache_dims, check_cache_options
 from .tables import TableGeometry
 
@@ -193,7 +194,7 @@ def parse_row_layout(options: dict[str, Any]) -> RowLayout:
     layout = options.get("row_layout")
     if layout is None:
         return RowLayout.from_options(options, WHERE)
-    given = [k for k in ("ftrl_weights", "ftrl_accumulator", "optimizer_state_dtypes") if options.get(k) is not None]
+    given = [k for k in (*LAYOUT_KEYS, OPTIMIZER_STATE_DTYPES) if options.get(k) is not None]
     if not isinstance(layout, RowLayout) or given:
         raise ValueError(f"{WHERE}: row_layout must be a RowLayout, given instead of ftrl_weights, "
                          f"ftrl_accumulator and optimizer_state_dtypes; got row_layout={layout!r} "

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from ..fbgemm_enums import CacheAlgorithm
-from .placement import CACHE_ASSOC, cache_slots, check_cache_dims, check_cache_options
+from .placement import CACHE_ASSOC, DEFAULT_LAYOUT, cache_slots, check_cache_dims, check_cache_options
 from ..row_layout import RowLayout
 
 
@@ -79,7 +79,7 @@ class RowCache(nn.Module):
                  table_w_offset: torch.Tensor, weights_dtype: torch.dtype, load_factor: float,
                  cache_sets: int, algorithm: CacheAlgorithm, lock_lines: bool,
                  reserved_memory: float, gather_stats: bool, device: torch.device,
-                 layout: RowLayout = RowLayout()) -> None:
+                 layout: RowLayout = DEFAULT_LAYOUT) -> None:
         super().__init__()
         state_dtypes = layout.state_dtypes
         check_cache_dims(dims)

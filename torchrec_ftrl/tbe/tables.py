@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from typing import NamedTuple
 
 import torch
@@ -49,12 +50,12 @@ class TableGeometry:
     @functools.cached_property
     def weights_offsets(self) -> list[int]:
         """Element offset of each table in the flat weight / state buffers."""
-        return [sum(r * d for r, d in zip(self.rows[:t], self.dims[:t])) for t in range(self.num_tables)]
+        return list(itertools.accumulate((r * d for r, d in zip(self.rows, self.dims)), initial=0))[:-1]
 
     @functools.cached_property
     def row_base(self) -> list[int]:
         """First global row key of each table (``cumsum(rows) - rows``)."""
-        return [sum(self.rows[:t]) for t in range(self.num_tables)]
+        return list(itertools.accumulate(self.rows, initial=0))[:-1]
 
     @functools.cached_property
     def feature_dims(self) -> list[int]:
@@ -63,10 +64,7 @@ class TableGeometry:
     @functools.cached_property
     def D_offsets(self) -> list[int]:
         """First output column of each feature, and ``total_D`` last (FBGEMM's ``D_offsets``)."""
-        out = [0]
-        for d in self.feature_dims:
-            out.append(out[-1] + d)
-        return out
+        return list(itertools.accumulate(self.feature_dims, initial=0))
 
     @property
     def total_D(self) -> int:

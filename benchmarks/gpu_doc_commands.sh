@@ -61,7 +61,7 @@ run_block 'docs/quality.md:197 (bash gpu)' "$OUT/doc_04.log" <<'DOCEOF'
 source .gpu/setup.sh && PYTHONPATH=$PWD:$PYTHONPATH timeout 330 python3 benchmarks/quality.py --device cuda --datasets teacher --teacher large --exclude sgd --batches 8192 65536 --seeds 0 1 2 3 4 5 6 7 --time-budget-s 180 --out $OUT/quality_teacher_large_h200
 DOCEOF
 
-run_block 'docs/uvm-caching.md:127 (bash gpu)' "$OUT/doc_05.log" <<'DOCEOF'
+run_block 'docs/uvm-caching.md:128 (bash gpu)' "$OUT/doc_05.log" <<'DOCEOF'
 python examples/ftrl_larger_than_hbm.py --hbm-gib 4 --steps 60
 DOCEOF
 

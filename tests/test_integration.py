@@ -509,7 +509,7 @@ def test_cpu_kernel_builds_a_host_tbe_and_flushes_before_optimizer_state_dict(on
         tbe.accum_dev.fill_(0.5)
     state = kernel.fused_optimizer.state_dict()["state"]["t0.weight"]
     assert calls == ["flush"]
-    assert sorted(state) == ["t0.accum", "t0.linear"]
+    assert sorted(state) == ["t0.accum", "t0.linear", "t0.step"]
     assert torch.equal(state["t0.accum"].local_shards()[0].tensor, torch.full((10, 4), 0.5))
 
 

@@ -419,14 +419,14 @@ def test_export_upcasts_bf16_state_exactly_and_import_rounds_to_nearest_even(tmp
     arrays["t/accum"] = np.array([[1.00390625,                # 1 + 2^-8: tie between 1 and 1 + 2^-7 -> 1.0
                                    1.01171875,                # 1 + 3*2^-8: tie -> 1 + 2^-6 (even)
                                    1.0 + 2.0 ** -8 + 2.0 ** -20,   # above the tie -> 1 + 2^-7
-                                   -3.0078125]], np.float32)  # -(3 + 2^-7): tie -> -3.0 (even)
+                                   3.0078125]], np.float32)   # 3 + 2^-7: tie -> 3.0 (even)
     np.savez(path, **arrays)
     target = _FakeModel(torch.zeros(1, 4), torch.zeros(1, 4, dtype=torch.bfloat16),
                         torch.zeros(1, 4, dtype=torch.bfloat16))
     import_ftrl_tables(target, path)
     acc = target.fused_optimizer.state_dict()["state"]["ebc.t.weight"]["t.accum"]
     assert acc.dtype == torch.bfloat16
-    assert acc.float().tolist() == [[1.0, 1.015625, 1.0078125, -3.0]]
+    assert acc.float().tolist() == [[1.0, 1.015625, 1.0078125, 3.0]]
 
 
 # ------------------------------------------------------------------------------- the job

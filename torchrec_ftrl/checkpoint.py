@@ -11,22 +11,26 @@ rows) maps names.
 Works on a ``DistributedModelParallel`` model (every rank calls it; rank 0 writes) and on plain
 modules. For sharded checkpoints that keep the sharding, use ``torch.distributed.checkpoint`` on
 ``model.state_dict()`` and ``model.fused_optimizer.state_dict()``; both hold these tensors as
-ShardedTensors.
+ShardedTensors, and the optimizer's also each table's step counter ``{table}.step``.
+:func:`load_dcp` loads such a checkpoint all or nothing (staged, checked, then copied).
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import tempfile
 import warnings
-from typing import Iterator
+from typing import Iterator, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 
 from .state_dtype import STATE_NAMES as SLOTS  # the per-table state files, by FTRL's state names
 from .tbe.derived_weight import DerivedWeight
+from .tbe.table_api import COUNTER, STEP_KEY, value_problem
 
 
 def _local_pieces(t) -> Iterator[tuple[tuple[int, ...], torch.Tensor]]:
@@ -104,13 +108,15 @@ def export_ftrl_tables(model: torch.nn.Module, path: str | os.PathLike) -> None:
 def import_ftrl_tables(model: torch.nn.Module, path: str | os.PathLike) -> None:
     """Load weight, accum and linear of every FTRL table of ``model`` from ``path`` (any sharding).
 
-    Every table must be in the file with the model's global shape; all checks run before any
-    tensor is written, so a bad file leaves the model untouched.
+    Every table must be in the file with the model's global shape, and every value must load:
+    weights and ``linear`` finite in the model's dtype, ``accum`` finite and >= 0. All the tables and
+    slots are checked before any tensor is written, so a bad file leaves the model untouched. The
+    file is read with NumPy / safetensors (no pickle).
 
     Raises:
         FileNotFoundError: no such file. ValueError: unknown suffix, an unreadable (corrupt or
-        truncated) file, a missing table/slot, or a shape mismatch (naming the table, the slot and
-        both shapes).
+        truncated) file, a missing table/slot, a shape mismatch (naming the table, the slot, both
+        shapes and the table's row layout), or a value refused (naming the key and the value).
     """
     path = os.fspath(path)
     _check_suffix(path)
@@ -122,18 +128,7 @@ def import_ftrl_tables(model: torch.nn.Module, path: str | os.PathLike) -> None:
         raise ValueError(f"{path!r} is not a readable {os.path.splitext(path)[1]} file of FTRL tables "
                          f"({type(e).__name__}: {e})") from e
     tables = ftrl_table_tensors(model)
-    plan = []
-    for table, entry in sorted(tables.items()):
-        for name, slot in (("", "weight"), ("/accum", "accum"), ("/linear", "linear")):
-            key = table + name
-            t = entry[slot]
-            if key not in arrays:
-                raise ValueError(f"{path!r} has no {key!r} (table {table!r}, slot {slot!r}); it holds "
-                                 f"{sorted(arrays)[:10]}")
-            if tuple(arrays[key].shape) != _global_shape(t):
-                raise ValueError(f"{key!r}: file shape {tuple(arrays[key].shape)} != model shape "
-                                 f"{_global_shape(t)}")
-            plan.append((key, t))
+    plan = _import_plan(tables, arrays, path, _table_layouts(model))
     with torch.no_grad():
         for key, t in plan:
             src = torch.from_numpy(np.ascontiguousarray(arrays[key]))
@@ -145,6 +140,52 @@ def import_ftrl_tables(model: torch.nn.Module, path: str | os.PathLike) -> None:
     for tbe in _ftrl_tbes(opt_root=getattr(model, "fused_optimizer", None)):
         tbe.reset_cache_states()
     _warn_unrepresented(tables, arrays, path)
+
+
+def _table_layouts(model: torch.nn.Module) -> dict:
+    """``{table name: RowLayout}`` of the FTRL TBEs behind ``model``'s fused optimizer."""
+    return {name: tbe.row_layout for tbe in _ftrl_tbes(getattr(model, "fused_optimizer", None))
+            for name in tbe.table_names}
+
+
+def _import_plan(tables, arrays, path: str, layouts: dict) -> list:
+    """``(file key, model tensor)`` of every slot of every table, after checking them all: present,
+    of the model's global shape, values :func:`~torchrec_ftrl.tbe.table_api.value_problem` accepts
+    in each local piece's dtype.
+
+    Raises:
+        ValueError: the first problem, naming the key (and, for a shape, the table's row layout).
+    """
+    plan = []
+    for table, entry in sorted(tables.items()):
+        for name, slot in (("", "weight"), ("/accum", "accum"), ("/linear", "linear")):
+            key, t = table + name, entry[slot]
+            if key not in arrays:
+                raise ValueError(f"{path!r} has no {key!r} (table {table!r}, slot {slot!r}); it holds "
+                                 f"{sorted(arrays)[:10]}")
+            if tuple(arrays[key].shape) != _global_shape(t):
+                raise ValueError(_shape_message(path, key, table, slot, tuple(arrays[key].shape),
+                                                _global_shape(t), layouts.get(table)))
+            dtypes = {local.dtype for _, local in _local_pieces(t)}
+            value = torch.from_numpy(np.ascontiguousarray(arrays[key]))
+            for dtype in sorted(dtypes, key=str):
+                problem = value_problem(value, slot, dtype)
+                if problem is not None:
+                    raise ValueError(f"{path!r}: {key!r} (table {table!r}, slot {slot!r}) {problem}; "
+                                     f"nothing was imported")
+            plan.append((key, t))
+    return plan
+
+
+def _shape_message(path: str, key: str, table: str, slot: str, got: tuple, want: tuple, layout) -> str:
+    """The shape error of ``slot`` (file key ``key``) of ``table``: both shapes, and the row layout
+    that stores it."""
+    where = f"{path!r}: {key!r}, the {slot} of table {table!r}, has shape {got}"
+    if layout is None:
+        return f"{where} but the model's is {want}"
+    kind = {"accum": "a row-wise" if layout.rowwise else "an element-wise"}.get(slot, "a")
+    return (f"{where} but this table's row layout '{'-'.join(layout.key)}' ({layout.describe()}) "
+            f"stores {kind} {slot} of shape {want}")
 
 
 def _warn_unrepresented(tables, arrays, path: str) -> None:
@@ -211,3 +252,142 @@ def _read(path: str) -> dict[str, np.ndarray]:
         return load_file(path)
     with np.load(path) as data:
         return {k: data[k] for k in data.files}
+
+
+# ------------------------------------------------------------------ DCP loads, staged
+def load_dcp(model: torch.nn.Module, optimizer, checkpoint_id: str | os.PathLike,
+             extra: Optional[dict] = None) -> None:
+    """Load the ``torch.distributed.checkpoint`` (DCP) checkpoint at ``checkpoint_id``, saved from
+    ``{"model": model.state_dict(), "optim": optimizer.state_dict()}`` (and ``"extra"``: more
+    tensors, then loaded into ``extra``'s in place), into ``model`` and ``optimizer``, all or
+    nothing.
+
+    ``dcp.load`` writes in place into the tensors of the state dict it is given, the tables
+    themselves. Here it loads into a staged copy: every tensor of those state dicts cloned on its
+    device (so during the load the model's and the optimizer's local state is held twice, a
+    derived table's weights as fp32), then every FTRL table's tensors are checked (weights and
+    ``linear`` finite, ``accum`` finite and >= 0, the step counter ``{table}.step`` an integer
+    >= 0), with one verdict for all ranks; only then is the staged state copied into the optimizer
+    (``load_state_dict``: states and step counters) and the model (``load_state_dict``). A
+    checkpoint without the step counters loads with the steps the TBEs have.
+
+    DCP reads the checkpoint's metadata with ``pickle``: a checkpoint folder is code, so load only
+    folders you trust.
+
+    Collective: every rank calls it.
+
+    Raises:
+        ValueError: an FTRL value refused on some rank (naming the rank, the key and the value).
+        CheckpointException (DCP's): a checkpoint DCP cannot load (missing keys, other shapes, a
+            corrupt file). Either way ``model``, ``optimizer`` and ``extra`` are unchanged.
+    """
+    import torch.distributed.checkpoint as dcp
+    checkpoint_id = os.fspath(checkpoint_id)
+    live = {"model": model.state_dict(), "optim": optimizer.state_dict()}
+    if extra:
+        live["extra"] = extra
+    staged = _staged(live)
+    absent = _absent_steps(staged, checkpoint_id)
+    for states, key, _ in absent:     # not asked of DCP; they load the TBEs' own steps back
+        del states[key]
+    dcp.load(staged, checkpoint_id=checkpoint_id)
+    for states, key, value in absent:
+        states[key] = value
+    _raise_any(_ftrl_value_problems(staged), checkpoint_id)
+    with torch.no_grad():
+        optimizer.load_state_dict(staged["optim"])
+        model.load_state_dict(staged["model"])
+        if extra:
+            _copy_into(extra, staged["extra"])
+
+
+def _staged(obj):
+    """A copy of a (nested) state dict whose tensors are clones on their devices (a ShardedTensor:
+    its local shards, with its metadata)."""
+    if isinstance(obj, dict):
+        return {k: _staged(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_staged(v) for v in obj]
+    if isinstance(obj, ShardedTensor):
+        shards = [Shard(s.tensor.detach().clone(), copy.deepcopy(s.metadata)) for s in obj.local_shards()]
+        return ShardedTensor._init_from_local_shards_and_global_metadata(
+            shards, copy.deepcopy(obj.metadata()), process_group=obj._process_group)
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    return copy.deepcopy(obj)
+
+
+def _ftrl_groups(state: dict) -> Iterator[tuple[str, str, dict]]:
+    """``(prefix, param key, per-table states)`` of each FTRL table in an optimizer ``state_dict``'s
+    ``"state"``: a param's states ``"{table}.accum"`` and ``"{table}.linear"`` (and ``"{table}.step"``)."""
+    for param_key, states in state.items():
+        if not isinstance(states, dict):
+            continue
+        for key in states:
+            table, _, slot = key.rpartition(".")
+            if slot == "accum" and f"{table}.linear" in states:
+                yield table, param_key, states
+
+
+def _absent_steps(staged: dict, checkpoint_id: str) -> list[tuple[dict, str, torch.Tensor]]:
+    """``(per-param states, key, value)`` of each FTRL step counter of ``staged["optim"]`` that the
+    checkpoint does not hold (a checkpoint of an optimizer without them)."""
+    import torch.distributed.checkpoint as dcp
+    if not os.path.isdir(checkpoint_id):
+        return []
+    try:
+        saved = dcp.FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
+    except Exception:   # no readable metadata: dcp.load says what is wrong
+        return []
+    absent = []
+    for table, param_key, states in _ftrl_groups(staged["optim"].get("state", {})):
+        key = f"{table}.{STEP_KEY}"
+        if key in states and f"optim.state.{param_key}.{key}" not in saved:
+            absent.append((states, key, states[key]))
+    return absent
+
+
+def _ftrl_value_problems(staged: dict) -> list[str]:
+    """This rank's problems with the FTRL tensors of a loaded staged state: ``"'key' problem"``."""
+    problems = []
+    model = staged.get("model", {})
+    for table, param_key, states in _ftrl_groups(staged["optim"].get("state", {})):
+        entries = [(f"optim.state.{param_key}.{table}.{slot}", states.get(f"{table}.{slot}"), kind)
+                   for slot, kind in (("accum", "accum"), ("linear", "linear"), (STEP_KEY, COUNTER))]
+        entries.append((f"model.{param_key}", model.get(param_key), "weight"))
+        for key, tensor, kind in entries:
+            if tensor is None:
+                continue
+            for _, local in _local_pieces(tensor):
+                problem = value_problem(local, kind, local.dtype)
+                if problem is not None:
+                    problems.append(f"{key!r} {problem}")
+                    break
+    return problems
+
+
+def _raise_any(problems: list[str], checkpoint_id: str) -> None:
+    """Raise the first problem of any rank (every rank learns every rank's verdict).
+
+    Raises:
+        ValueError: naming the rank, the checkpoint and the problem.
+    """
+    ranked = [(0, p) for p in problems]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, problems[:1])
+        ranked = [(rank, p) for rank, ps in enumerate(gathered) for p in ps]
+    if ranked:
+        rank, problem = ranked[0]
+        raise ValueError(f"checkpoint {checkpoint_id!r}: {problem} (rank {rank}); nothing was loaded")
+
+
+def _copy_into(live, staged) -> None:
+    """Copy the loaded ``staged`` values into the (nested) dict ``live``: tensors in place."""
+    for k, v in staged.items():
+        if isinstance(v, dict) and isinstance(live.get(k), dict):
+            _copy_into(live[k], v)
+        elif isinstance(v, torch.Tensor) and isinstance(live.get(k), torch.Tensor):
+            live[k].copy_(v)
+        else:
+            live[k] = v

@@ -45,6 +45,7 @@ from ..row_layout import RowLayout, require_kernel_layout
 from ..state_dtype import (OPTIMIZER_STATE_DTYPES, STATE_DTYPE, STATE_NAMES, hashable_state_dtypes,
                            state_dtypes_from_options)
 from ..tbe import FTRLTableBatchedEmbeddingBags
+from ..tbe.table_api import STEP_KEY
 
 # The compute kernels an FTRL table may be planned with (values of EmbeddingComputeKernel): the FTRL
 # TBE with its tables in device/host memory, in unified memory, or in unified memory behind an HBM
@@ -241,15 +242,22 @@ def tbe_placements(config: GroupedEmbeddingConfig,
 
 class FTRLEmbeddingFusedOptimizer(EmbeddingFusedOptimizer):
     """TorchRec's ``EmbeddingFusedOptimizer`` over the FTRL TBE, with the first state named ``accum``
-    (TorchRec names a table's first state ``momentum1`` whatever the TBE calls it)."""
+    (TorchRec names a table's first state ``momentum1`` whatever the TBE calls it), and the TBE's
+    step counter as each table's ``"{table}.step"``: the TBE's ``iter`` itself (int64 ``[1]``, a
+    plain tensor, the same on every rank, which DCP saves once and every rank loads), so that the
+    optimizer ``state_dict``, and a DCP checkpoint of it, carry the step that keys the stochastic
+    rounding of bf16 states, and a load restores it. All the tables of one TBE share it; a load
+    that gives them different steps leaves the TBE at the last one written."""
 
     def __init__(self, config: GroupedEmbeddingConfig, emb_module: FTRLTableBatchedEmbeddingBags,
                  pg: Optional[dist.ProcessGroup] = None) -> None:
         super().__init__(config, emb_module, pg)
         for param, param_state in list(self.state.items()):
-            self.state[param] = {
-                (k[: -len("momentum1")] + "accum" if k.endswith(".momentum1") else k): v
-                for k, v in param_state.items()}
+            renamed = {(k[: -len("momentum1")] + "accum" if k.endswith(".momentum1") else k): v
+                       for k, v in param_state.items()}
+            for table in {k.rpartition(".")[0] for k in renamed}:
+                renamed[f"{table}.{STEP_KEY}"] = emb_module.iter
+            self.state[param] = renamed
 
     @property
     def state(self):

@@ -2,6 +2,8 @@
 "optim": optimizer.state_dict()}`` into ``<root>/.tmp-step_XXXXXXXX``, then rank 0 writes
 ``meta.json`` and renames the folder to ``<root>/step_XXXXXXXX`` and updates ``<root>/latest``
 (write + ``os.replace``). A crash leaves at most a ``.tmp-*`` folder, never a half checkpoint.
+:func:`load` is all or nothing too. DCP reads pickled metadata: a checkpoint folder is code, so
+resume only from folders you trust.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Optional
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from .. import checkpoint
 from . import faults
 
 
@@ -125,23 +128,24 @@ def _first_failure(e: BaseException) -> str:
 
 
 def load(path: str, model, optimizer, extra: Optional[dict] = None) -> dict:
-    """Collective: load model and optimizer state (and ``extra``, same keys/shapes as saved) in place;
-    returns ``meta.json`` (with ``step``).
+    """Collective: load model and optimizer state (and ``extra``, same keys/shapes as saved), all or
+    nothing (:func:`torchrec_ftrl.checkpoint.load_dcp`: staged, every FTRL value checked, then
+    copied; the staging holds the model's and optimizer's local state a second time during the
+    load); returns ``meta.json`` (with ``step``). The FTRL tables' step counters come back with the
+    optimizer state. A checkpoint folder is code (DCP reads pickled metadata): resume only from
+    folders you trust.
 
     Raises:
         CheckpointError: naming ``path`` and the first failure, when DCP cannot load it (a truncated
-            or corrupt file, or a checkpoint of other tables/sizes). DCP plans the whole load before
-            reading, so a checkpoint of other tables or shapes fails before any tensor is written.
+            or corrupt file, or a checkpoint of other tables/sizes) or an FTRL value is refused (NaN,
+            Inf, a negative ``accum`` or step); the model, optimizer and ``extra`` are unchanged.
     """
-    state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
-    if extra:
-        state["extra"] = extra
     try:
-        dcp.load(state, checkpoint_id=path)
+        checkpoint.load_dcp(model, optimizer, path, extra=extra)
+    except ValueError as e:
+        raise CheckpointError(f"--resume: cannot load checkpoint {path!r}: {e}") from e
     except (Exception, dcp.api.CheckpointException) as e:  # CheckpointException is a BaseException
         raise CheckpointError(f"--resume: cannot load checkpoint {path!r} (corrupt, or saved by a job "
                               f"with other tables/sizes): {_first_failure(e)}") from e
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optim"])
     with open(os.path.join(path, "meta.json")) as f:
         return json.load(f)

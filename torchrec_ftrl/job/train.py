@@ -254,8 +254,9 @@ def _resume(job: _Job, path: str, model: _Model, tracker: sparsity.TouchTracker)
     meta = atomic_checkpoint.load(path, model.dmp, model.opt, extra=extra)
     tracker.load_state_dict(extra)
     start_step = int(meta["step"])
-    # TorchRec does not checkpoint a TBE's step counter (one per training step); bf16 FTRL state
-    # rounds with it, so the resumed run rounds as the uninterrupted one.
+    # The TBEs' step counters (one per training step; bf16 FTRL state rounds with them) came back
+    # with the optimizer state, as {table}.step; set from the checkpoint's step as well, for a
+    # checkpoint that has no such keys, so the resumed run rounds as the uninterrupted one.
     model.dmp.fused_optimizer.set_optimizer_step(start_step)
     if start_step > job.steps:
         raise atomic_checkpoint.CheckpointError(

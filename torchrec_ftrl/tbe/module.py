@@ -34,7 +34,7 @@ from .bounds_check import BatchCheck, raise_if_counted
 from .cache import UVM_CACHE_STATS, RowCache
 from .cached_lookup import CachedLookup, release as release_lines
 from .derived_weight import CHUNK_ROWS, DerivedWeight
-from .table_api import FTRLOptimizerState, TableStates
+from .table_api import COUNTER, FTRLOptimizerState, TableStates, check_loaded
 from .tables import TableTensors
 
 __all__ = ["FTRLTableBatchedEmbeddingBags"]
@@ -83,10 +83,10 @@ def _flush_before_state_dict(module, prefix, keep_vars) -> None:
     module.flush()
 
 
-def _empty_cache_after_load(module, incompatible_keys) -> None:
-    # The loaded tables replace what the cache held: drop it without writing back.
-    module.reset_cache_states()
-
+# The slot each persistent tensor of the TBE holds: what a load may put there
+# (:func:`.table_api.value_problem`; the placeholder parameter is a float like the weights).
+_LOADED_SLOTS = {"weights_dev": "weight", "accum_dev": "accum", "linear_dev": "linear",
+                 "bounds_check_warning": COUNTER, "nonfinite_grad_rows": COUNTER, "iter": COUNTER}
 
 
 class _FTRLLookupFunction(torch.autograd.Function):
@@ -204,6 +204,9 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
     (:meth:`split_embedding_weights`, :meth:`split_optimizer_states`, ``state_dict``) flush the
     cache; ``load_state_dict`` empties it.
 
+    ``load_state_dict`` is all or nothing: it checks every entry (shape, dtype, finite values,
+    ``accum`` >= 0, counters >= 0) before it copies any, and raises ``ValueError`` naming the key.
+
     Raises:
         ValueError: bad constructor arguments or inputs, naming the argument and the value. Nothing
             is modified by a call that raises.
@@ -282,8 +285,8 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
 
     def _init_cache(self, args: TBEArgs) -> None:
         """The HBM cache of the ``MANAGED_CACHING`` placement (:class:`RowCache`, rows of the row
-        layout's arrays), empty, and the hooks that flush it before a ``state_dict`` and empty it
-        after a load."""
+        layout's arrays), empty, and the hook that flushes it before a ``state_dict`` (a load
+        empties it: :meth:`_load_from_state_dict`)."""
         g, c = args.geometry, args.cache
         self.cache = RowCache(list(g.rows), list(g.dims), list(g.feature_table_map), self._table_w_offset,
                               _PRECISIONS[args.weights_precision], c.load_factor, c.sets, c.algorithm,
@@ -291,7 +294,44 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
                               layout=args.layout)
         self.cache.reset_states(self._hp.initial_accumulator_value)
         self.register_state_dict_pre_hook(_flush_before_state_dict)
-        self.register_load_state_dict_post_hook(_empty_cache_after_load)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """``nn.Module.load_state_dict``, all or nothing (:meth:`_load_from_state_dict`).
+
+        Raises:
+            ValueError: a key missing under ``strict``, or a bad entry, naming the key and the
+                problem; nothing changed then.
+        """
+        self.__dict__["_load_strict"] = bool(strict)
+        try:
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        finally:
+            self.__dict__.pop("_load_strict", None)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs) -> None:
+        """The load of this TBE's entries, all or nothing: every entry for its parameter and
+        persistent buffers is checked first (:func:`.table_api.check_loaded`: each key present
+        under ``strict``; a tensor of the buffer's shape, not meta, of a dtype that casts; weights,
+        ``accum`` and ``linear`` finite in the buffer's dtype, ``accum`` >= 0; the counters
+        ``iter``, ``bounds_check_warning``, ``nonfinite_grad_rows`` integers >= 0). Then the HBM
+        cache's updated rows are written back, the entries copied (``nn.Module``'s load) and the
+        cache emptied: its rows held the values from before the load. Reached from a parent
+        module's load, a state dict with none of the TBE's keys loads nothing (torch reports them
+        missing) and one with some of them raises.
+
+        Raises:
+            ValueError: naming the key and the problem; no buffer and no cached row changed then.
+        """
+        own = {name: t for name, t in [*self._parameters.items(), *self._buffers.items()]
+               if t is not None and name not in self._non_persistent_buffers_set}
+        if not check_loaded(own, _LOADED_SLOTS, state_dict, prefix, self.__dict__.get("_load_strict")):
+            missing_keys.extend(prefix + name for name in own)
+            return
+        self._flush_written()
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        self.reset_cache_states()
 
     def _register_counters(self, device: torch.device) -> None:
         """int64 ``[1]`` counters: ``bounds_check_warning`` (WARNING repairs), ``nonfinite_grad_rows``
@@ -595,11 +635,13 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         the warning: a derived table with ``accum = 0`` and ``ftrl_beta = 0`` starts at w = 0.)
 
         Raises:
-            ValueError: ``t`` not a table of this TBE; ``weights`` not a finite floating-point ``[k, D]``
-                tensor; ``row_start`` not an int with the rows inside the table; ``row_ids`` not
-                ``k`` int32/int64 row ids of the table. Nothing is changed then.
+            ValueError: ``t`` not a table of this TBE; ``weights`` not a floating-point ``[k, D]``
+                tensor, finite in the weights' dtype (fp32 where derived); ``row_start`` not an int
+                with the rows inside the table; ``row_ids`` not ``k`` int32/int64 row ids of the
+                table. Nothing is changed then.
         """
-        rows_written = self._states.check_load(t, weights, row_start, row_ids, self.linear_dev.device)
+        dtype = self.weights_dev.dtype if self.row_layout.stores_weights else torch.float32
+        rows_written = self._states.check_load(t, weights, row_start, row_ids, self.linear_dev.device, dtype)
         if self.row_layout.stores_weights:
             self.flush()
             self._geometry.table_view(self.weights_dev, t)[rows_written] = weights.to(

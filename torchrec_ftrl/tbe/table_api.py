@@ -5,7 +5,7 @@ public methods (:class:`~.module.FTRLTableBatchedEmbeddingBags`) hold the docstr
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -15,6 +15,86 @@ from ..rule import ftrl_encode, ftrl_prox
 from .args import _check_int_vector, _short
 from .derived_weight import CHUNK_ROWS
 from .tables import TableGeometry
+
+
+# What a loaded tensor may hold, by the slot it fills: the float arrays (finite; ``accum`` also >= 0)
+# and the int64 counters (``iter``, ``bounds_check_warning``, ``nonfinite_grad_rows``: integers >= 0).
+FLOAT_SLOTS = ("weight", "accum", "linear")
+COUNTER = "counter"
+# The fused optimizer's state key of a table's step counter (the TBE's ``iter``): "{table}.step".
+STEP_KEY = "step"
+
+
+def value_problem(value: Any, slot: str, dtype: torch.dtype) -> Optional[str]:
+    """Why ``value`` cannot be loaded into a tensor of ``dtype`` holding FTRL's ``slot`` (one of
+    :data:`FLOAT_SLOTS` or :data:`COUNTER`), or None when it can: not a tensor, a meta tensor (no
+    values), a dtype that does not cast to ``dtype`` without loss of kind (complex, bool; a float into
+    a counter), NaN or Inf (also after rounding to ``dtype``), a negative ``accum`` or counter. One
+    pass over ``value`` (``aminmax``: no copy of it).
+
+    Returns:
+        a phrase naming the problem and the offending value, for a message that names the key.
+    """
+    if not isinstance(value, torch.Tensor):
+        return f"is not a tensor (got {type(value).__name__})"
+    if value.is_meta:
+        return "is a meta tensor (it holds no values)"
+    if value.is_complex() or value.dtype == torch.bool:
+        return f"has dtype {value.dtype}, which does not cast to {dtype}"
+    if slot == COUNTER and value.is_floating_point():
+        return f"has dtype {value.dtype}; a counter takes an integer dtype ({dtype})"
+    if value.numel() == 0:
+        return None
+    lo, hi = (float(v) for v in torch.aminmax(value.detach().reshape(-1)))   # NaN propagates to both
+    if lo != lo or hi != hi:
+        return "holds NaN"
+    limit = torch.finfo(dtype).max if dtype.is_floating_point else torch.iinfo(dtype).max
+    if max(-lo, hi) > limit:
+        bad = lo if -lo > hi else hi
+        return f"holds {bad!r}, which is not finite in {dtype}"
+    if slot == COUNTER and lo < 0:
+        return f"holds {int(lo)}; a counter is >= 0"
+    if slot == "accum" and lo < 0:
+        return f"holds {lo!r}; an accum is >= 0"
+    return None
+
+
+def check_loaded(own: dict[str, torch.Tensor], slots: dict[str, str], state_dict, prefix: str,
+                 strict: Optional[bool]) -> bool:
+    """Check every entry ``nn.Module.load_state_dict`` would copy into a TBE's persistent tensors
+    ``own`` (``{name: tensor}``; ``slots``: the slot of each, :func:`value_problem`, default
+    ``"weight"``) from ``state_dict`` (keys ``prefix + name``), before any is copied. ``strict``:
+    the TBE's own ``load_state_dict``'s, or None when a parent module's load reaches the TBE
+    (torch does not tell a module's ``_load_from_state_dict`` its caller's ``strict``).
+
+    Returns:
+        whether to load: False when ``state_dict`` holds none of the keys under ``strict`` None
+        (a parent's state dict without this TBE: torch reports them as missing).
+
+    Raises:
+        ValueError: a key missing under ``strict`` (or, under None, some keys present and others
+            missing); a value that is not a tensor of the tensor's shape; a value
+            :func:`value_problem` refuses. The message names the key and the problem.
+    """
+    missing = [prefix + name for name in own if prefix + name not in state_dict]
+    if missing and (strict or (strict is None and len(missing) < len(own))):
+        raise ValueError(f"load_state_dict: the state dict has no {missing[0]!r}"
+                         f"{' (strict=True)' if strict else ''}; nothing was loaded"
+                         f"{'' if strict else ' (a partial state of this TBE loads through its own load_state_dict(strict=False))'}")
+    if missing and strict is None:
+        return False
+    for name, tensor in own.items():
+        key = prefix + name
+        if key not in state_dict:
+            continue
+        value = state_dict[key]
+        if isinstance(value, torch.Tensor) and tuple(value.shape) != tuple(tensor.shape):
+            raise ValueError(f"load_state_dict: {key!r} has shape {tuple(value.shape)}, but this TBE's "
+                             f"{name} has shape {tuple(tensor.shape)}; nothing was loaded")
+        problem = value_problem(value, slots.get(name, "weight"), tensor.dtype)
+        if problem is not None:
+            raise ValueError(f"load_state_dict: {key!r} {problem}; nothing was loaded")
+    return True
 
 
 class FTRLOptimizerState(dict):
@@ -46,8 +126,10 @@ class TableStates:
         g = self.geometry
         return ftrl_prox(g.table_view(linear, t)[rows], g.accum_rows(accum, self.layout, t, rows), hp).float()
 
-    def check_load(self, t, weights, row_start, row_ids, device: torch.device) -> torch.Tensor | slice:
-        """The rows ``load_weights`` writes (a slice, or int64 ids on ``device``).
+    def check_load(self, t, weights, row_start, row_ids, device: torch.device,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor | slice:
+        """The rows ``load_weights`` writes (a slice, or int64 ids on ``device``), after checking every
+        argument; ``dtype``: what the weights are stored (or encoded) in, where they must be finite.
 
         Raises:
             ValueError: naming the argument and the value (see the TBE's ``load_weights``).
@@ -62,8 +144,12 @@ class TableStates:
                      else type(weights).__name__)
             raise ValueError(f"{where}: weights of table {name!r} must be a floating-point "
                              f"[k, {dim}] tensor, got {shape}")
-        if not bool(torch.isfinite(weights).all()):
-            raise ValueError(f"{where}: weights of table {name!r} hold NaN or Inf")
+        if weights.is_meta:
+            raise ValueError(f"{where}: weights of table {name!r} are a meta tensor (it holds no values)")
+        problem = value_problem(weights, "weight", dtype)
+        if problem is not None:
+            raise ValueError(f"{where}: weights of table {name!r} hold NaN or Inf, or values beyond "
+                             f"{dtype}: the tensor {problem}")
         k = weights.shape[0]
         if row_ids is None:
             if isinstance(row_start, bool) or not isinstance(row_start, int) or not 0 <= row_start <= rows - k:

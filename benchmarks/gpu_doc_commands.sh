@@ -49,7 +49,7 @@ torch.cuda.synchronize()
 PYEOF
 DOCEOF
 
-run_block 'docs/main-job.md:530 (bash gpu)' "$OUT/doc_02.log" <<'DOCEOF'
+run_block 'docs/main-job.md:531 (bash gpu)' "$OUT/doc_02.log" <<'DOCEOF'
 source .gpu/setup.sh && python3 benchmarks/bench_preset.py --out $OUT
 DOCEOF
 
@@ -57,7 +57,7 @@ run_block 'docs/performance.md:14 (bash gpu)' "$OUT/doc_03.log" <<'DOCEOF'
 python3 benchmarks/bench_tbe_cuda.py --warmup 10 --profile --out bench_tbe_cuda_out
 DOCEOF
 
-run_block 'docs/quality.md:197 (bash gpu)' "$OUT/doc_04.log" <<'DOCEOF'
+run_block 'docs/quality.md:230 (bash gpu)' "$OUT/doc_04.log" <<'DOCEOF'
 source .gpu/setup.sh && PYTHONPATH=$PWD:$PYTHONPATH timeout 330 python3 benchmarks/quality.py --device cuda --datasets teacher --teacher large --exclude sgd --batches 8192 65536 --seeds 0 1 2 3 4 5 6 7 --time-budget-s 180 --out $OUT/quality_teacher_large_h200
 DOCEOF
 
@@ -74,11 +74,11 @@ run_block 'docs/main-job.md:292 (bash long)' "$OUT/doc_07.log" <<'DOCEOF'
 python benchmarks/bench_readers.py --json bench_readers.json   # --binary-dense stored: the stored row
 DOCEOF
 
-run_block 'docs/main-job.md:624 (bash long)' "$OUT/doc_08.log" <<'DOCEOF'
+run_block 'docs/main-job.md:625 (bash long)' "$OUT/doc_08.log" <<'DOCEOF'
 python -m torchrec_ftrl.job --zch --data ../shared/data/criteo/criteo_dac_combined.tsv --epochs 5 --num-embeddings 1000
 DOCEOF
 
-run_block 'docs/main-job.md:760 (bash long)' "$OUT/doc_09.log" <<'DOCEOF'
+run_block 'docs/main-job.md:761 (bash long)' "$OUT/doc_09.log" <<'DOCEOF'
 python benchmarks/sweep_l1.py --sets synthetic criteo --l1 0 0.01 0.03 0.1 0.3 1 3 10 --adagrad-reference
 DOCEOF
 

@@ -254,8 +254,7 @@ def test_sharders_validate_knobs_up_front():
 def test_sharders_refuse_ftrl_keys_with_another_optimizer(key, value):
     """FTRL-only fused_params with a non-FTRL optimizer would reach no FTRL table (routing drops them
     from the group): refused when the sharders are built, naming the key, the value and the
-    optimizer; the same keys are taken with FTRL, or with no optimizer named (in-backward FTRL
-    tables take them)."""
+    optimizer; the same keys are taken with FTRL, and refused with no optimizer named (tests/test_newcomer.py)."""
     adagrad = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.1}
     match = rf"{key}={value!r} is an FTRL option, but the optimizer is .*EXACT_ROWWISE_ADAGRAD"
     with pytest.raises(ValueError, match=match.replace("{", r"\{").replace("}", r"\}")):
@@ -263,7 +262,6 @@ def test_sharders_refuse_ftrl_keys_with_another_optimizer(key, value):
     with pytest.raises(ValueError, match=key):
         sharders_mod.FTRLEmbeddingCollectionSharder(fused_params={**adagrad, key: value})
     torchrec_ftrl.sharders({"optimizer": EmbOptimType.FTRL, "learning_rate": 0.1, key: value})
-    torchrec_ftrl.sharders({"learning_rate": 0.1, key: value})
 
 
 def test_sharders_pass_a_stock_optimizers_own_state_dtypes_through():

@@ -261,17 +261,18 @@ def test_derived_weight_tensor_reads_and_writes_the_table(monkeypatch, tmp_path)
 
 
 def test_derived_weight_views_it_cannot_hold_refuse_writes():
-    """Reads through any view work; a write through a view the table cannot hold (an element, a
-    column, a reshape, a split) raises instead of being lost, and so does out=; row indices out of
-    a view's bounds raise IndexError as for a tensor."""
-    from torchrec_ftrl.tbe.derived_weight import ReadOnlyWeights
+    """Reads through any view work; a write through a view the table cannot hold (an element, part
+    of a row, a column, a reshape, a split) raises instead of being lost, and so does out=; row
+    indices out of a view's bounds raise IndexError as for a tensor. (One whole row, ``w[i]``, is a
+    writable DerivedRow: tests/test_newcomer.py.)"""
+    from torchrec_ftrl.tbe.derived_weight import DerivedRow
     m = _tbe("torch", "derived", "rowwise")
     w = m.split_embedding_weights()[0]
     full = w.clone()
     assert torch.equal(w[:, 1].clone(), full[:, 1]) and torch.equal(w.t().clone(), full.t())
-    assert isinstance(w[0], ReadOnlyWeights) and float(w[2, 3]) == float(full[2, 3])
+    assert isinstance(w[0], DerivedRow) and float(w[2, 3]) == float(full[2, 3])
     before = bits(m.linear_dev)
-    for write in (lambda: w.__setitem__(0, 0.5), lambda: w[:, 1].fill_(0.5), lambda: w.view(-1)[0].zero_(),
+    for write in (lambda: w[0].__setitem__(1, 0.5), lambda: w[:, 1].fill_(0.5), lambda: w.view(-1)[0].zero_(),
                   lambda: w.split(5)[0].fill_(0.5)):
         with pytest.raises(RuntimeError, match="the write would not reach the table"):
             write()

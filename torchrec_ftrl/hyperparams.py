@@ -174,7 +174,9 @@ def parse_options(options: Optional[Mapping[str, Any]], *, base: Optional[FTRLHy
 
     Raises:
         ValueError: ``lr`` and ``learning_rate`` given with different values, an unknown key (see
-            ``strict``), or an invalid value (naming the knob and the value).
+            ``strict``; the message lists the accepted keys: the knobs, and the row layout's
+            ``ftrl_weights`` / ``ftrl_accumulator`` unless ``strict``), or an invalid value (naming the
+            knob and the value).
     """
     opts = dict(options or {})
     given = {k: opts[k] for k in LEARNING_RATE_KEYS if k in opts and opts[k] is not None}
@@ -184,8 +186,11 @@ def parse_options(options: Optional[Mapping[str, Any]], *, base: Optional[FTRLHy
     unknown = sorted(k for k in opts if k not in LEARNING_RATE_KEYS and k not in FTRL_KWARGS
                      and (strict or (isinstance(k, str) and k.startswith("ftrl_") and k not in NOT_KNOBS)))
     if unknown:
+        accepted = sorted(FTRL_KWARGS) + ([] if strict else sorted(NOT_KNOBS))
+        layout = (f" (the row layout's {sorted(NOT_KNOBS)} are fixed when the table is built, not "
+                  f"{where} keys)" if strict and set(unknown) & set(NOT_KNOBS) else "")
         raise ValueError(f"unknown FTRL key(s) {unknown} in {where}; expected lr, learning_rate or "
-                         f"some of {sorted(FTRL_KWARGS)}")
+                         f"some of {accepted}{layout}")
     fields = dataclasses.asdict(base) if base is not None else {"learning_rate": DEFAULT_LEARNING_RATE}
     if given:
         fields["learning_rate"] = next(iter(given.values()))

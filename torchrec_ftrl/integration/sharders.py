@@ -34,11 +34,39 @@ from torchrec.distributed.types import ModuleSharder, ParameterSharding, Shardin
 
 from ..optim_type import is_ftrl
 from ..state_dtype import OPTIMIZER_STATE_DTYPES, STATE_DTYPE, state_dtypes_from_options
-from .compute_kernels import (FTRL_COMPUTE_KERNELS, canonical_fused_params, refuse_ftrl_keys_without_ftrl,
-                              tbe_kwargs_from_fused_params)
+from .compute_kernels import (FTRL_COMPUTE_KERNELS, canonical_fused_params, ftrl_only_key,
+                              refuse_ftrl_keys_without_ftrl, tbe_kwargs_from_fused_params)
 
 __all__ = ["FTRL_COMPUTE_KERNELS", "FTRLEmbeddingBagCollectionSharder", "FTRLEmbeddingCollectionSharder",
-           "mixed_ftrl_placements", "sharders"]
+           "mixed_ftrl_placements", "refuse_misplaced_ftrl_keys", "sharders"]
+
+
+def refuse_misplaced_ftrl_keys(fused_params: Optional[dict[str, Any]], where: str = "fused_params") -> None:
+    """Refuse a sharder's ``fused_params`` whose FTRL-only keys would not apply: given with another
+    ``"optimizer"`` (:func:`.compute_kernels.refuse_ftrl_keys_without_ftrl`), or with no
+    ``"optimizer"`` at all, where TorchRec builds FBGEMM's TBE with its default optimizer (EXACT_SGD)
+    for every table without an in-backward optimizer. The FTRL-only keys are those of
+    :func:`.compute_kernels.ftrl_only_key` (``ftrl_*`` knobs and row-layout keys, FTRL's
+    ``optimizer_state_dtypes``) and ``state_dtype``; a key whose value is ``None`` or empty counts as
+    not given.
+
+    Raises:
+        ValueError: naming ``where`` and the FTRL-only keys with their values, and saying to set
+            ``"optimizer": EmbOptimType.FTRL``.
+    """
+    fp = fused_params or {}
+    refuse_ftrl_keys_without_ftrl(fp, fp.get("optimizer"), where)
+    if fp.get("optimizer") is not None:
+        return
+    found = {k: v for k, v in fp.items() if isinstance(k, str) and v is not None
+             and not (isinstance(v, (dict, frozenset, tuple)) and not v)
+             and (ftrl_only_key(k, v) or k == STATE_DTYPE)}
+    if found:
+        raise ValueError(
+            f"{where} has the FTRL option(s) {found} but no \"optimizer\": its tables would train with "
+            f"FBGEMM's default optimizer (EXACT_SGD) and ignore them. Add \"optimizer\": EmbOptimType.FTRL "
+            f"(after import torchrec_ftrl), or give these keys in the kwargs of "
+            f"apply_optimizer_in_backward(torchrec_ftrl.FTRL, ...) for in-backward FTRL tables")
 
 
 def mixed_ftrl_placements(params: dict[str, ParameterSharding], ftrl_tables: set[str]) -> bool:
@@ -55,7 +83,7 @@ def mixed_ftrl_placements(params: dict[str, ParameterSharding], ftrl_tables: set
 
 class _FTRLKernelFilter:
     def __init__(self, fused_params: Optional[dict[str, Any]] = None, *args: Any, **kwargs: Any) -> None:
-        refuse_ftrl_keys_without_ftrl(fused_params, (fused_params or {}).get("optimizer"), "fused_params")
+        refuse_misplaced_ftrl_keys(fused_params)
         super().__init__(canonical_fused_params(fused_params), *args, **kwargs)
 
     def _ftrl(self) -> bool:
@@ -159,11 +187,11 @@ def sharders(fused_params: Optional[dict[str, Any]] = None) -> list[ModuleSharde
 
     Raises:
         ValueError: invalid FTRL knobs, cache keys or state dtypes, or FTRL-only keys (``ftrl_*``
-            knobs and row-layout keys, FTRL's state dtypes) with another ``"optimizer"``, which
-            would not apply (:func:`.compute_kernels.refuse_ftrl_keys_without_ftrl`); checked here, before
-            any process builds a kernel, naming the key and the value.
+            knobs and row-layout keys, FTRL's state dtypes) with another ``"optimizer"`` or with no
+            ``"optimizer"``, which would not apply (:func:`refuse_misplaced_ftrl_keys`); checked here,
+            before any process builds a kernel, naming the keys and their values.
     """
-    refuse_ftrl_keys_without_ftrl(fused_params, (fused_params or {}).get("optimizer"), "fused_params")
+    refuse_misplaced_ftrl_keys(fused_params)
     fp = canonical_fused_params(dict(fused_params)) if fused_params else None
     if fp and is_ftrl(fp.get("optimizer")):
         tbe_kwargs_from_fused_params(fp)   # validates the knobs

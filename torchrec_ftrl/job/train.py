@@ -299,11 +299,12 @@ def _kernel_warmup(job: _Job, dmp) -> Tuple[Optional[float], int]:
 
 
 def _print_start(job: _Job, start_step: int, workers: int) -> None:
-    """The line that opens a run: ranks, device, data, tables, optimizers, steps and batch."""
+    """The line that opens a run: ranks, device, data, tables, optimizers (FTRL's with its state dtype
+    and row layout, ``layout={weights}-{accumulator}``), steps and batch."""
     args, env = job.args, job.env
     opt_name = args.sparse_optimizer
     if opt_name == "ftrl":
-        opt_name += f" (state {args.ftrl_state_dtype})"
+        opt_name += f" (state {args.ftrl_state_dtype}) layout={args.ftrl_weights}-{args.ftrl_accumulator}"
     print(f"train_ctr: {env.world_size} rank(s), {env.device} ({env.backend}), data={job.data_desc['kind']}, "
           f"{len(job.features)} tables x {args.embedding_dim} dims, sparse={opt_name} "
           f"lr={args.sparse_lr}, dense={args.dense_optimizer} lr={args.dense_lr}, "

@@ -11,7 +11,8 @@ A batch is ``indices`` / ``offsets`` (int64, FBGEMM's layout: bag ``k`` holds
 * ``WARNING``: FBGEMM's repair, with no host sync: offsets become ``cummax(clamp(offsets, 0, N))``
   with the first 0 and the last ``N``; an index outside its table reads row 0; the number of
   repaired entries is added to a counter.
-* ``IGNORE`` / ``NONE``: the batch is trusted.
+* ``IGNORE`` / ``NONE``: the batch is trusted: an index outside its table or an offset outside
+  ``[0, N]`` (or decreasing) is undefined behaviour (the kernels read and write outside their arrays).
 
 Backends that fuse the check into their kernels (``Capabilities.fused_check``,
 :mod:`torchrec_ftrl.kernels.capabilities`) get the raw batch instead (:meth:`BatchCheck.by_kernels`); under

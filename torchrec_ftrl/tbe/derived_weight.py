@@ -15,9 +15,12 @@ storage-less tensor of that shape (fp32, the tables' device) whose
   rows whose weights do not change as they are (``FTRLTableBatchedEmbeddingBags.load_weights``:
   exact up to rounding where ``q(accum) > 0``, else the row starts at 0 with a one-time warning);
 * row slices (``w[a:b]``, ``narrow(0, ...)``), ``detach`` and ``alias`` are views of the same rows;
-  ``w[rows]`` reads and ``w[rows] = v`` writes only those rows. Other views (an element, a column, a
-  reshape, a ``split``) are :class:`ReadOnlyWeights`: readable, and a write into them raises
-  ``RuntimeError`` rather than being lost, as does ``out=`` a ``DerivedWeight``.
+  ``w[rows]`` reads and ``w[rows] = v`` writes only those rows. One row by an integer (``w[7]``,
+  ``w[-1]``, ``select(0, i)``) is a :class:`DerivedRow`, a ``[D]`` view of that row: writes of the
+  whole row (``w[7] = v``, ``w[7].copy_(v)``, ``w[7].zero_()``) land in the table. Other views (an
+  element, a column, part of a row, a reshape, a ``split``) are :class:`ReadOnlyWeights`: readable,
+  and a write into them raises ``RuntimeError`` rather than being lost, as does ``out=`` a
+  ``DerivedWeight`` or a ``DerivedRow``.
 
 Metadata queries (shape, dtype, device, ``is_pinned``) compute nothing.
 """
@@ -156,6 +159,8 @@ class DerivedWeight(torch.Tensor):
                 view = _row_view(me, func, args)
                 if view is not None:
                     return view
+            if func is aten.select.int and args[1] == 0:      # w[i]: the row, writable as a whole
+                return DerivedRow(me._view(_row_number(me, args[2]), 1))
             if func in (aten.view.default, aten._unsafe_view.default, aten.reshape.default) and \
                     tuple(args[1]) == tuple(me.shape):
                 return me._view(0, me.shape[0])
@@ -175,11 +180,89 @@ class DerivedWeight(torch.Tensor):
             if func._schema.arguments and func._schema.arguments[0].is_write:
                 me._write(func, args[1:], kwargs)
                 return me
-        if any(isinstance(v, DerivedWeight) for v in kwargs.values()):
-            raise RuntimeError(f"{func}: out= a derived-weights table (DerivedWeight) is not supported; "
-                               f"compute the result, then copy_ it into the table's rows")
+        _refuse_out(func, kwargs)
         out = func(*tree_map(_plain, args), **tree_map(_plain, kwargs))
         if me is not None and _is_view(func):   # a view the table cannot hold: readable, not writable
+            return tree_map(lambda x: ReadOnlyWeights(x, str(func)) if isinstance(x, torch.Tensor) else x, out)
+        return out
+
+
+def _refuse_out(func, kwargs: dict) -> None:
+    """Raise ``RuntimeError`` when ``out=`` names a derived table's rows, which hold no array."""
+    if any(isinstance(v, (DerivedWeight, DerivedRow)) for v in kwargs.values()):
+        raise RuntimeError(f"{func}: out= a derived-weights table (DerivedWeight) is not supported; "
+                           f"compute the result, then copy_ it into the table's rows")
+
+
+def _row_number(me: DerivedWeight, index: int) -> int:
+    """Row ``index`` of ``me`` (negative counts from the end) as an int in ``[0, rows)``.
+
+    Raises:
+        IndexError: ``index`` outside ``[-rows, rows)``, as ``Tensor.select`` words it.
+    """
+    rows = me.shape[0]
+    if not -rows <= index < rows:
+        raise IndexError(f"select(): index {index} out of range for tensor of size {tuple(me.shape)} "
+                         f"at dimension 0")
+    return int(index) % rows
+
+
+class DerivedRow(torch.Tensor):
+    """One row of a derived-weights table as an fp32 ``[D]`` tensor without storage (``w[i]`` of a
+    :class:`DerivedWeight` ``w``): reads compute the row's weights; an in-place op on the whole row
+    (``copy_``, ``fill_``, ``zero_``, ``add_``, ...) computes them, applies the op and encodes the
+    result into the row (:meth:`DerivedWeight.assign`); ``detach`` / ``alias`` are the same row; any
+    other view (an element, part of the row) is :class:`ReadOnlyWeights`.
+
+    Args:
+        row: the one-row :class:`DerivedWeight` (``[1, D]``) this row is.
+    """
+
+    _row: DerivedWeight
+
+    @staticmethod
+    def __new__(cls, row: DerivedWeight):
+        return torch.Tensor._make_wrapper_subclass(cls, (row.shape[1],), dtype=torch.float32,
+                                                   device=row.device, requires_grad=False)
+
+    def __init__(self, row: DerivedWeight) -> None:
+        self._row = row
+
+    def __repr__(self) -> str:
+        return f"DerivedRow({self._row!r})"
+
+    def materialize(self) -> torch.Tensor:
+        """The row's weights as a plain fp32 ``[D]`` tensor on the tables' device."""
+        return self._row.materialize()[0]
+
+    def numpy(self, *, force: bool = False):
+        return self.materialize().cpu().numpy()
+
+    def tolist(self):
+        return self.materialize().tolist()
+
+    def __deepcopy__(self, memo):
+        return self.materialize().clone()
+
+    def __reduce_ex__(self, protocol):
+        return self.materialize().clone().__reduce_ex__(protocol)
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        me = args[0] if args and isinstance(args[0], DerivedRow) else None
+        if me is not None and func in _VIEWS:
+            return DerivedRow(me._row)
+        if me is not None and func._schema.arguments and func._schema.arguments[0].is_write:
+            values = me._row.materialize()
+            func(values[0], *tree_map(_plain, args[1:]), **tree_map(_plain, kwargs))
+            me._row.assign(values)
+            return me
+        _refuse_out(func, kwargs)
+        out = func(*tree_map(_plain, args), **tree_map(_plain, kwargs))
+        if me is not None and _is_view(func):   # part of the row: readable, not writable
             return tree_map(lambda x: ReadOnlyWeights(x, str(func)) if isinstance(x, torch.Tensor) else x, out)
         return out
 
@@ -257,7 +340,7 @@ def _row_index(me: DerivedWeight, func, args) -> torch.Tensor | None:
 
 
 def _plain(x: Any) -> Any:
-    return x.materialize() if isinstance(x, DerivedWeight) else x
+    return x.materialize() if isinstance(x, (DerivedWeight, DerivedRow)) else x
 
 
 def _row_view(me: DerivedWeight, func, args) -> DerivedWeight | None:

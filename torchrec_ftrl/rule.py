@@ -139,6 +139,15 @@ def ftrl_rule_rowwise(w: torch.Tensor, accum: torch.Tensor, linear: torch.Tensor
     return ftrl_prox(z, n_new.unsqueeze(-1), hp), n_new, z
 
 
+def nonfinite_free_rows(grad_rows: torch.Tensor) -> torch.Tensor:
+    """The overflow rule: bool ``[U]``, True for the rows of ``grad_rows`` ``[U, D]`` whose
+    ``sum_d g_d^2``, summed in fp32 (fp64 for fp64 gradients), is finite. False covers a NaN or Inf
+    gradient and finite gradients whose squares overflow (e.g. 1e20 in fp32): the update of such a
+    row would store a non-finite state, so the TBE's kernels skip it and count it."""
+    g = grad_rows.to(torch.promote_types(grad_rows.dtype, torch.float32))
+    return torch.isfinite((g * g).sum(dim=1))
+
+
 def ftrl_update_rows_(weight: Optional[torch.Tensor], accum: torch.Tensor, linear: torch.Tensor,
                       rows: torch.Tensor, grad_rows: torch.Tensor, hp: FTRLHyperparams,
                       skip_nonfinite: bool = False, row_keys: Optional[torch.Tensor] = None,
@@ -151,9 +160,9 @@ def ftrl_update_rows_(weight: Optional[torch.Tensor], accum: torch.Tensor, linea
     :func:`ftrl_rule_rowwise`); ``linear`` ``[R, D]``.
 
     ``grad_rows`` ``[U, D]`` is the summed gradient of each row. With ``skip_nonfinite``, rows whose
-    gradient holds NaN/Inf are left untouched. ``accum`` / ``linear`` are fp32 (fp64) or bf16: a bf16
-    state is stored stochastically rounded (:func:`torchrec_ftrl.state_dtype.store_state`) with the
-    hash of ``(row_keys[u], column, step, state)`` (column 0 for a row-wise ``accum``): ``row_keys``
+    ``sum_d g_d^2`` is not finite (:func:`nonfinite_free_rows`) are left untouched. ``accum`` /
+    ``linear`` are fp32 (fp64) or bf16: a bf16 state is stored stochastically rounded
+    (:func:`torchrec_ftrl.state_dtype.store_state`) with the hash of ``(row_keys[u], column, step, state)`` (column 0 for a row-wise ``accum``): ``row_keys``
     (int64 ``[U]``, the global row key of each row; default ``rows``) and ``step`` (int or int64
     tensor) are then required. Returns a bool ``[U]`` mask of the rows updated.
 
@@ -166,7 +175,7 @@ def ftrl_update_rows_(weight: Optional[torch.Tensor], accum: torch.Tensor, linea
                          f"stochastically, got step=None with accum {accum.dtype}, linear {linear.dtype}")
     if row_keys is None:
         row_keys = rows
-    ok = torch.isfinite(grad_rows).all(dim=1) if skip_nonfinite else None
+    ok = nonfinite_free_rows(grad_rows) if skip_nonfinite else None
     if ok is not None and not bool(ok.all()):
         rows, grad_rows, row_keys = rows[ok], grad_rows[ok], row_keys[ok]
     rowwise = accum.dim() == 1

@@ -15,6 +15,7 @@ import weakref
 import torch
 
 from ..hyperparams import FTRLHyperparams, KernelScalars
+from .arg_checks import remember
 
 _knob_tensors: dict = {}   # (id(hp), device) -> its knob tensor, dropped with hp
 
@@ -45,6 +46,7 @@ def knob_tensor(hp: FTRLHyperparams, device: torch.device) -> torch.Tensor:
         else:
             knobs = torch.tensor(values, dtype=torch.float32, device=device)
         _knob_tensors[key] = knobs
+        remember(knobs, knob_flags(hp))   # made from validated knobs: the ops' checks need not read it
         weakref.finalize(hp, _knob_tensors.pop, key, None)
     return knobs
 

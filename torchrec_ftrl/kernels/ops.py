@@ -5,8 +5,9 @@ Every implementation implements these schemas: the compiled CPU kernel (``cpu/cs
 ``CPU``, loaded by :func:`torchrec_ftrl.kernels.cpu.backend.load_extension`), the Triton kernels
 (``CUDA``, :mod:`.cuda.impls`) and the vectorised PyTorch implementation
 (``CompositeExplicitAutograd``, :mod:`.pytorch.composite`: every device without a kernel of its own, e.g.
-the CPU when the compiled kernel is not loaded). The Meta implementations give shapes and dtypes
-only, so the ops run under fake tensors and ``torch.compile`` traces them without a graph break. The
+the CPU when the compiled kernel is not loaded). The Meta implementations run the metadata checks
+(:mod:`.arg_checks`) and give shapes and dtypes only, so the ops run under fake tensors and
+``torch.compile`` traces them without a graph break. The
 TBE calls them through :mod:`.calls`; which optional arguments an implementation takes is declared in
 its :class:`~.capabilities.Capabilities`, and one it does not take raises ``RuntimeError``.
 
@@ -27,6 +28,19 @@ Arguments, in this order:
   ``pow_half, has_shrink``, which must be :func:`.knobs.knob_flags`' of the knobs (the kernels
   specialise on them; the CPU and PyTorch implementations check them and raise ``ValueError``).
 
+The argument contract (:mod:`.arg_checks`): every implementation checks its arguments before it
+touches memory and raises ``RuntimeError`` (tensors on other devices, of other dtypes, not contiguous
+1-D, of inconsistent lengths) or ``ValueError`` (bad values: table maps that disagree or leave
+``linear``, ``max_D`` below a table's dim, bag outputs outside the output or ``grad_out``, map entries
+out of range, knobs outside :class:`~torchrec_ftrl.hyperparams.FTRLHyperparams`' ranges), naming the
+op, the argument and its value; the state is then unchanged. Every tensor is on one device (meta
+only under fake tensors, where the metadata checks run). The values of ``indices`` and ``offsets``
+are the bounds check's job (:mod:`torchrec_ftrl.tbe.bounds_check`), not the ops': where the ops are
+told the batch is checked (``warn`` None, ``check`` False), indices must lie in their tables and
+offsets be valid, and with ``BoundsCheckMode.IGNORE`` a bad index or offset is undefined behaviour
+(reads and writes outside the arrays). The same holds for ``cache_locations`` and the linearised
+batch (``lin_*``), which only the TBE makes.
+
 Ops:
 
 * ``tbe_forward(<arrays>, <batch>, <knobs>, out_numel, out_dtype, warn?, row_keys?, cache_locations?,
@@ -46,8 +60,10 @@ Ops:
   lin_key?, lin_gofs?, lin_scale?, lin_tid?, cache_locations?, cache_weights!?, cache_accum!?,
   cache_linear!?) -> ()``: sums the gradient (``grad_out`` flat ``[out_numel]``, fp32, fp16 or
   bf16) of every touched row and applies ONE FTRL update per row in place
-  (:func:`torchrec_ftrl.rule.ftrl_update_rows_`'s rule for the layout); rows whose summed gradient
-  holds a NaN/Inf are left unchanged and counted in ``nonfinite_rows`` (int64 ``[1]``); a bf16 state
+  (:func:`torchrec_ftrl.rule.ftrl_update_rows_`'s rule for the layout); the overflow rule: a row
+  whose summed fp32 gradient has a non-finite ``sum_d g_d^2`` (summed in fp32: a NaN/Inf gradient,
+  or a finite one whose square overflows) is left unchanged and counted in ``nonfinite_rows``
+  (int64 ``[1]``); a bf16 state
   is stored by stochastic rounding keyed by ``step`` (int64 ``[1]``; a bf16 state without it raises).
   ``offsets`` are valid; ``check``: an index outside its table is read as row 0 (not counted).
   ``lin_*`` (all or none): the first four results of :func:`tbe_linearize` for this batch. A bf16
@@ -64,6 +80,7 @@ from __future__ import annotations
 
 import torch
 
+from . import arg_checks
 from .batch import index_factors
 
 NAMESPACE = "torchrec_ftrl"
@@ -94,19 +111,6 @@ SCHEMAS = {
 N_ARRAYS, N_BATCH, N_KNOBS = 4, 14, 3
 
 
-def all_or_none(op: str, **named) -> bool:
-    """Whether the optional arguments ``named`` (the linearised batch, the cache) are given: all of
-    them, or none.
-
-    Raises:
-        ValueError: some given and some None, naming them.
-    """
-    given = [name for name, value in named.items() if value is not None]
-    if given and len(given) != len(named):
-        raise ValueError(f"torchrec_ftrl::{op}: {sorted(named)} go together (all or none), got only "
-                         f"{given}")
-    return bool(given)
-
 _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
 for _name, _schema in SCHEMAS.items():
     _LIB.define(_name + _schema)
@@ -124,28 +128,35 @@ def linearized_like(indices: torch.Tensor, offsets: torch.Tensor, per_sample_wei
             torch.empty(offsets.numel() if repair else 0, dtype=offsets.dtype, device=dev))
 
 
+# The fake implementations run the ops' metadata checks (:mod:`.arg_checks`: one device for every
+# tensor, dtypes, lengths), so fake mode and torch.compile refuse what the kernels refuse.
+
 @torch.library.register_fake(f"{NAMESPACE}::tbe_forward")
-def _tbe_forward_fake(weights, accum, linear, rowwise, *args):
-    out_numel, out_dtype = args[N_BATCH + N_KNOBS:N_BATCH + N_KNOBS + 2]
-    return linear.new_empty(out_numel, dtype=out_dtype)
+def _tbe_forward_fake(*args):
+    arg_checks.check_forward(args, values=False)
+    out_numel, out_dtype = args[N_ARRAYS + N_BATCH + N_KNOBS:N_ARRAYS + N_BATCH + N_KNOBS + 2]
+    return args[2].new_empty(out_numel, dtype=out_dtype)
 
 
 @torch.library.register_fake(f"{NAMESPACE}::tbe_linearize")
 def _tbe_linearize_fake(*args):
+    arg_checks.check_linearize(args, values=False)
     (_, _, _, _, _, _, _, indices, offsets, psw, pooling_mode, _, _, total_rows, out_numel, warn) = args
     return linearized_like(indices, offsets, psw, pooling_mode, total_rows, out_numel, warn is not None)
 
 
 @torch.library.register_fake(f"{NAMESPACE}::tbe_backward_update_")
 def _tbe_backward_update_fake(*args):
-    return None
+    arg_checks.check_backward(args, values=False)
 
 
 @torch.library.register_fake(f"{NAMESPACE}::tbe_count_invalid")
 def _tbe_count_invalid_fake(table_rows, feature_table, bag_feature, indices, offsets):
+    arg_checks.check_count_invalid(table_rows, feature_table, bag_feature, indices, offsets, values=False)
     return indices.new_empty(1, dtype=torch.int64)
 
 
 @torch.library.register_fake(f"{NAMESPACE}::tbe_repair_offsets")
 def _tbe_repair_offsets_fake(offsets, warn, num_indices):
+    arg_checks.check_repair_offsets(offsets, warn, num_indices)
     return torch.empty_like(offsets)

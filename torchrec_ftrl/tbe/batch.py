@@ -9,6 +9,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ..fbgemm_enums import BoundsCheckMode, PoolingMode
+from ..kernels.arg_checks import remember_bags
 from ..kernels.backend import Backend
 from ..kernels.batch import TBEBatch
 from .args import _check_int_vector
@@ -149,6 +150,9 @@ class BatchBuilder:
             ar = torch.arange(B * len(self.geometry.feature_table_map), device=dev)
             bag_feature = ar // max(B, 1)
             bag_out_offset = (ar % max(B, 1)) * self.geometry.total_D + tables.D_offsets[bag_feature]
+            g = self.geometry
+            remember_bags(bag_feature, bag_out_offset, len(g.feature_table_map), g.feature_dims,
+                          B * g.total_D)
             self._plain = ((B, dev), bag_feature, bag_out_offset)
         return self._plain[1], self._plain[2]
 
@@ -167,5 +171,7 @@ class BatchBuilder:
                 base = rank_feature_start[(r, f)]
                 bag_f.extend([f] * sizes[f][r])
                 bag_off.extend(range(base, base + sizes[f][r] * dims[f], dims[f]))
-        return (torch.tensor(bag_f, dtype=torch.int64).to(dev, non_blocking=True),
-                torch.tensor(bag_off, dtype=torch.int64).to(dev, non_blocking=True), pos)
+        bag_feature = torch.tensor(bag_f, dtype=torch.int64).to(dev, non_blocking=True)
+        bag_out_offset = torch.tensor(bag_off, dtype=torch.int64).to(dev, non_blocking=True)
+        remember_bags(bag_feature, bag_out_offset, F, dims, pos)
+        return bag_feature, bag_out_offset, pos

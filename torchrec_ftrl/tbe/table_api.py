@@ -60,20 +60,21 @@ def value_problem(value: Any, slot: str, dtype: torch.dtype) -> Optional[str]:
 
 
 def check_loaded(own: dict[str, torch.Tensor], slots: dict[str, str], state_dict, prefix: str,
-                 strict: Optional[bool]) -> bool:
+                 strict: Optional[bool], children: frozenset = frozenset()) -> bool:
     """Check every entry ``nn.Module.load_state_dict`` would copy into a TBE's persistent tensors
     ``own`` (``{name: tensor}``; ``slots``: the slot of each, :func:`value_problem`, default
     ``"weight"``) from ``state_dict`` (keys ``prefix + name``), before any is copied. ``strict``:
     the TBE's own ``load_state_dict``'s, or None when a parent module's load reaches the TBE
-    (torch does not tell a module's ``_load_from_state_dict`` its caller's ``strict``).
+    (torch does not tell a module's ``_load_from_state_dict`` its caller's ``strict``);
+    ``children``: the names of the TBE's submodules, whose keys are theirs to check.
 
     Returns:
         whether to load: False when ``state_dict`` holds none of the keys under ``strict`` None
         (a parent's state dict without this TBE: torch reports them as missing).
 
     Raises:
-        ValueError: a key missing under ``strict`` (or, under None, some keys present and others
-            missing); a value that is not a tensor of the tensor's shape; a value
+        ValueError: a key missing or unexpected under ``strict`` (or, under None, some keys present
+            and others missing); a value that is not a tensor of the tensor's shape; a value
             :func:`value_problem` refuses. The message names the key and the problem.
     """
     missing = [prefix + name for name in own if prefix + name not in state_dict]
@@ -83,6 +84,11 @@ def check_loaded(own: dict[str, torch.Tensor], slots: dict[str, str], state_dict
                          f"{'' if strict else ' (a partial state of this TBE loads through its own load_state_dict(strict=False))'}")
     if missing and strict is None:
         return False
+    unexpected = [key for key in state_dict if key.startswith(prefix) and key[len(prefix):] not in own
+                  and key[len(prefix):].split(".", 1)[0] not in children]
+    if unexpected and strict:
+        raise ValueError(f"load_state_dict: unexpected key {unexpected[0]!r} in the state dict "
+                         "(strict=True); nothing was loaded")
     for name, tensor in own.items():
         key = prefix + name
         if key not in state_dict:

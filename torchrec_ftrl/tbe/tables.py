@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..kernels.arg_checks import remember_values
 from ..row_layout import RowLayout
 
 
@@ -86,11 +87,12 @@ class TableGeometry:
     def tensors(self, device: torch.device) -> TableTensors:
         """These facts as int64 tensors on ``device``."""
         i64 = dict(dtype=torch.int64, device=device)
-        return TableTensors(
-            torch.tensor(self.weights_offsets, **i64), torch.tensor(self.dims, **i64),
-            torch.tensor(self.rows, **i64), torch.tensor(self.row_base, **i64),
-            torch.tensor(self.feature_table_map, **i64), torch.tensor(self.feature_dims, **i64),
-            torch.tensor(self.D_offsets, **i64))
+        facts = (self.weights_offsets, self.dims, self.rows, self.row_base, self.feature_table_map,
+                 self.feature_dims, self.D_offsets)
+        tensors = TableTensors(*(torch.tensor(values, **i64) for values in facts))
+        for t, values in zip(tensors, facts):   # host facts: the ops' checks need not read them
+            remember_values(t, values)
+        return tensors
 
     def table_view(self, buf: torch.Tensor, t: int) -> torch.Tensor:
         """Table ``t``'s ``[rows, D]`` view of a flat weight or state buffer."""

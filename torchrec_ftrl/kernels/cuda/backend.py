@@ -23,10 +23,11 @@ import torch
 from triton.runtime.jit import JITFunction
 
 from ...row_layout import CACHED_LAYOUTS, KERNEL_LAYOUTS
+from .. import arg_checks
 from ..capabilities import Capabilities, OpTable
 from .launch import DirectLauncher, direct
 from ..batch import index_factors
-from ..ops import all_or_none, linearized_like
+from ..ops import linearized_like
 from .backward import (linearize_kernel, offsets_repair_kernel,
                               segment_combine_kernel, segment_config, segment_mark_kernel,
                               segment_update_kernel)
@@ -183,7 +184,16 @@ def tbe_forward(weights, accum, linear, rowwise, table_w_offset, table_dim, tabl
                 cache_linear) -> torch.Tensor:
     """``tbe_forward`` (:mod:`torchrec_ftrl.kernels.ops`): the pooled lookup of :func:`.forward.tbe_forward_kernel`.
     A cached batch (``cache_locations``) reads its cached rows from ``cache_weights``, or for derived
-    weights from ``cache_linear`` and ``cache_accum``."""
+    weights from ``cache_linear`` and ``cache_accum``.
+
+    Raises:
+        RuntimeError, ValueError: arguments that break the ops' contract (:mod:`..arg_checks`).
+    """
+    arg_checks.check_forward((weights, accum, linear, rowwise, table_w_offset, table_dim, table_rows,
+                              table_row_base, feature_table, bag_feature, bag_out_offset, indices,
+                              offsets, per_sample_weights, pooling_mode, max_D, table_dims, total_rows,
+                              knobs, pow_half, has_shrink, out_numel, out_dtype, warn, row_keys,
+                              cache_locations, cache_weights, cache_accum, cache_linear))
     out = torch.empty(out_numel, dtype=out_dtype, device=linear.device)
     num_bags = offsets.numel() - 1
     if num_bags <= 0 or out_numel == 0:
@@ -197,8 +207,7 @@ def tbe_forward(weights, accum, linear, rowwise, table_w_offset, table_dim, tabl
     has_psw = index_factors(per_sample_weights, pooling_mode)[0]
     psw = per_sample_weights if has_psw else out
     use_keys = row_keys is not None
-    cached = all_or_none("tbe_forward", cache_locations=cache_locations, cache_weights=cache_weights,
-                         cache_accum=cache_accum, cache_linear=cache_linear)
+    cached = cache_locations is not None
     # derived: the linear buffer and its cache stand where the weights and their cache are
     w = linear if derived else weights
     cw = (cache_linear if derived else cache_weights) if cached else w
@@ -219,7 +228,14 @@ def tbe_linearize(table_w_offset, table_dim, table_rows, table_row_base, feature
                   bag_out_offset, indices, offsets, per_sample_weights, pooling_mode, max_D, table_dims,
                   total_rows, out_numel, warn) -> tuple:
     """``tbe_linearize`` (:mod:`torchrec_ftrl.kernels.ops`): :func:`.backward.linearize_kernel`; with ``warn``
-    the raw offsets are repaired and bad offsets and indices counted."""
+    the raw offsets are repaired and bad offsets and indices counted.
+
+    Raises:
+        RuntimeError, ValueError: arguments that break the ops' contract (:mod:`..arg_checks`).
+    """
+    arg_checks.check_linearize((table_w_offset, table_dim, table_rows, table_row_base, feature_table,
+                                bag_feature, bag_out_offset, indices, offsets, per_sample_weights,
+                                pooling_mode, max_D, table_dims, total_rows, out_numel, warn))
     even_d = _vec_even(tuple(table_dims), _block_d(max_D))[1]
     return _linearize(indices, offsets, bag_feature, bag_out_offset, feature_table, table_row_base,
                       table_rows, warn, warn is not None, True, per_sample_weights, pooling_mode,
@@ -292,18 +308,19 @@ def tbe_backward_update_(weights, accum, linear, rowwise, table_w_offset, table_
     ``accum`` / ``linear``).
 
     Raises:
-        ValueError: a bf16 state and ``step`` None.
+        RuntimeError, ValueError: arguments that break the ops' contract (:mod:`..arg_checks`), a
+            bf16 state and ``step`` None among them.
     """
+    arg_checks.check_backward((weights, accum, linear, rowwise, table_w_offset, table_dim, table_rows,
+                               table_row_base, feature_table, bag_feature, bag_out_offset, indices,
+                               offsets, per_sample_weights, pooling_mode, max_D, table_dims, total_rows,
+                               grad_out, knobs, pow_half, has_shrink, nonfinite_rows, step, check,
+                               lin_key, lin_gofs, lin_scale, lin_tid, cache_locations, cache_weights,
+                               cache_accum, cache_linear))
     if step is None:
-        if accum.dtype == torch.bfloat16 or linear.dtype == torch.bfloat16:
-            raise ValueError("a bf16 optimizer state needs step (the TBE's iter) for its "
-                             "stochastic rounding, got None")
         step = table_row_base   # int64 placeholder (read-only): fp32 kernels never read it
     lin = (lin_key, lin_gofs, lin_scale, lin_tid)
-    all_or_none("tbe_backward_update_", lin_key=lin_key, lin_gofs=lin_gofs, lin_scale=lin_scale,
-                lin_tid=lin_tid)
-    cached = all_or_none("tbe_backward_update_", cache_locations=cache_locations,
-                         cache_weights=cache_weights, cache_accum=cache_accum, cache_linear=cache_linear)
+    cached = cache_locations is not None
     cache = (cache_weights, (cache_accum, cache_linear)) if cached else None
     _backward_kernels(weights, accum, linear, nonfinite_rows, grad_out.reshape(-1).contiguous(), indices,
                       offsets, bag_feature, bag_out_offset, feature_table, table_w_offset, table_dim,
@@ -403,7 +420,12 @@ def _backward_kernels(weights, accum, linear, nonfinite_rows, grad, indices, off
 
 def tbe_repair_offsets(offsets: torch.Tensor, warn: torch.Tensor, num_indices: int) -> torch.Tensor:
     """``tbe_repair_offsets`` (:mod:`torchrec_ftrl.kernels.ops`): one pass over tiles of
-    ``TUNING["repair_block"]`` bags (:func:`.backward.offsets_repair_kernel`), no host sync."""
+    ``TUNING["repair_block"]`` bags (:func:`.backward.offsets_repair_kernel`), no host sync.
+
+    Raises:
+        RuntimeError, ValueError: arguments that break the ops' contract (:mod:`..arg_checks`).
+    """
+    arg_checks.check_repair_offsets(offsets, warn, num_indices)
     n = offsets.numel()
     fixed = torch.empty_like(offsets)
     if n == 0:

@@ -345,13 +345,16 @@ def ftrl_update_store(wp, np_, zp, nonfinite_ptr, w, n, z, m, rmask, g, dimf,
                       ROWWISE: tl.constexpr):
     """One FTRL step (:func:`.rule_gen.ftrl_update`) of rows ``rmask`` ``[R]`` with summed
     gradients ``g`` ``[R, BLOCK_D]`` and their loaded states (fp32, :func:`load_states`), stored;
-    rows whose gradient has a NaN/Inf are not stored and are counted in ``nonfinite_ptr``.
+    rows whose fp32 ``sum_d g_d^2`` is not finite (a NaN/Inf gradient, or a finite one whose square
+    overflows) are not stored and are counted in ``nonfinite_ptr``.
     ``N_BF16`` / ``Z_BF16``: accum / linear stored in bf16 (:func:`store_state`, row keys ``key``
     ``[R]``, columns ``cols``, step at ``step_ptr``). ``DERIVED``: no weight buffer; only ``n`` and
     ``z`` are stored. ``ROWWISE``: ``n`` is ``[R]``, one per row (``dimf``: fp32, ``[R]`` or scalar,
     the table's D), stored once per row (:func:`store_row_state`, column 0)."""
-    bad_el = (tl.abs(g) <= _FLT_MAX) == 0
-    row_bad = tl.max((bad_el & m).to(tl.int32), axis=1) > 0
+    # The overflow rule: a row whose fp32 sum of g^2 is not finite (a NaN/Inf gradient, or finite
+    # ones whose squares overflow) is skipped.
+    g2 = tl.sum(tl.where(m, g * g, 0.0), axis=1)
+    row_bad = (g2 <= _FLT_MAX) == 0
     nbad = tl.sum((rmask & row_bad).to(tl.int64), axis=0)
     tl.atomic_add(nonfinite_ptr, nbad, mask=nbad > 0)
     sm = m & (row_bad == 0)[:, None]

@@ -28,6 +28,7 @@ import torch
 from ...hyperparams import FTRLHyperparams
 from ...row_layout import KERNEL_LAYOUTS
 from . import rows
+from .. import arg_checks
 from ..capabilities import Capabilities, OpTable
 from .index_rows import count_invalid, repair_offsets
 from ..knobs import hyperparams_of
@@ -61,7 +62,14 @@ def _refuse(op: str, check: bool = False, **optional) -> None:
                            "Triton kernels')")
 
 
-def _forward(hp: FTRLHyperparams, weights, accum, linear, rowwise, *rest):
+def _forward(hp: FTRLHyperparams, *args):
+    """``tbe_forward`` with the knobs' hyper-parameters ``hp`` (:data:`OPS`): the arguments checked
+    (:func:`..arg_checks.check_forward`), then :func:`_forward_checked`."""
+    arg_checks.check_forward(args)
+    return _forward_checked(hp, *args)
+
+
+def _forward_checked(hp: FTRLHyperparams, weights, accum, linear, rowwise, *rest):
     batch_args, (_, _, _, out_numel, out_dtype, warn, row_keys, *cache) = rest[:N_BATCH], rest[N_BATCH:]
     _refuse("tbe_forward", warn=warn, row_keys=row_keys, cache_locations=cache[0],
             cache_weights=cache[1], cache_accum=cache[2], cache_linear=cache[3])
@@ -69,7 +77,14 @@ def _forward(hp: FTRLHyperparams, weights, accum, linear, rowwise, *rest):
                                  batch_of(batch_args, out_numel), out_dtype, hp)
 
 
-def _backward_update_(hp: FTRLHyperparams, weights, accum, linear, rowwise, *rest):
+def _backward_update_(hp: FTRLHyperparams, *args):
+    """``tbe_backward_update_`` with the knobs' hyper-parameters ``hp`` (:data:`OPS`): the arguments
+    checked (:func:`..arg_checks.check_backward`), then :func:`_backward_update_checked`."""
+    arg_checks.check_backward(args)
+    _backward_update_checked(hp, *args)
+
+
+def _backward_update_checked(hp: FTRLHyperparams, weights, accum, linear, rowwise, *rest):
     batch_args, (grad_out, _, _, _, nonfinite_rows, step, check, *lin_cache) = (rest[:N_BATCH],
                                                                                 rest[N_BATCH:])
     names = ("lin_key", "lin_gofs", "lin_scale", "lin_tid", "cache_locations", "cache_weights",
@@ -87,7 +102,8 @@ def _knobs_of(args: tuple) -> FTRLHyperparams:
 
 def tbe_forward(*args):
     """``tbe_forward`` (:mod:`torchrec_ftrl.kernels.ops`)."""
-    return _forward(_knobs_of(args), *args)
+    arg_checks.check_forward(args)
+    return _forward_checked(_knobs_of(args), *args)
 
 
 def tbe_linearize(*args):
@@ -99,14 +115,20 @@ def tbe_linearize(*args):
 
 def tbe_backward_update_(*args):
     """``tbe_backward_update_`` (:mod:`torchrec_ftrl.kernels.ops`)."""
+    arg_checks.check_backward(args)
     hp = hyperparams_of(*args[4 + N_BATCH + 1:4 + N_BATCH + 4])   # after grad_out
-    _backward_update_(hp, *args)
+    _backward_update_checked(hp, *args)
 
 
 def tbe_count_invalid(table_rows, feature_table, bag_feature, indices, offsets):
     """``tbe_count_invalid`` (:mod:`torchrec_ftrl.kernels.ops`): int64 ``[1]``, by
     :func:`.index_rows.count_invalid` (0 for a valid batch, like the compiled kernel; a malformed batch
-    may count differently, never 0); empty ``offsets`` count as one problem."""
+    may count differently, never 0); empty ``offsets`` count as one problem.
+
+    Raises:
+        RuntimeError, ValueError: arguments that break the ops' contract (:mod:`..arg_checks`).
+    """
+    arg_checks.check_count_invalid(table_rows, feature_table, bag_feature, indices, offsets)
     if offsets.numel() == 0:
         return torch.ones(1, dtype=torch.int64, device=indices.device)
     return count_invalid(table_rows, feature_table, bag_feature, indices, offsets).reshape(1)
@@ -115,6 +137,7 @@ def tbe_count_invalid(table_rows, feature_table, bag_feature, indices, offsets):
 def tbe_repair_offsets(offsets, warn, num_indices):
     """``tbe_repair_offsets`` (:mod:`torchrec_ftrl.kernels.ops`), by :func:`.index_rows.repair_offsets`; empty
     ``offsets`` give an empty result."""
+    arg_checks.check_repair_offsets(offsets, warn, num_indices)
     if offsets.numel() == 0:
         return torch.empty_like(offsets)
     fixed = repair_offsets(offsets, int(num_indices))

@@ -33,7 +33,9 @@ def backward_update_(arrays: TableArrays, batch: TBEBatch, grad_out: torch.Tenso
                      hp: FTRLHyperparams, nonfinite_rows: torch.Tensor) -> None:
     """Sum gradients per unique (table, row), then one FTRL update per touched row, in place.
 
-    Rows whose summed gradient has NaN/Inf are skipped and counted in ``nonfinite_rows`` (int64 [1]).
+    Rows whose summed gradient's ``sum_d g_d^2`` (fp32) is not finite (a NaN/Inf gradient, or finite
+    ones whose squares overflow: :func:`torchrec_ftrl.rule.nonfinite_free_rows`) are skipped and
+    counted in ``nonfinite_rows`` (int64 [1]).
     Every row layout of :class:`~torchrec_ftrl.kernels.batch.TableArrays`
     (:func:`torchrec_ftrl.rule.ftrl_update_rows_`).
     ``accum`` / ``linear`` fp32 or bf16: the math is fp32, a bf16 state is stored by

@@ -23,8 +23,12 @@
 // Backward + update is one call: linear row id per index -> stable LSD radix sort by row (carrying
 // each index's gradient offset and scale) -> parallel over unique rows: sum the row's gradient
 // contributions in fp32 in index-position order (deterministic, independent of the thread count)
-// -> skip+count rows with a NaN/Inf sum -> one FTRL update per row, states fp32, weight written back
-// in its own dtype. Scratch buffers are kept per calling thread (about 60 bytes per index) and reused.
+// -> skip+count rows whose fp32 sum_d g_d^2 is not finite (a NaN/Inf gradient, or a square that
+// overflows) -> one FTRL update per row, states fp32, weight written back in its own dtype. Scratch
+// buffers are kept per calling thread (about 60 bytes per index) and reused.
+//
+// Every op checks all its arguments (the "checks" section) before it reads or writes memory through
+// a data pointer; only the values of indices are trusted (the bounds check's job).
 //
 // Compact state (torchrec_ftrl/state_dtype.py): accum and/or linear may be stored in bf16 (uint16_t
 // bit patterns here). They load exactly into fp32, the update is the same fp32 code, and a bf16 state
@@ -48,6 +52,7 @@
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
+#include <limits>
 #include <memory>
 #include <type_traits>
 #include <utility>
@@ -243,47 +248,13 @@ void forward_sequence(const Rows& rows, const int64_t* table_dim, const int64_t*
   });
 }
 
-void check_index_tensor(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got ", t.device());
-  TORCH_CHECK(t.scalar_type() == at::kLong, name, " must be int64, got ", t.scalar_type());
-  TORCH_CHECK(t.is_contiguous() && t.dim() == 1, name, " must be contiguous 1-D");
-}
-
-c10::optional<at::Tensor> check_psw(const c10::optional<at::Tensor>& psw, int64_t n) {
-  if (!psw.has_value() || !psw->defined()) return c10::nullopt;
-  TORCH_CHECK(psw->scalar_type() == at::kFloat && psw->is_contiguous() && psw->numel() == n,
-              "per_sample_weights must be contiguous fp32 [N]");
-  return psw;
-}
-
-// The weight buffer of a stored layout, or null for derived weights.
-const at::Tensor* stored_weights(const c10::optional<at::Tensor>& weights) {
-  return weights.has_value() && weights->defined() ? &*weights : nullptr;
-}
-
-// Checks the state arrays of a layout: accum and linear fp32 or bf16 and contiguous; linear (and
-// stored weights) `elements` long; accum `elements` long, or `rows` with a row-wise accum (rows < 0:
-// not checked).
-void check_layout(const at::Tensor* weights, const at::Tensor& accum, const at::Tensor& linear,
-                  bool rowwise, int64_t rows) {
-  const auto state_ok = [](const at::Tensor& t) {
-    return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16;
-  };
-  TORCH_CHECK(state_ok(accum) && state_ok(linear), "accum and linear must be fp32 or bf16, got ",
-              accum.scalar_type(), " and ", linear.scalar_type());
-  TORCH_CHECK(accum.is_contiguous() && linear.is_contiguous() && (!weights || weights->is_contiguous()),
-              "weights, accum and linear must be contiguous");
-  const int64_t elements = linear.numel();
-  TORCH_CHECK(!weights || weights->numel() == elements, "weights must have as many elements as linear (",
-              elements, "), got ", weights ? weights->numel() : 0);
-  if (!rowwise) {
-    TORCH_CHECK(accum.numel() == elements, "an element-wise accum must have as many elements as linear (",
-                elements, "), got ", accum.numel());
-  } else if (rows >= 0) {
-    TORCH_CHECK(accum.numel() == rows, "a row-wise accum must have one element per row (", rows,
-                "), got ", accum.numel());
-  }
-}
+// ------------------------------------------------------------------------------------------ checks
+//
+// Every op checks all its arguments here before it reads or writes memory through a data pointer,
+// in O(T + F + bags) (T tables, F features): devices, dtypes, lengths, the tables' extents inside the
+// flat arrays, the map entries, the offsets' shape and every output position. Messages name the op,
+// the argument and its value. The values of indices are the bounds check's (torchrec_ftrl/tbe/
+// bounds_check.py); an index outside its table is undefined behaviour here.
 
 // The parameters of the ops' schemas (ops.py) shared by tbe_forward and tbe_backward_update_: the
 // batch (in the schemas' order) and the HBM cache, which this kernel refuses (refuse_unsupported).
@@ -293,6 +264,9 @@ void check_layout(const at::Tensor* weights, const at::Tensor& accum, const at::
       const at::Tensor &bag_feature, const at::Tensor &bag_out_offset, const at::Tensor &indices, \
       const at::Tensor &offsets, const c10::optional<at::Tensor> &per_sample_weights,             \
       int64_t pooling_mode, int64_t max_D, at::IntArrayRef table_dims, int64_t total_rows
+#define FTRL_BATCH_ARGS                                                                           \
+  table_w_offset, table_dim, table_rows, table_row_base, feature_table, bag_feature,              \
+      bag_out_offset, indices, offsets, per_sample_weights, pooling_mode, max_D, table_dims, total_rows
 #define FTRL_CACHE_PARAMS                                                                        \
   const c10::optional<at::Tensor> &cache_locations, const c10::optional<at::Tensor> &cache_weights, \
       const c10::optional<at::Tensor> &cache_accum, const c10::optional<at::Tensor> &cache_linear
@@ -300,19 +274,232 @@ void check_layout(const at::Tensor* weights, const at::Tensor& accum, const at::
   {"cache_locations", &cache_locations}, {"cache_weights", &cache_weights},                      \
       {"cache_accum", &cache_accum}, {"cache_linear", &cache_linear}
 
-// The knobs of the ops' knob tensor (fp32 [kFtrlKnobs], FtrlHp's order: rule_spec.KNOBS), checked
-// against the flags the ops take with it (knobs.py's knob_flags).
-FtrlHp hp_from(const at::Tensor& knobs, bool pow_half, bool has_shrink) {
+// The largest max_D (a row's D is an int32 in the backward's segments).
+constexpr int64_t kMaxDim = INT32_MAX;
+// Bags per task of the parallel checks over bags.
+constexpr int64_t kCheckGrain = int64_t{1} << 15;
+
+// `t` is on the CPU: a tensor of another device (a meta or CUDA one among CPU arguments) raises.
+void check_cpu(const char* op, const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), "torchrec_ftrl::", op, ": ", name, " must be a CPU tensor like the "
+              "other arguments of the compiled CPU kernel, got one on ", t.device());
+}
+
+// An index tensor: CPU, int64, contiguous 1-D; `numel` elements unless numel < 0 (`basis`: where that
+// length comes from, for the message).
+void check_index_tensor(const char* op, const at::Tensor& t, const char* name, int64_t numel = -1,
+                        const char* basis = "") {
+  check_cpu(op, t, name);
+  TORCH_CHECK(t.scalar_type() == at::kLong, "torchrec_ftrl::", op, ": ", name, " must be int64, got ",
+              t.scalar_type());
+  TORCH_CHECK(t.dim() == 1 && t.is_contiguous(), "torchrec_ftrl::", op, ": ", name,
+              " must be contiguous 1-D, got shape ", t.sizes(), " strides ", t.strides());
+  TORCH_CHECK(numel < 0 || t.numel() == numel, "torchrec_ftrl::", op, ": ", name, " must have ", numel,
+              " elements", basis, ", got ", t.numel());
+}
+
+bool is_float_type(at::ScalarType s) {
+  return s == at::kFloat || s == at::kHalf || s == at::kBFloat16;
+}
+
+// Every entry of the index tensor `t` lies in [0, hi); raises naming the first that does not.
+void check_entries(const char* op, const at::Tensor& t, const char* name, int64_t hi) {
+  const int64_t* p = t.data_ptr<int64_t>();
+  const int64_t n = t.numel();
+  bool bad = false;
+  for (int64_t i = 0; i < n; ++i) bad |= (p[i] < 0) | (p[i] >= hi);  // vectorises
+  if (!bad) return;
+  int64_t i = 0;
+  while (p[i] >= 0 && p[i] < hi) ++i;
+  TORCH_CHECK(false, "torchrec_ftrl::", op, ": ", name, "[", i, "]=", p[i], " must be in [0, ", hi, ")");
+}
+
+// The per-sample weights: None, or contiguous fp32 [n] on the CPU.
+c10::optional<at::Tensor> check_psw(const char* op, const c10::optional<at::Tensor>& psw, int64_t n) {
+  if (!psw.has_value() || !psw->defined()) return c10::nullopt;
+  check_cpu(op, *psw, "per_sample_weights");
+  TORCH_CHECK(psw->scalar_type() == at::kFloat && psw->is_contiguous() && psw->numel() == n && psw->dim() == 1,
+              "torchrec_ftrl::", op, ": per_sample_weights must be contiguous 1-D fp32 [N=", n, "], got ",
+              psw->scalar_type(), " ", psw->sizes());
+  return psw;
+}
+
+// The weight buffer of a stored layout, or null for derived weights.
+const at::Tensor* stored_weights(const c10::optional<at::Tensor>& weights) {
+  return weights.has_value() && weights->defined() ? &*weights : nullptr;
+}
+
+// The state arrays of a layout: on the CPU, contiguous; weights fp32/fp16/bf16, accum and linear
+// fp32 or bf16; stored weights as long as linear; accum as long as linear, or `rows` (the tables' rows)
+// with a row-wise accum.
+void check_layout(const char* op, const at::Tensor* weights, const at::Tensor& accum,
+                  const at::Tensor& linear, bool rowwise, int64_t rows) {
+  check_cpu(op, accum, "accum");
+  check_cpu(op, linear, "linear");
+  if (weights) check_cpu(op, *weights, "weights");
+  const auto state_ok = [](const at::Tensor& t) {
+    return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16;
+  };
+  TORCH_CHECK(state_ok(accum) && state_ok(linear), "torchrec_ftrl::", op, ": accum and linear must be "
+              "fp32 or bf16, got ", accum.scalar_type(), " and ", linear.scalar_type());
+  TORCH_CHECK(!weights || is_float_type(weights->scalar_type()), "torchrec_ftrl::", op,
+              ": weights must be fp32, fp16 or bf16, got ", weights ? weights->scalar_type() : at::kFloat);
+  TORCH_CHECK(accum.is_contiguous() && linear.is_contiguous() && (!weights || weights->is_contiguous()),
+              "torchrec_ftrl::", op, ": weights, accum and linear must be contiguous");
+  for (const auto& [t, name] : {std::make_pair(&linear, "linear"), std::make_pair(&accum, "accum"),
+                                std::make_pair(weights, "weights")}) {
+    TORCH_CHECK(t == nullptr || t->dim() == 1, "torchrec_ftrl::", op, ": ", name, " must be 1-D (flat), "
+                "got shape ", t->sizes());
+  }
+  const int64_t elements = linear.numel();
+  TORCH_CHECK(!weights || weights->numel() == elements, "torchrec_ftrl::", op, ": weights must have as "
+              "many elements as linear (", elements, "), got ", weights ? weights->numel() : 0);
+  const int64_t want = rowwise ? rows : elements;
+  TORCH_CHECK(accum.numel() == want, "torchrec_ftrl::", op, ": ", rowwise ? "a row-wise accum must have "
+              "one element per row (" : "an element-wise accum must have as many elements as linear (",
+              want, "), got ", accum.numel());
+}
+
+// The tables (O(T)): table_dims and table_dim agree; 0 <= dim <= max_D; rows >= 0; each table's
+// elements [w_offset, w_offset + rows * dim) inside the `elements` of linear; table_row_base the
+// prefix sum of rows, whose total is total_rows.
+void check_tables(const char* op, const at::Tensor& table_w_offset, const at::Tensor& table_dim,
+                  const at::Tensor& table_rows, const at::Tensor& table_row_base,
+                  at::IntArrayRef table_dims, int64_t max_D, int64_t total_rows, int64_t elements) {
+  const int64_t T = table_rows.numel();
+  TORCH_CHECK(static_cast<int64_t>(table_dims.size()) == T, "torchrec_ftrl::", op, ": table_dims must "
+              "have one entry per table (", T, "), got ", table_dims.size());
+  TORCH_CHECK_VALUE(max_D >= (T > 0 ? 1 : 0) && max_D <= kMaxDim, "torchrec_ftrl::", op, ": max_D must "
+                    "be in [", T > 0 ? 1 : 0, ", ", kMaxDim, "], got ", max_D);
+  const int64_t* woff = table_w_offset.data_ptr<int64_t>();
+  const int64_t* dim = table_dim.data_ptr<int64_t>();
+  const int64_t* rows = table_rows.data_ptr<int64_t>();
+  const int64_t* base = table_row_base.data_ptr<int64_t>();
+  int64_t sum = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(dim[t] >= 0 && dim[t] <= max_D && table_dims[t] == dim[t], "torchrec_ftrl::", op,
+                ": table_dim[", t, "]=", dim[t], " must be in [0, max_D=", max_D, "] and equal table_dims[",
+                t, "]=", table_dims[t]);
+    TORCH_CHECK(rows[t] >= 0, "torchrec_ftrl::", op, ": table_rows[", t, "]=", rows[t], " must be >= 0");
+    int64_t size = 0, end = 0;
+    const bool overflow = __builtin_mul_overflow(rows[t], dim[t], &size) ||
+                          __builtin_add_overflow(woff[t], size, &end);
+    TORCH_CHECK(woff[t] >= 0 && !overflow && end <= elements, "torchrec_ftrl::", op, ": table ", t,
+                " (table_w_offset=", woff[t], ", table_rows=", rows[t], ", table_dim=", dim[t],
+                ") must lie inside linear's ", elements, " elements");
+    TORCH_CHECK(base[t] == sum, "torchrec_ftrl::", op, ": table_row_base[", t, "]=", base[t],
+                " must be the rows of the tables before it (", sum, ")");
+    TORCH_CHECK(!__builtin_add_overflow(sum, rows[t], &sum), "torchrec_ftrl::", op,
+                ": the tables' rows overflow int64");
+  }
+  TORCH_CHECK_VALUE(total_rows == sum, "torchrec_ftrl::", op, ": total_rows=", total_rows,
+                    " must be the sum of table_rows (", sum, ")");
+}
+
+// Raises for bag b, which check_bags found bad: decreasing offsets or an output position outside.
+void raise_bag(const char* op, const int64_t* off, const int64_t* bout, int64_t D, int64_t b,
+               const char* out_name, int64_t out_size) {
+  TORCH_CHECK(off[b + 1] >= off[b], "torchrec_ftrl::", op, ": offsets must be non-decreasing, got offsets[",
+              b, "]=", off[b], " and offsets[", b + 1, "]=", off[b + 1]);
+  TORCH_CHECK(false, "torchrec_ftrl::", op, ": bag_out_offset[", b, "]=", bout[b], " must be in [0, ",
+              out_name, " - D] = [0, ", out_size - D, "] (the bag's D=", D, ")");
+}
+
+// The bags (O(F + bags)): feature_table entries in [0, T), bag_feature entries in [0, F); offsets
+// start at 0, never decrease and end at N (zero bags: offsets [0], then no index is read); every output
+// position inside the output of `out_size` elements (`out_name`): bag b's D values at
+// bag_out_offset[b] (SUM, MEAN), index i's at i * max_D (NONE: N * max_D elements).
+void check_bags(const char* op, const at::Tensor& table_dim, const at::Tensor& feature_table,
+                const at::Tensor& bag_feature, const at::Tensor& bag_out_offset, const at::Tensor& offsets,
+                int64_t N, int64_t pooling_mode, int64_t max_D, const char* out_name, int64_t out_size) {
+  const int64_t T = table_dim.numel(), F = feature_table.numel(), bags = bag_feature.numel();
+  check_entries(op, feature_table, "feature_table", T);
+  check_entries(op, bag_feature, "bag_feature", F);
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  TORCH_CHECK(off[0] == 0 && (bags == 0 || off[bags] == N), "torchrec_ftrl::", op, ": offsets must start "
+              "at 0 and end at N=", N, ", got offsets[0]=", off[0], " and offsets[", bags, "]=", off[bags]);
+  const bool pooled = pooling_mode != kPoolNone;
+  int64_t need = 0;
+  TORCH_CHECK(pooled || N == 0 || (!__builtin_mul_overflow(N, max_D, &need) && need <= out_size),
+              "torchrec_ftrl::", op, ": ", out_name, "=", out_size, " must hold N * max_D = ", N, " * ",
+              max_D, " elements (PoolingMode.NONE)");
+  const int64_t* dim = table_dim.data_ptr<int64_t>();
+  const int64_t* ft = feature_table.data_ptr<int64_t>();
+  const int64_t* bf = bag_feature.data_ptr<int64_t>();
+  const int64_t* bout = bag_out_offset.data_ptr<int64_t>();
+  std::vector<int64_t> fdim(static_cast<size_t>(F));  // D of each feature
+  for (int64_t f = 0; f < F; ++f) fdim[f] = dim[ft[f]];
+  const auto bag_bad = [&](int64_t b) {
+    const int64_t o = bout[b];
+    return (off[b + 1] < off[b]) | (pooled & ((o < 0) | (o > out_size - fdim[bf[b]])));
+  };
+  std::atomic<bool> any_bad{false};
+  at::parallel_for(0, bags, kCheckGrain, [&](int64_t b0, int64_t b1) {
+    bool bad = false;
+    for (int64_t b = b0; b < b1; ++b) bad |= bag_bad(b);
+    if (bad) any_bad.store(true, std::memory_order_relaxed);
+  });
+  if (!any_bad.load()) return;
+  int64_t b = 0;
+  while (!bag_bad(b)) ++b;
+  raise_bag(op, off, bout, fdim[bf[b]], b, out_name, out_size);
+}
+
+// The batch of tbe_forward and tbe_backward_update_ against the layout's `elements` (linear's) and an
+// output (the forward's, the backward's output gradient) of `out_size` elements named `out_name`.
+// Returns the per-sample weights (None or checked).
+c10::optional<at::Tensor> check_batch(const char* op, FTRL_BATCH_PARAMS, int64_t elements,
+                                      const char* out_name, int64_t out_size) {
+  const int64_t T = table_rows.numel();
+  check_index_tensor(op, table_rows, "table_rows");
+  check_index_tensor(op, table_w_offset, "table_w_offset", T, " (one per table_rows entry)");
+  check_index_tensor(op, table_dim, "table_dim", T, " (one per table_rows entry)");
+  check_index_tensor(op, table_row_base, "table_row_base", T, " (one per table_rows entry)");
+  check_index_tensor(op, feature_table, "feature_table");
+  check_index_tensor(op, bag_feature, "bag_feature");
+  const int64_t bags = bag_feature.numel();
+  check_index_tensor(op, bag_out_offset, "bag_out_offset", bags, " (one per bag_feature entry)");
+  check_index_tensor(op, indices, "indices");
+  check_index_tensor(op, offsets, "offsets", bags + 1, " (bag_feature.numel() + 1)");
+  TORCH_CHECK_VALUE(pooling_mode == kPoolSum || pooling_mode == kPoolMean || pooling_mode == kPoolNone,
+                    "torchrec_ftrl::", op, ": pooling_mode must be ", kPoolSum, " (SUM), ", kPoolMean,
+                    " (MEAN) or ", kPoolNone, " (NONE), got ", pooling_mode);
+  TORCH_CHECK_VALUE(out_size >= 0, "torchrec_ftrl::", op, ": ", out_name, " must be >= 0, got ", out_size);
+  const auto psw = check_psw(op, per_sample_weights, indices.numel());
+  check_tables(op, table_w_offset, table_dim, table_rows, table_row_base, table_dims, max_D, total_rows,
+               elements);
+  check_bags(op, table_dim, feature_table, bag_feature, bag_out_offset, offsets, indices.numel(),
+             pooling_mode, max_D, out_name, out_size);
+  return psw;
+}
+
+// The knobs of the ops' knob tensor (fp32 [kFtrlKnobs], FtrlHp's order: rule_spec.KNOBS), checked as
+// FTRLHyperparams checks them (finite; lr > 0, the others >= 0; 0 or a normal fp32 magnitude, and
+// shrink2 = 2 s with s one too) and against the flags the ops take with it (knobs.py's knob_flags).
+FtrlHp hp_from(const char* op, const at::Tensor& knobs, bool pow_half, bool has_shrink) {
   static_assert(sizeof(FtrlHp) == kFtrlKnobs * sizeof(float), "FtrlHp holds the knobs only");
-  TORCH_CHECK(knobs.device().is_cpu() && knobs.scalar_type() == at::kFloat &&
-                  knobs.numel() == kFtrlKnobs && knobs.is_contiguous(),
-              "knobs must be a contiguous fp32 CPU tensor of ", kFtrlKnobs, " elements, got ",
-              knobs.scalar_type(), " ", knobs.sizes(), " on ", knobs.device());
+  static const char* const kNames[kFtrlKnobs] = {"lr", "neg_power", "l1", "l2", "beta", "shrink2"};
+  check_cpu(op, knobs, "knobs");
+  TORCH_CHECK(knobs.scalar_type() == at::kFloat && knobs.numel() == kFtrlKnobs && knobs.is_contiguous() &&
+                  knobs.dim() == 1,
+              "torchrec_ftrl::", op, ": knobs must be a contiguous 1-D fp32 tensor of ", kFtrlKnobs,
+              " elements, got ", knobs.scalar_type(), " ", knobs.sizes());
   FtrlHp hp;
   std::memcpy(&hp, knobs.data_ptr<float>(), sizeof(FtrlHp));
+  float v[kFtrlKnobs];
+  std::memcpy(v, &hp, sizeof(v));
+  for (int64_t k = 0; k < kFtrlKnobs; ++k) {
+    const bool lr = k == 0;
+    TORCH_CHECK_VALUE(std::isfinite(v[k]) && (lr ? v[k] > 0.0f : v[k] >= 0.0f), "torchrec_ftrl::", op,
+                      ": knob ", kNames[k], " must be finite and ", lr ? "> 0" : ">= 0", ", got ", v[k]);
+    const float least = (k == 5 ? 2.0f : 1.0f) * std::numeric_limits<float>::min();
+    TORCH_CHECK_VALUE(v[k] == 0.0f || v[k] >= least, "torchrec_ftrl::", op, ": knob ", kNames[k],
+                      " must be 0 or >= ", least, " (a normal fp32 magnitude), got ", v[k]);
+  }
   TORCH_CHECK_VALUE(pow_half == (hp.neg_power == 0.5f) && has_shrink == (hp.shrink2 != 0.0f),
-                    "pow_half=", pow_half, " and has_shrink=", has_shrink, " disagree with the knobs (",
-                    "neg_power=", hp.neg_power, ", shrink2=", hp.shrink2, "): give knob_flags of the knobs");
+                    "torchrec_ftrl::", op, ": pow_half=", pow_half, " and has_shrink=", has_shrink,
+                    " disagree with the knobs (neg_power=", hp.neg_power, ", shrink2=", hp.shrink2,
+                    "): give knob_flags of the knobs");
   return hp;
 }
 
@@ -329,20 +516,14 @@ void refuse_unsupported(const char* op, bool check,
 }
 
 // Fills `out` (flat, preallocated, any of fp32/fp16/bf16) from stored weights, or from weights
-// derived from (linear, accum) with `hp` when `weights` is null.
+// derived from (linear, accum) with `hp` when `weights` is null. The arguments are checked (tbe_forward).
 void forward_into(const at::Tensor* weights, const at::Tensor& accum, const at::Tensor& linear,
                   const at::Tensor& table_w_offset, const at::Tensor& table_dim,
                   const at::Tensor& feature_table, const at::Tensor& bag_feature,
                   const at::Tensor& bag_out_offset, const at::Tensor& indices, const at::Tensor& offsets,
-                  const c10::optional<at::Tensor>& per_sample_weights, int64_t pooling_mode,
+                  const c10::optional<at::Tensor>& psw, int64_t pooling_mode,
                   int64_t max_D, const at::Tensor& table_row_base, bool rowwise, const FtrlHp& hp,
                   bool use_sqrt, at::Tensor& out) {
-  for (auto* p : {&table_w_offset, &table_dim, &feature_table, &bag_feature, &bag_out_offset,
-                  &indices, &offsets, &table_row_base}) {
-    check_index_tensor(*p, "TBEBatch tensor");
-  }
-  check_layout(weights, accum, linear, rowwise, -1);
-  const auto psw = check_psw(per_sample_weights, indices.numel());
   const int64_t num_bags = offsets.numel() - 1;
   if (num_bags <= 0) return;
   const int64_t* woff_p = table_w_offset.data_ptr<int64_t>();
@@ -481,15 +662,11 @@ __attribute__((always_inline)) inline void prefetch_row(const void* p, int64_t b
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(c + b, 1, 1);
 }
 
-// True when every float of x[0:D] is finite (exponent bits not all ones); vectorises.
-inline bool all_finite(const float* __restrict__ x, int64_t D) {
-  uint32_t bad = 0;
-  for (int64_t d = 0; d < D; ++d) {
-    uint32_t bits;
-    std::memcpy(&bits, x + d, sizeof(bits));
-    bad |= static_cast<uint32_t>((bits & 0x7f800000u) == 0x7f800000u);
-  }
-  return bad == 0;
+// True when x is finite (exponent bits not all ones).
+inline bool is_finite_bits(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  return (bits & 0x7f800000u) != 0x7f800000u;
 }
 
 // Starts loading the stored arrays of unique row s: its weights (unless kDerived), accum (kRowwise:
@@ -598,7 +775,10 @@ int64_t update_rows(W* __restrict__ weights, StateT<kNB>* __restrict__ accum,
           for (int64_t d = 0; d < D; ++d) gsum[d] += to_f(go[d]);
         }
       }
-      if (!all_finite(gsum, D)) {  // NaN/Inf policy: skip the row, count it
+      // The non-finite rule: a row whose fp32 sum_d g_d^2 is not finite (a NaN/Inf gradient, or a
+      // finite one whose square overflows) is left unchanged and counted.
+      const float g2 = sum_squares(gsum, D);
+      if (!is_finite_bits(g2)) {
         ++local_bad;
         continue;
       }
@@ -609,7 +789,7 @@ int64_t update_rows(W* __restrict__ weights, StateT<kNB>* __restrict__ accum,
         // One n per row: its old and new n^(-p), then every element's z and w steps with them.
         const uint64_t key = seg_key[s];
         const float n_old = load_state<kNB>(accum[key]);
-        const float n_new = ftrl_row_accum(n_old, sum_squares(gsum, D), static_cast<float>(D));
+        const float n_new = ftrl_row_accum(n_old, g2, static_cast<float>(D));
         const float pn_old = ftrl_power<kSqrt>(n_old, hp);
         const float pn_new = ftrl_power<kSqrt>(n_new, hp);
         if constexpr (kZB) {
@@ -713,6 +893,34 @@ SortedIndices sort_by_row(BackwardWorkspace& ws, Scratch<K>& kbuf, Scratch<K>& k
   return si;
 }
 
+// The arguments of tbe_backward_update_ but the knobs (hp_from): the layout, the batch against
+// grad_out (the output gradient: fp32, fp16 or bf16, contiguous, on the CPU; its numel is the output
+// size), nonfinite_rows (int64 [1]) and step (int64 [1], required with a bf16 state). Returns the
+// per-sample weights (None or checked).
+c10::optional<at::Tensor> check_backward(const char* op, const at::Tensor* weights, const at::Tensor& accum,
+                                         const at::Tensor& linear, bool rowwise, FTRL_BATCH_PARAMS,
+                                         const at::Tensor& grad_out, const at::Tensor& nonfinite_rows,
+                                         const c10::optional<at::Tensor>& step) {
+  check_layout(op, weights, accum, linear, rowwise, total_rows);
+  check_cpu(op, grad_out, "grad_out");
+  TORCH_CHECK(is_float_type(grad_out.scalar_type()) && grad_out.is_contiguous() && grad_out.dim() == 1,
+              "torchrec_ftrl::", op, ": grad_out must be contiguous 1-D fp32, fp16 or bf16, got ", grad_out.scalar_type(), " ",
+              grad_out.sizes(), " strides ", grad_out.strides());
+  check_cpu(op, nonfinite_rows, "nonfinite_rows");
+  TORCH_CHECK(nonfinite_rows.scalar_type() == at::kLong && nonfinite_rows.numel() == 1, "torchrec_ftrl::",
+              op, ": nonfinite_rows must be int64 [1], got ", nonfinite_rows.scalar_type(), " ",
+              nonfinite_rows.sizes());
+  const bool bf16_state = accum.scalar_type() == at::kBFloat16 || linear.scalar_type() == at::kBFloat16;
+  TORCH_CHECK_VALUE(!bf16_state || step.has_value(), "torchrec_ftrl::", op, ": a bf16 optimizer state "
+                    "needs step (the TBE's iter) for its stochastic rounding, got None");
+  if (step.has_value()) {
+    check_cpu(op, *step, "step");
+    TORCH_CHECK(step->scalar_type() == at::kLong && step->numel() == 1, "torchrec_ftrl::", op,
+                ": step must be int64 [1], got ", step->scalar_type(), " ", step->sizes());
+  }
+  return check_batch(op, FTRL_BATCH_ARGS, linear.numel(), "grad_out.numel()", grad_out.numel());
+}
+
 // torchrec_ftrl::tbe_backward_update_ (ops.py): weights None for derived weights, `rowwise` for a
 // row-wise accum (one value per row, at the row's key).
 void backward_update(const c10::optional<at::Tensor>& weights_opt, at::Tensor& accum, at::Tensor& linear,
@@ -722,27 +930,20 @@ void backward_update(const c10::optional<at::Tensor>& weights_opt, at::Tensor& a
                      const c10::optional<at::Tensor>& lin_key, const c10::optional<at::Tensor>& lin_gofs,
                      const c10::optional<at::Tensor>& lin_scale, const c10::optional<at::Tensor>& lin_tid,
                      FTRL_CACHE_PARAMS) {
-  refuse_unsupported("tbe_backward_update_", check, {{"lin_key", &lin_key}, {"lin_gofs", &lin_gofs},
+  const char* op = "tbe_backward_update_";
+  refuse_unsupported(op, check, {{"lin_key", &lin_key}, {"lin_gofs", &lin_gofs},
                      {"lin_scale", &lin_scale}, {"lin_tid", &lin_tid}, FTRL_CACHE_ARGS});
-  for (auto* p : {&table_w_offset, &table_dim, &table_rows, &feature_table, &bag_feature,
-                  &bag_out_offset, &indices, &offsets}) {
-    check_index_tensor(*p, "TBEBatch tensor");
-  }
   const at::Tensor* weights = stored_weights(weights_opt);
-  TORCH_CHECK(grad_out.is_contiguous(), "grad_out must be contiguous");
+  const auto psw = check_backward(op, weights, accum, linear, rowwise, FTRL_BATCH_ARGS, grad_out,
+                                  nonfinite_rows, step_opt);
+  const FtrlHp hp = hp_from(op, knobs, pow_half, has_shrink);
+  const bool nb = accum.scalar_type() == at::kBFloat16;
+  const bool zb = linear.scalar_type() == at::kBFloat16;
   const int64_t T = table_rows.numel();
   const int64_t* rows_p = table_rows.data_ptr<int64_t>();
   std::vector<uint64_t> row_base(static_cast<size_t>(T) + 1);
   for (int64_t t = 0; t < T; ++t) row_base[t + 1] = row_base[t] + static_cast<uint64_t>(rows_p[t]);
   const uint64_t rows_total = row_base[T];
-  check_layout(weights, accum, linear, rowwise, static_cast<int64_t>(rows_total));
-  const bool nb = accum.scalar_type() == at::kBFloat16;
-  const bool zb = linear.scalar_type() == at::kBFloat16;
-  TORCH_CHECK_VALUE(!(nb || zb) || step_opt.has_value(), "a bf16 optimizer state needs step (the "
-                    "TBE's iter) for its stochastic rounding, got None");
-  TORCH_CHECK(nonfinite_rows.scalar_type() == at::kLong && nonfinite_rows.numel() == 1,
-              "nonfinite_rows must be int64 [1]");
-  const auto psw = check_psw(per_sample_weights, indices.numel());
   const int64_t N = indices.numel();
   const int64_t num_bags = offsets.numel() - 1;
   if (N == 0 || num_bags <= 0) return;
@@ -772,7 +973,6 @@ void backward_update(const c10::optional<at::Tensor>& weights_opt, at::Tensor& a
                                pooling_mode == kPoolNone, max_D, woff_p, dim_p, want_keys);
   }
   // 4. Sum + FTRL per unique row, parallel over rows; the layout and state dtypes are template flags.
-  const FtrlHp hp = hp_from(knobs, pow_half, has_shrink);
   int64_t bad = 0;
   auto update = [&](auto derived_tag, auto w_tag) {
     constexpr bool kDerived = decltype(derived_tag)::value;
@@ -807,25 +1007,35 @@ void backward_update(const c10::optional<at::Tensor>& weights_opt, at::Tensor& a
 }
 
 // FATAL-mode input check, parallel over bags: the number of problems in (offsets, indices) - offsets
-// not starting at 0, decreasing, or not ending at N, plus indices outside [0, rows of the bag's
-// table). 0 means valid. Reads only; the caller builds the detailed error message when it is not 0.
+// not starting at 0, decreasing, or not ending at N (empty offsets: 1), plus indices outside [0, rows of
+// the bag's table). 0 means valid. Reads only, never outside its arrays (a bag whose offsets are bad is
+// counted, its indices not read); the caller builds the detailed error message when it is not 0.
+// Raises for inconsistent arguments: a tensor not int64 contiguous 1-D on the CPU, bag_feature not
+// one per bag, a feature_table or bag_feature entry out of range.
 int64_t count_invalid_scalar(const at::Tensor& table_rows, const at::Tensor& feature_table,
-                      const at::Tensor& bag_feature, const at::Tensor& indices,
-                      const at::Tensor& offsets) {
-  for (auto* p : {&table_rows, &feature_table, &bag_feature, &indices, &offsets}) {
-    check_index_tensor(*p, "tbe_count_invalid tensor");
+                             const at::Tensor& bag_feature, const at::Tensor& indices,
+                             const at::Tensor& offsets) {
+  const char* op = "tbe_count_invalid";
+  check_index_tensor(op, table_rows, "table_rows");
+  check_index_tensor(op, feature_table, "feature_table");
+  check_index_tensor(op, indices, "indices");
+  check_index_tensor(op, offsets, "offsets");
+  if (offsets.numel() == 0) {  // no bag structure at all: one problem (bag_feature's type still checked)
+    check_index_tensor(op, bag_feature, "bag_feature");
+    return 1;
   }
-  TORCH_CHECK(indices.scalar_type() == at::kLong && offsets.scalar_type() == at::kLong &&
-                  bag_feature.scalar_type() == at::kLong,
-              "count_invalid: int64 indices, offsets and bag_feature expected");
+  check_index_tensor(op, bag_feature, "bag_feature", offsets.numel() - 1, " (offsets.numel() - 1: one per bag)");
+  check_entries(op, feature_table, "feature_table", table_rows.numel());
+  check_entries(op, bag_feature, "bag_feature", feature_table.numel());
   const int64_t n = indices.numel();
   const int64_t num_bags = offsets.numel() - 1;
+  if (num_bags < 0) return 1;
   const int64_t* off = offsets.data_ptr<int64_t>();
   const int64_t* idx = indices.data_ptr<int64_t>();
   const int64_t* bf = bag_feature.data_ptr<int64_t>();
   const int64_t* ft = feature_table.data_ptr<int64_t>();
   const int64_t* rows = table_rows.data_ptr<int64_t>();
-  if (num_bags < 0 || off[0] != 0 || off[num_bags] != n) return 1;
+  if (off[0] != 0 || off[num_bags] != n) return 1;
   std::atomic<int64_t> bad{0};
   at::parallel_for(0, num_bags, 1024, [&](int64_t b0, int64_t b1) {
     int64_t local = 0;
@@ -849,13 +1059,20 @@ at::Tensor tbe_forward(const c10::optional<at::Tensor>& weights_opt, const at::T
                        bool pow_half, bool has_shrink, int64_t out_numel, at::ScalarType out_dtype,
                        const c10::optional<at::Tensor>& warn, const c10::optional<at::Tensor>& row_keys,
                        FTRL_CACHE_PARAMS) {
-  refuse_unsupported("tbe_forward", false, {{"warn", &warn}, {"row_keys", &row_keys}, FTRL_CACHE_ARGS});
+  const char* op = "tbe_forward";
+  refuse_unsupported(op, false, {{"warn", &warn}, {"row_keys", &row_keys}, FTRL_CACHE_ARGS});
+  const at::Tensor* weights = stored_weights(weights_opt);
+  check_layout(op, weights, accum, linear, rowwise, total_rows);
+  TORCH_CHECK_VALUE(is_float_type(out_dtype), "torchrec_ftrl::", op, ": out_dtype must be fp32, fp16 or "
+                    "bf16, got ", out_dtype);
+  const auto psw = check_batch(op, FTRL_BATCH_ARGS, linear.numel(), "out_numel", out_numel);
+  const FtrlHp hp = hp_from(op, knobs, pow_half, has_shrink);
   const bool empty = offsets.numel() <= 1 || indices.numel() == 0;
   const auto options = linear.options().dtype(out_dtype);
   at::Tensor out = empty ? at::zeros({out_numel}, options) : at::empty({out_numel}, options);
-  forward_into(stored_weights(weights_opt), accum, linear, table_w_offset, table_dim, feature_table,
-               bag_feature, bag_out_offset, indices, offsets, per_sample_weights, pooling_mode, max_D,
-               table_row_base, rowwise, hp_from(knobs, pow_half, has_shrink), pow_half, out);
+  forward_into(weights, accum, linear, table_w_offset, table_dim, feature_table, bag_feature,
+               bag_out_offset, indices, offsets, psw, pooling_mode, max_D, table_row_base, rowwise, hp,
+               pow_half, out);
   return out;
 }
 

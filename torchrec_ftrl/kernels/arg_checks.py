@@ -1,7 +1,9 @@
 """The ops' argument contract (:mod:`.ops`), stated once and checked before any kernel reads or
-writes memory: by the Triton (:mod:`.cuda.backend`) and PyTorch (:mod:`.pytorch.composite`)
-implementations at their top, and by the Meta (fake) implementations (metadata only). The compiled
-CPU kernel checks the same contract in C++.
+writes memory: by the registered CUDA kernels (:mod:`.cuda.impls`, before the Triton implementation
+runs) and the PyTorch implementation (:mod:`.pytorch.composite`), and by the Meta (fake)
+implementations (metadata only). The compiled CPU kernel checks the same contract in C++. The TBE's
+eager steps on CUDA call the Triton implementation directly with arguments it built and checked
+itself (its batch, its bounds check, its maps and knobs), so a step pays no check on the host.
 
 Two kinds of checks, O(T + bags) (``T = table_rows.numel()``, ``bags = bag_feature.numel()``):
 
@@ -519,3 +521,13 @@ def check_repair_offsets(offsets, warn, num_indices: int) -> None:
     check_counter(op, "warn", warn, offsets.device)
     if int(num_indices) < 0:
         _fail(op, f"num_indices must be >= 0, got {num_indices}", ValueError)
+
+
+def _check_repair_args(args: tuple) -> None:
+    check_repair_offsets(*args)
+
+
+# The check of each op's arguments (in its schema's order), for the implementations that check at
+# their registration (:mod:`.cuda.impls`).
+BY_OP = {"tbe_forward": check_forward, "tbe_linearize": check_linearize,
+         "tbe_backward_update_": check_backward, "tbe_repair_offsets": _check_repair_args}

@@ -23,7 +23,6 @@ import torch
 from triton.runtime.jit import JITFunction
 
 from ...row_layout import CACHED_LAYOUTS, KERNEL_LAYOUTS
-from .. import arg_checks
 from ..capabilities import Capabilities, OpTable
 from .launch import DirectLauncher, direct
 from ..batch import index_factors
@@ -186,14 +185,9 @@ def tbe_forward(weights, accum, linear, rowwise, table_w_offset, table_dim, tabl
     A cached batch (``cache_locations``) reads its cached rows from ``cache_weights``, or for derived
     weights from ``cache_linear`` and ``cache_accum``.
 
-    Raises:
-        RuntimeError, ValueError: arguments that break the ops' contract (:mod:`..arg_checks`).
+    Unchecked: the registered op (:mod:`.impls`) checks its arguments first (:mod:`..arg_checks`);
+    the TBE's eager calls (:data:`OPS`) pass the arguments it built and checked itself.
     """
-    arg_checks.check_forward((weights, accum, linear, rowwise, table_w_offset, table_dim, table_rows,
-                              table_row_base, feature_table, bag_feature, bag_out_offset, indices,
-                              offsets, per_sample_weights, pooling_mode, max_D, table_dims, total_rows,
-                              knobs, pow_half, has_shrink, out_numel, out_dtype, warn, row_keys,
-                              cache_locations, cache_weights, cache_accum, cache_linear))
     out = torch.empty(out_numel, dtype=out_dtype, device=linear.device)
     num_bags = offsets.numel() - 1
     if num_bags <= 0 or out_numel == 0:
@@ -230,12 +224,9 @@ def tbe_linearize(table_w_offset, table_dim, table_rows, table_row_base, feature
     """``tbe_linearize`` (:mod:`torchrec_ftrl.kernels.ops`): :func:`.backward.linearize_kernel`; with ``warn``
     the raw offsets are repaired and bad offsets and indices counted.
 
-    Raises:
-        RuntimeError, ValueError: arguments that break the ops' contract (:mod:`..arg_checks`).
+    Unchecked: the registered op (:mod:`.impls`) checks its arguments first (:mod:`..arg_checks`);
+    the TBE's eager calls (:data:`OPS`) pass the arguments it built and checked itself.
     """
-    arg_checks.check_linearize((table_w_offset, table_dim, table_rows, table_row_base, feature_table,
-                                bag_feature, bag_out_offset, indices, offsets, per_sample_weights,
-                                pooling_mode, max_D, table_dims, total_rows, out_numel, warn))
     even_d = _vec_even(tuple(table_dims), _block_d(max_D))[1]
     return _linearize(indices, offsets, bag_feature, bag_out_offset, feature_table, table_row_base,
                       table_rows, warn, warn is not None, True, per_sample_weights, pooling_mode,
@@ -307,16 +298,10 @@ def tbe_backward_update_(weights, accum, linear, rowwise, table_w_offset, table_
     (``cache_accum`` ``[slots, 1]`` when ``rowwise``), one row stride ``S``, in the dtypes of
     ``accum`` / ``linear``).
 
-    Raises:
-        RuntimeError, ValueError: arguments that break the ops' contract (:mod:`..arg_checks`), a
-            bf16 state and ``step`` None among them.
+    Unchecked: the registered op (:mod:`.impls`) checks its arguments first (:mod:`..arg_checks`;
+    a bf16 state needs ``step``); the TBE's eager calls (:data:`OPS`) pass the arguments it built
+    and checked itself.
     """
-    arg_checks.check_backward((weights, accum, linear, rowwise, table_w_offset, table_dim, table_rows,
-                               table_row_base, feature_table, bag_feature, bag_out_offset, indices,
-                               offsets, per_sample_weights, pooling_mode, max_D, table_dims, total_rows,
-                               grad_out, knobs, pow_half, has_shrink, nonfinite_rows, step, check,
-                               lin_key, lin_gofs, lin_scale, lin_tid, cache_locations, cache_weights,
-                               cache_accum, cache_linear))
     if step is None:
         step = table_row_base   # int64 placeholder (read-only): fp32 kernels never read it
     lin = (lin_key, lin_gofs, lin_scale, lin_tid)
@@ -422,10 +407,9 @@ def tbe_repair_offsets(offsets: torch.Tensor, warn: torch.Tensor, num_indices: i
     """``tbe_repair_offsets`` (:mod:`torchrec_ftrl.kernels.ops`): one pass over tiles of
     ``TUNING["repair_block"]`` bags (:func:`.backward.offsets_repair_kernel`), no host sync.
 
-    Raises:
-        RuntimeError, ValueError: arguments that break the ops' contract (:mod:`..arg_checks`).
+    Unchecked: the registered op (:mod:`.impls`) checks its arguments first (:mod:`..arg_checks`);
+    the TBE's eager calls (:data:`OPS`) pass the arguments it built and checked itself.
     """
-    arg_checks.check_repair_offsets(offsets, warn, num_indices)
     n = offsets.numel()
     fixed = torch.empty_like(offsets)
     if n == 0:

@@ -389,3 +389,13 @@ def sample_data():
             pytest.skip(f"sample data {p} not present (set TORCHREC_FTRL_DATA)")
         return p
     return path
+
+
+@pytest.fixture
+def one_process():
+    """A one-process gloo process group (DMP on the CPU) for the test; yields :mod:`dist_scenarios`."""
+    import torch.distributed as dist
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    yield __import__("dist_scenarios")
+    dist.destroy_process_group()

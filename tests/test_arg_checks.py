@@ -52,6 +52,9 @@ COMMON = [
     ("feature_table", "feature_table", lambda t: torch.tensor([0, 2]), ValueError),
     ("bag_feature", "bag_feature", lambda t: t + 1, ValueError),
     ("bag_out_offset", "bag_out_offset", lambda t: t + 1, ValueError),
+    ("must lie in", "bag_out_offset", lambda t: t + (2 ** 63 - 2 - int(t.max())), ValueError),  # no int64 wrap
+    ("multiple of", "bag_out_offset", lambda t: torch.cat([t[:1] + 1, t[1:]]), ValueError),
+    ("multiple of", "table_w_offset", lambda t: torch.cat([t[:1] + 1, t[1:]]), ValueError),
     ("offsets", "offsets", lambda t: torch.cat([t, t[-1:]]), RuntimeError),
     ("table_rows", "table_rows", lambda t: t.int(), RuntimeError),
     ("accum", "accum", lambda t: t[:-1], RuntimeError),
@@ -310,3 +313,16 @@ def test_interp_triton_forward_refuses(interp, case):
 @pytest.mark.parametrize("layout", [("stored", "elementwise"), ("derived", "rowwise")], ids="-".join)
 def test_interp_triton_overflow_rule(interp, layout):
     _assert_overflow_rule(_by_triton, layout, 1e19)
+
+
+@pytest.mark.parametrize("backend", ["cpp", "torch"])
+def test_the_tbe_builds_and_looks_up_under_inference_mode(backend):
+    """Inference tensors have no version counter: the checks read their values instead of
+    remembering them. Expected output: the initial weights' bag sums, gathered independently."""
+    from torchrec_ftrl import FTRLTableBatchedEmbeddingBags
+    with torch.inference_mode():
+        tbe = FTRLTableBatchedEmbeddingBags([(10, 8), (6, 4)], backend=backend, learning_rate=0.1)
+        w0, w1 = (w.double() for w in tbe.split_embedding_weights())
+        out = tbe(torch.tensor([1, 9, 2, 5, 3]), torch.tensor([0, 2, 3, 4, 5]))   # feature-major bags, B = 2
+    want = torch.stack([torch.cat([w0[1] + w0[9], w1[5]]), torch.cat([w0[2], w1[3]])])
+    torch.testing.assert_close(out.double(), want, rtol=0, atol=1e-6)

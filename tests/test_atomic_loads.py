@@ -122,14 +122,6 @@ def test_load_weights_refuses_values_beyond_the_weights_dtype(precision):
 
 
 # ------------------------------------------------------------------ DMP: one gloo process
-@pytest.fixture
-def one_process():
-    import sys
-    sys.path.insert(0, os.path.dirname(__file__))
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    yield __import__("dist_scenarios")
-    dist.destroy_process_group()
 
 
 def _dmp_bits(dmp) -> list[torch.Tensor]:

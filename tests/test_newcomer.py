@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import torchrec
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
 import torchrec_ftrl
 from conftest import bits
@@ -31,46 +33,83 @@ FTRL_ONLY = {**{k: 0.1 for k in FTRL_KWARGS}, "ftrl_learning_rate_power": -0.5, 
 
 
 # ---------------------------------------------------------------- 1. FTRL keys without "optimizer"
-def _build_both(fused_params):
-    torchrec_ftrl.sharders(fused_params)
-    sharders_mod.FTRLEmbeddingCollectionSharder(fused_params=fused_params)
+NO_OPTIMIZER = r"but no \"optimizer\""
+
+
+def _ebc(in_backward_kwargs=None):
+    """A one-table EBC on meta, its table given an in-backward FTRL optimizer when kwargs are given."""
+    tables = [torchrec.EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=100, feature_names=["f0"])]
+    ebc = torchrec.EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+    if in_backward_kwargs is not None:
+        apply_optimizer_in_backward(torchrec_ftrl.FTRL, ebc.parameters(), in_backward_kwargs)
+    return ebc
+
+
+def _shard(fused_params, ebc):
+    """The EBC sharder's shard() of ``ebc`` with an empty plan: our refusal runs first; past it,
+    TorchRec fails on the empty plan (any other error), which this returns."""
+    sharder = torchrec_ftrl.sharders(fused_params)[0]
+    try:
+        sharder.shard(ebc, {}, None, torch.device("cpu"))
+    except Exception as e:   # noqa: BLE001 - TorchRec's own error on the empty plan
+        return e
+    return None
 
 
 def test_the_newcomers_lean_fused_params_without_optimizer_are_refused():
-    """The issue's dict (no "optimizer") would train with FBGEMM's EXACT_SGD: refused, naming the
-    FTRL keys and saying to set the optimizer."""
+    """The issue's dict (no "optimizer") would train the table with FBGEMM's EXACT_SGD: refused when
+    the module is sharded, naming the FTRL keys, the table and the fix."""
     fused = {"learning_rate": 0.05, "ftrl_weights": "derived", "ftrl_accumulator": "rowwise"}
-    for build in (torchrec_ftrl.sharders, lambda fp: sharders_mod.FTRLEmbeddingBagCollectionSharder(fused_params=fp)):
-        with pytest.raises(ValueError) as e:
-            build(fused)
-        msg = str(e.value)
-        assert "'ftrl_weights': 'derived'" in msg and "'ftrl_accumulator': 'rowwise'" in msg
-        assert "learning_rate" not in msg.split("but no")[0]
-        assert '"optimizer": EmbOptimType.FTRL' in msg and "EXACT_SGD" in msg
-    with pytest.raises(ValueError, match=r"\{'ftrl_l1_reg': 0\.001\} but no \"optimizer\""):
-        torchrec_ftrl.sharders({"ftrl_l1_reg": 1e-3})
+    err = _shard(fused, _ebc())
+    assert isinstance(err, ValueError), err
+    msg = str(err)
+    assert "'ftrl_weights': 'derived'" in msg and "'ftrl_accumulator': 'rowwise'" in msg
+    assert "learning_rate" not in msg.split("but no")[0] and "['t0']" in msg
+    assert '"optimizer": EmbOptimType.FTRL' in msg and "EXACT_SGD" in msg
+    err = _shard({"ftrl_l1_reg": 1e-3}, _ebc())
+    assert isinstance(err, ValueError) and re.search(r"\{'ftrl_l1_reg': 0\.001\} " + NO_OPTIMIZER, str(err))
 
 
 @pytest.mark.parametrize("key", sorted(FTRL_ONLY))
 def test_every_ftrl_only_key_is_refused_without_an_optimizer_and_with_another(key):
-    """Each FTRL-only key alone: refused with no optimizer and with EXACT_ADAGRAD, both ways of
-    building the sharders; taken with FTRL."""
+    """Each FTRL-only key alone: refused at shard time with no optimizer, and at construction with
+    EXACT_ADAGRAD (both sharders); taken with FTRL."""
     value = FTRL_ONLY[key]
-    with pytest.raises(ValueError, match=rf"FTRL option\(s\) \{{'{key}': .*\}} but no \"optimizer\""):
-        _build_both({"learning_rate": 0.1, key: value})
+    err = _shard({"learning_rate": 0.1, key: value}, _ebc())
+    # the sharders hold a state dtype as its canonical optimizer_state_dtypes
+    held = OPTIMIZER_STATE_DTYPES if key == STATE_DTYPE else key
+    assert isinstance(err, ValueError) and re.search(rf"FTRL option\(s\) \{{'{held}': .*\}} {NO_OPTIMIZER}",
+                                                     str(err)), err
     with pytest.raises(ValueError, match=rf"{key}=.* is an FTRL option, but the optimizer is .*EXACT_ADAGRAD"):
         _build_both({"optimizer": EmbOptimType.EXACT_ADAGRAD, "learning_rate": 0.1, key: value})
     _build_both({"optimizer": EmbOptimType.FTRL, "learning_rate": 0.1, key: value})
 
 
+def test_ftrl_keys_without_optimizer_apply_to_in_backward_ftrl_tables(one_process):
+    """TorchRec merges a sharder's fused_params with a table's in-backward optimizer: with every table
+    in-backward FTRL the keys apply (the lean layout is built), nothing is refused."""
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec_ftrl.integration.compute_kernels import ftrl_tbes
+    ebc = _ebc({"lr": 0.05, "ftrl_l1_reg": 1e-3})
+    assert not isinstance(_shard({"ftrl_weights": "derived"}, ebc), ValueError)
+    model = DistributedModelParallel(ebc, device=torch.device("cpu"), sharders=torchrec_ftrl.sharders(
+        {"ftrl_weights": "derived", "ftrl_accumulator": "rowwise"}))
+    assert [t.row_layout.key for t in ftrl_tbes(model)] == [("derived", "rowwise")]
+
+
+def _build_both(fused_params):
+    torchrec_ftrl.sharders(fused_params)
+    sharders_mod.FTRLEmbeddingCollectionSharder(fused_params=fused_params)
+
+
 def test_fused_params_without_optimizer_and_without_ftrl_keys_still_build():
     """No FTRL key: nothing to refuse (stock keys, None or empty FTRL values)."""
-    _build_both({"learning_rate": 0.1})
-    _build_both({"ftrl_weights": None, STATE_DTYPE: None, OPTIMIZER_STATE_DTYPES: {}})
-    _build_both(None)
+    for fused in ({"learning_rate": 0.1}, {"ftrl_weights": None, STATE_DTYPE: None, OPTIMIZER_STATE_DTYPES: {}},
+                  None):
+        _build_both(fused)
+        assert not isinstance(_shard(fused, _ebc()), ValueError)
 
 
-# ---------------------------------------------------------------- 2. the unknown-key message
 def test_unknown_key_message_lists_the_layout_keys():
     with pytest.raises(ValueError) as e:
         parse_options({"ftrl_weight": "derived"}, where="fused_params")

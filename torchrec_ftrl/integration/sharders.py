@@ -38,35 +38,45 @@ from .compute_kernels import (FTRL_COMPUTE_KERNELS, canonical_fused_params, ftrl
                               refuse_ftrl_keys_without_ftrl, tbe_kwargs_from_fused_params)
 
 __all__ = ["FTRL_COMPUTE_KERNELS", "FTRLEmbeddingBagCollectionSharder", "FTRLEmbeddingCollectionSharder",
-           "mixed_ftrl_placements", "refuse_misplaced_ftrl_keys", "sharders"]
+           "ftrl_keys_without_optimizer", "mixed_ftrl_placements", "refuse_misplaced_ftrl_keys",
+           "sharders"]
 
 
-def refuse_misplaced_ftrl_keys(fused_params: Optional[dict[str, Any]], where: str = "fused_params") -> None:
+def ftrl_keys_without_optimizer(fused_params: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """The FTRL-only keys of ``fused_params`` (those of :func:`.compute_kernels.ftrl_only_key`:
+    ``ftrl_*`` knobs and row-layout keys, FTRL's ``optimizer_state_dtypes``; and ``state_dtype``)
+    with their values, when it names no ``"optimizer"`` (else ``{}``). A key whose value is ``None``
+    or empty counts as not given."""
+    fp = fused_params or {}
+    if fp.get("optimizer") is not None:
+        return {}
+    return {k: v for k, v in fp.items() if isinstance(k, str) and v is not None
+            and not (isinstance(v, (dict, frozenset, tuple)) and not v)
+            and (ftrl_only_key(k, v) or k == STATE_DTYPE)}
+
+
+def refuse_misplaced_ftrl_keys(fused_params: Optional[dict[str, Any]], where: str = "fused_params",
+                               tables_without_ftrl: Optional[list[str]] = None) -> None:
     """Refuse a sharder's ``fused_params`` whose FTRL-only keys would not apply: given with another
-    ``"optimizer"`` (:func:`.compute_kernels.refuse_ftrl_keys_without_ftrl`), or with no
-    ``"optimizer"`` at all, where TorchRec builds FBGEMM's TBE with its default optimizer (EXACT_SGD)
-    for every table without an in-backward optimizer. The FTRL-only keys are those of
-    :func:`.compute_kernels.ftrl_only_key` (``ftrl_*`` knobs and row-layout keys, FTRL's
-    ``optimizer_state_dtypes``) and ``state_dtype``; a key whose value is ``None`` or empty counts as
-    not given.
+    ``"optimizer"`` (:func:`.compute_kernels.refuse_ftrl_keys_without_ftrl`), or, with no
+    ``"optimizer"`` (:func:`ftrl_keys_without_optimizer`), for ``tables_without_ftrl``: the tables
+    of the module being sharded that have no in-backward FTRL optimizer, which TorchRec builds with
+    FBGEMM's default optimizer (EXACT_SGD). (In-backward FTRL tables take the sharder's keys: TorchRec
+    merges them with the optimizer's kwargs.) None: checked when the module is sharded.
 
     Raises:
-        ValueError: naming ``where`` and the FTRL-only keys with their values, and saying to set
-            ``"optimizer": EmbOptimType.FTRL``.
+        ValueError: naming ``where``, the FTRL-only keys with their values and the tables, and saying
+            to set ``"optimizer": EmbOptimType.FTRL``.
     """
     fp = fused_params or {}
     refuse_ftrl_keys_without_ftrl(fp, fp.get("optimizer"), where)
-    if fp.get("optimizer") is not None:
-        return
-    found = {k: v for k, v in fp.items() if isinstance(k, str) and v is not None
-             and not (isinstance(v, (dict, frozenset, tuple)) and not v)
-             and (ftrl_only_key(k, v) or k == STATE_DTYPE)}
-    if found:
+    found = ftrl_keys_without_optimizer(fp)
+    if found and tables_without_ftrl:
         raise ValueError(
-            f"{where} has the FTRL option(s) {found} but no \"optimizer\": its tables would train with "
-            f"FBGEMM's default optimizer (EXACT_SGD) and ignore them. Add \"optimizer\": EmbOptimType.FTRL "
-            f"(after import torchrec_ftrl), or give these keys in the kwargs of "
-            f"apply_optimizer_in_backward(torchrec_ftrl.FTRL, ...) for in-backward FTRL tables")
+            f"{where} has the FTRL option(s) {found} but no \"optimizer\": the tables "
+            f"{sorted(tables_without_ftrl)} would train with FBGEMM's default optimizer (EXACT_SGD) and "
+            f"ignore them. Add \"optimizer\": EmbOptimType.FTRL (after import torchrec_ftrl), or give "
+            f"these tables an in-backward optimizer, apply_optimizer_in_backward(torchrec_ftrl.FTRL, ...)")
 
 
 def mixed_ftrl_placements(params: dict[str, ParameterSharding], ftrl_tables: set[str]) -> bool:
@@ -113,6 +123,11 @@ class _FTRLKernelFilter:
                 ftrl.add(name)
         return ftrl
 
+    def _in_backward_ftrl(self, module) -> set[str]:
+        """Names of ``module``'s tables with an in-backward FTRL optimizer."""
+        return {name for name, param in self.shardable_parameters(module).items()
+                if getattr(param, "_optimizer_classes", None) and is_ftrl(param._optimizer_classes[0])}
+
     def _canonical_in_backward_kwargs(self, module) -> None:
         """Give every in-backward FTRL table's optimizer kwargs (``param._optimizer_kwargs``) its state
         dtype in the hashable fused_params form (:func:`.compute_kernels.canonical_fused_params`; a kwargs
@@ -150,6 +165,8 @@ class _FTRLKernelFilter:
         fused_params when :func:`mixed_ftrl_placements` holds for this module's FTRL tables. In-backward
         FTRL tables' state dtypes are made hashable first (:meth:`_canonical_in_backward_kwargs`)."""
         self._canonical_in_backward_kwargs(module)
+        refuse_misplaced_ftrl_keys(self._fused_params, "the sharder's fused_params",
+                                   sorted(set(self.shardable_parameters(module)) - self._in_backward_ftrl(module)))
         if (device is None or torch.device(device).type != "cuda"
                 or not mixed_ftrl_placements(params, self._ftrl_tables(module))):
             return super().shard(module, params, env, device, module_fqn)
@@ -187,9 +204,10 @@ def sharders(fused_params: Optional[dict[str, Any]] = None) -> list[ModuleSharde
 
     Raises:
         ValueError: invalid FTRL knobs, cache keys or state dtypes, or FTRL-only keys (``ftrl_*``
-            knobs and row-layout keys, FTRL's state dtypes) with another ``"optimizer"`` or with no
-            ``"optimizer"``, which would not apply (:func:`refuse_misplaced_ftrl_keys`); checked here,
-            before any process builds a kernel, naming the keys and their values.
+            knobs and row-layout keys, FTRL's state dtypes) with another ``"optimizer"``, which would
+            not apply (:func:`refuse_misplaced_ftrl_keys`); checked here, before any process builds a
+            kernel, naming the keys and their values. With no ``"optimizer"`` they are refused when a
+            module is sharded, for its tables without an in-backward FTRL optimizer.
     """
     refuse_misplaced_ftrl_keys(fused_params)
     fp = canonical_fused_params(dict(fused_params)) if fused_params else None

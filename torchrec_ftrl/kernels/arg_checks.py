@@ -44,7 +44,7 @@ from typing import Any, Optional
 import torch
 
 from ..hyperparams import KernelScalars
-from .batch import POOL_MEAN, POOL_NONE, POOL_SUM
+from .batch import POOL_MEAN, POOL_NONE, POOL_SUM, row_alignment
 
 I64, F32 = (torch.int64,), (torch.float32,)
 STATES = (torch.float32, torch.bfloat16)
@@ -64,7 +64,7 @@ def remember(t: torch.Tensor, facts: Any) -> None:
     """Record ``facts`` about the values of ``t`` as they are now (``t._version``): the value checks
     use them instead of reading ``t`` until ``t`` is modified in place. For tensors made from
     checked host facts; a no-op while ``torch.compile`` traces and for tensor subclasses."""
-    if type(t) is torch.Tensor and not torch.compiler.is_compiling():
+    if type(t) is torch.Tensor and not t.is_inference() and not torch.compiler.is_compiling():
         key = id(t)
         _facts[key] = (weakref.ref(t, lambda ref, key=key: _forget(key, ref)), t._version, facts)
 
@@ -78,6 +78,8 @@ def _forget(key: int, ref) -> None:
 
 def recalled(t: torch.Tensor) -> Any:
     """What :func:`remember` recorded about ``t``, or None (none, or ``t`` changed since)."""
+    if t.is_inference():   # no version counter: never remembered
+        return None
     entry = _facts.get(id(t))
     if entry is None or entry[0]() is not t or entry[1] != t._version:
         return None
@@ -95,8 +97,10 @@ def remember_bags(bag_feature: torch.Tensor, bag_out_offset: torch.Tensor, featu
     bag's output ``[bag_out_offset[b], bag_out_offset[b] + feature_dims[bag_feature[b]])`` inside
     ``[0, out_end)``."""
     remember(bag_feature, ("bags", 0, features - 1))
+    if bag_feature.is_inference():
+        return
     remember(bag_out_offset, (weakref.ref(bag_feature), bag_feature._version, tuple(feature_dims), 0,
-                              int(out_end)))
+                              int(out_end), 0, row_alignment(feature_dims)))
 
 
 # ------------------------------------------------------------------------------- metadata checks
@@ -255,7 +259,9 @@ def wants_values(t: torch.Tensor) -> bool:
 
 
 def _remembering(t: torch.Tensor) -> bool:
-    return t.device.type in REMEMBERING_DEVICE_TYPES
+    """Whether ``t``'s values are remembered (its device's are, and it has a version counter: not an
+    inference tensor)."""
+    return t.device.type in REMEMBERING_DEVICE_TYPES and not t.is_inference()
 
 
 def small_values(t: torch.Tensor) -> tuple:
@@ -286,6 +292,11 @@ def _table_problem(woff, dims, rows, base, table_dims, total_rows: int, linear_n
         if w < 0 or (linear_numel is not None and w + r * d > linear_numel):
             return (f"table {t} must lie inside linear ({linear_numel} elements), got "
                     f"table_w_offset={w}, table_rows={r}, table_dim={d}")
+    vec = row_alignment(dims)
+    for t, w in enumerate(woff):
+        if w % vec:
+            return (f"table_w_offset[{t}]={w} must be a multiple of {vec} (the largest power of two "
+                    f"<= 16 dividing every table dim: the kernels' vector width)")
     return None
 
 
@@ -344,19 +355,25 @@ def check_bag_values(op: str, bag_feature: torch.Tensor, bag_out_offset: torch.T
 
 def _check_bag_outputs(op: str, bag_feature, bag_out_offset, feature_dims: tuple, out_size: int,
                        out_name: str) -> None:
-    keep = _remembering(bag_out_offset)
+    keep = _remembering(bag_out_offset) and _remembering(bag_feature)
     facts = recalled(bag_out_offset) if keep else None
     if (facts is None or facts[0]() is not bag_feature or facts[1] != bag_feature._version
             or facts[2] != feature_dims):
-        dims = torch.tensor(feature_dims, dtype=torch.int64, device=bag_out_offset.device)
-        lo, end = _read_ints(bag_out_offset.min(), (bag_out_offset + dims[bag_feature]).max())
-        facts = (weakref.ref(bag_feature), bag_feature._version, feature_dims, lo, end)
+        dims = torch.tensor(feature_dims, dtype=torch.int64, device=bag_out_offset.device)[bag_feature]
+        # offsets past the output clamped first, so offset + D cannot overflow int64
+        vec = row_alignment(feature_dims)
+        lo, end, odd = _read_ints(bag_out_offset.min(), (bag_out_offset.clamp(max=out_size + 1) + dims).max(),
+                                  (bag_out_offset % vec).max())
+        facts = (weakref.ref(bag_feature), bag_feature._version if keep else 0, feature_dims, lo, end, odd, vec)
         if keep:
             remember(bag_out_offset, facts)
     if facts[3] < 0 or facts[4] > out_size:
         _fail(op, f"every pooled bag's output [bag_out_offset[b], bag_out_offset[b] + D) must lie in "
                   f"[0, {out_name}={out_size}), got bag_out_offset min {facts[3]}, largest end "
                   f"{facts[4]}", ValueError)
+    if facts[5]:
+        _fail(op, f"every bag_out_offset must be a multiple of {facts[6]} (the largest power of two <= 16 "
+                  "dividing every feature's dim: the kernels' vector width)", ValueError)
 
 
 def knob_facts(knobs: torch.Tensor) -> tuple[bool, bool]:

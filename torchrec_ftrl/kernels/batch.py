@@ -23,6 +23,7 @@ FBGEMM's variable-batch (VBE) layout alike. With ``PoolingMode.NONE`` index ``i`
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -31,6 +32,20 @@ from ..row_layout import layout_key
 
 # FBGEMM's PoolingMode values, as the kernels take them (the C++ kernel's kPool* constants equal these).
 POOL_SUM, POOL_MEAN, POOL_NONE = (int(PoolingMode.SUM), int(PoolingMode.MEAN), int(PoolingMode.NONE))
+
+
+def row_alignment(table_dims) -> int:
+    """The largest power of two <= 16 dividing every dim of ``table_dims``: the
+    Triton kernels read and write rows in vectors of this many elements, so every table's element
+    offset (``table_w_offset``) and every pooled bag's output offset (``bag_out_offset``) is a
+    multiple of it (the TBE's are: sums of rows x dims)."""
+    g = 0
+    for d in table_dims:
+        g = math.gcd(g, int(d))
+    vec = 1
+    while vec < 16 and g % (vec * 2) == 0:
+        vec *= 2
+    return vec
 
 
 def index_factors(per_sample_weights, pooling_mode: int) -> tuple[bool, bool]:

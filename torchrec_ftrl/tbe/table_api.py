@@ -80,7 +80,7 @@ def check_loaded(own: dict[str, torch.Tensor], slots: dict[str, str], state_dict
     missing = [prefix + name for name in own if prefix + name not in state_dict]
     if missing and (strict or (strict is None and len(missing) < len(own))):
         raise ValueError(f"load_state_dict: the state dict has no {missing[0]!r}"
-                         f"{' (strict=True)' if strict else ''}; nothing was loaded"
+                         f"{' (strict=True)' if strict else ''}; this TBE's buffers are unchanged"
                          f"{'' if strict else ' (a partial state of this TBE loads through its own load_state_dict(strict=False))'}")
     if missing and strict is None:
         return False
@@ -88,7 +88,7 @@ def check_loaded(own: dict[str, torch.Tensor], slots: dict[str, str], state_dict
                   and key[len(prefix):].split(".", 1)[0] not in children]
     if unexpected and strict:
         raise ValueError(f"load_state_dict: unexpected key {unexpected[0]!r} in the state dict "
-                         "(strict=True); nothing was loaded")
+                         "(strict=True); this TBE's buffers are unchanged")
     for name, tensor in own.items():
         key = prefix + name
         if key not in state_dict:
@@ -96,10 +96,10 @@ def check_loaded(own: dict[str, torch.Tensor], slots: dict[str, str], state_dict
         value = state_dict[key]
         if isinstance(value, torch.Tensor) and tuple(value.shape) != tuple(tensor.shape):
             raise ValueError(f"load_state_dict: {key!r} has shape {tuple(value.shape)}, but this TBE's "
-                             f"{name} has shape {tuple(tensor.shape)}; nothing was loaded")
+                             f"{name} has shape {tuple(tensor.shape)}; this TBE's buffers are unchanged")
         problem = value_problem(value, slots.get(name, "weight"), tensor.dtype)
         if problem is not None:
-            raise ValueError(f"load_state_dict: {key!r} {problem}; nothing was loaded")
+            raise ValueError(f"load_state_dict: {key!r} {problem}; this TBE's buffers are unchanged")
     return True
 
 

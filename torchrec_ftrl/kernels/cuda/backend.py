@@ -25,7 +25,7 @@ from triton.runtime.jit import JITFunction
 from ...row_layout import CACHED_LAYOUTS, KERNEL_LAYOUTS
 from ..capabilities import Capabilities, OpTable
 from .launch import DirectLauncher, direct
-from ..batch import index_factors
+from ..batch import POOL_NONE, index_factors, row_alignment
 from ..ops import linearized_like
 from .backward import (linearize_kernel, offsets_repair_kernel,
                               segment_combine_kernel, segment_config, segment_mark_kernel,
@@ -167,13 +167,7 @@ def _vec_even(table_dims, block_d: int) -> tuple[int, bool]:
     """(largest power of two <= 16 dividing every D, every D == BLOCK_D); (1, False) if unknown."""
     if not table_dims:
         return 1, False
-    g = 0
-    for d in table_dims:
-        g = math.gcd(g, int(d))
-    vec = 1
-    while vec < 16 and g % (vec * 2) == 0:
-        vec *= 2
-    return vec, all(int(d) == block_d for d in table_dims)
+    return row_alignment(table_dims), all(int(d) == block_d for d in table_dims)
 
 
 def tbe_forward(weights, accum, linear, rowwise, table_w_offset, table_dim, table_rows, table_row_base,
@@ -188,7 +182,9 @@ def tbe_forward(weights, accum, linear, rowwise, table_w_offset, table_dim, tabl
     Unchecked: the registered op (:mod:`.impls`) checks its arguments first (:mod:`..arg_checks`);
     the TBE's eager calls (:data:`OPS`) pass the arguments it built and checked itself.
     """
-    out = torch.empty(out_numel, dtype=out_dtype, device=linear.device)
+    # a sequence (NONE) row of a table narrower than max_D leaves its padding unwritten: zeros
+    padded = pooling_mode == POOL_NONE and any(int(d) != max_D for d in table_dims)
+    out = (torch.zeros if padded else torch.empty)(out_numel, dtype=out_dtype, device=linear.device)
     num_bags = offsets.numel() - 1
     if num_bags <= 0 or out_numel == 0:
         return out.zero_()

@@ -243,6 +243,7 @@ void forward_sequence(const Rows& rows, const int64_t* table_dim, const int64_t*
         const auto* __restrict__ row = table.row(indices[i], D, buf.data());
         O* __restrict__ dst = out + i * max_D;
         for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<O>(to_f(row[d]));
+        for (int64_t d = D; d < max_D; ++d) dst[d] = static_cast<O>(0.0f);  // a narrower table's padding
       }
     }
   });
@@ -1027,6 +1028,10 @@ int64_t count_invalid_scalar(const at::Tensor& table_rows, const at::Tensor& fea
   check_index_tensor(op, bag_feature, "bag_feature", offsets.numel() - 1, " (offsets.numel() - 1: one per bag)");
   check_entries(op, feature_table, "feature_table", table_rows.numel());
   check_entries(op, bag_feature, "bag_feature", feature_table.numel());
+  const int64_t* rows_p = table_rows.data_ptr<int64_t>();
+  for (int64_t t = 0; t < table_rows.numel(); ++t) {
+    TORCH_CHECK_VALUE(rows_p[t] >= 0, "torchrec_ftrl::", op, ": table_rows[", t, "]=", rows_p[t], " must be >= 0");
+  }
   const int64_t n = indices.numel();
   const int64_t num_bags = offsets.numel() - 1;
   if (num_bags < 0) return 1;

@@ -55,6 +55,8 @@ COMMON = [
     ("must lie in", "bag_out_offset", lambda t: t + (2 ** 63 - 2 - int(t.max())), ValueError),  # no int64 wrap
     ("multiple of", "bag_out_offset", lambda t: torch.cat([t[:1] + 1, t[1:]]), ValueError),
     ("multiple of", "table_w_offset", lambda t: torch.cat([t[:1] + 1, t[1:]]), ValueError),
+    ("max_D", "max_D", MAX_D + 1, ValueError),          # above every dim: sizes scratch rows
+
     ("offsets", "offsets", lambda t: torch.cat([t, t[-1:]]), RuntimeError),
     ("table_rows", "table_rows", lambda t: t.int(), RuntimeError),
     ("accum", "accum", lambda t: t[:-1], RuntimeError),
@@ -326,3 +328,28 @@ def test_the_tbe_builds_and_looks_up_under_inference_mode(backend):
         out = tbe(torch.tensor([1, 9, 2, 5, 3]), torch.tensor([0, 2, 3, 4, 5]))   # feature-major bags, B = 2
     want = torch.stack([torch.cat([w0[1] + w0[9], w1[5]]), torch.cat([w0[2], w1[3]])])
     torch.testing.assert_close(out.double(), want, rtol=0, atol=1e-6)
+
+
+def test_none_pooling_refuses_per_sample_weights():
+    """PoolingMode.NONE has no bags to weight: per_sample_weights are refused (the forward would
+    ignore them and the update apply them)."""
+    b = _batch(PoolingMode.NONE, False)
+    layout = ("stored", "elementwise")
+    args = list(_forward_args(_state(layout), layout, b))
+    _set(args, "psw", torch.ones(b["indices"].numel()))
+    with pytest.raises(ValueError, match="per_sample_weights .*NONE"):
+        _by_composite(ops.tbe_forward.default, *args)
+
+
+def test_load_state_dict_assign_refuses_a_buffer_the_kernels_cannot_take():
+    """assign=True keeps the given tensors as the buffers: another dtype or a non-contiguous one is
+    refused before any is assigned."""
+    from torchrec_ftrl import FTRLTableBatchedEmbeddingBags
+    tbe = FTRLTableBatchedEmbeddingBags([(6, 4)], learning_rate=0.1)
+    before = {k: bits(v) for k, v in tbe.state_dict().items()}
+    for key, value in (("accum_dev", tbe.accum_dev.double()), ("linear_dev", torch.zeros(48)[::2])):
+        sd = {k: v.clone() for k, v in tbe.state_dict().items()}
+        sd[key] = value
+        with pytest.raises(ValueError, match=f"{key}.*assign=True"):
+            tbe.load_state_dict(sd, assign=True)
+        assert all(torch.equal(bits(v), before[k]) for k, v in tbe.state_dict().items())

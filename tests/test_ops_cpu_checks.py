@@ -81,7 +81,13 @@ def _noncontiguous(t):
 # (id, ops it applies to, the change to the valid keyword arguments, the message's pattern)
 BOTH, FWD, BWD = ("forward", "backward"), ("forward",), ("backward",)
 CASES = [
-    ("max_D-below-a-dim", BOTH, dict(max_D=4), r"table_dim\[1\]=8 must be in \[0, max_D=4\]"),
+    ("max_D-below-a-dim", BOTH, dict(max_D=4), r"table_dim\[1\]=8 must be in \[1, max_D=4\]"),
+    ("max_D-above-every-dim", BOTH, dict(max_D=2 ** 27), r"max_D=134217728 must be the largest table dim \(8\)"),
+    ("table_dim-zero", BOTH, dict(table_dim=torch.tensor([0, 8]), table_dims=[0, 8]),
+     r"table_dim\[0\]=0 must be in \[1, "),
+    ("step-2d", BWD, dict(step=torch.zeros(1, 1, dtype=torch.int64)), r"step must be int64 \[1\]"),
+    ("nonfinite_rows-2d", BWD, dict(nonfinite_rows=torch.zeros(1, 1, dtype=torch.int64)),
+     r"nonfinite_rows must be int64 \[1\]"),
     ("max_D-zero", BOTH, dict(max_D=0), r"max_D must be in \[1, "),
     ("out_numel-short", FWD, dict(out_numel=20), r"bag_out_offset\[3\]=16 .*out_numel"),
     ("out_numel-negative", FWD, dict(out_numel=-1), r"out_numel must be >= 0, got -1"),

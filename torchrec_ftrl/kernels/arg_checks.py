@@ -156,10 +156,13 @@ def check_batch_meta(op: str, batch: tuple, dev: torch.device) -> None:
     if int(pooling_mode) not in POOLING_MODES:
         _fail(op, f"pooling_mode must be one of {POOLING_MODES} (SUM, MEAN, NONE), got {pooling_mode}",
               ValueError)
+    if psw is not None and int(pooling_mode) == POOL_NONE:
+        _fail(op, "per_sample_weights weight pooled bags (SUM, MEAN); pooling_mode NONE takes none",
+              ValueError)
     if len(table_dims) != T:
         _fail(op, f"table_dims must have {T} entries (one per table), got {len(table_dims)}")
-    if T and (min(table_dims) < 0 or max_D < max(table_dims) or max_D < 1):
-        _fail(op, f"max_D must be >= 1 and >= every table dim, and the dims >= 0, got max_D={max_D}, "
+    if (T and (min(table_dims) < 1 or max_D != max(table_dims))) or max_D < 0:
+        _fail(op, f"max_D must be the largest table dim, and the dims >= 1, got max_D={max_D}, "
                   f"table_dims={list(table_dims)}", ValueError)
     if total_rows < 0:
         _fail(op, f"total_rows must be >= 0, got {total_rows}", ValueError)
@@ -415,7 +418,7 @@ def check_offset_values(op: str, offsets: torch.Tensor, N: int) -> None:
     Raises:
         ValueError: naming the op, ``offsets`` and the first bad entry.
     """
-    if _remembering(offsets) or offsets.numel() == 0:
+    if _remembering(offsets) or offsets.numel() <= 1:   # zero bags read nothing (WARNING repairs to [0])
         return
     steps_down = offsets[1:] < offsets[:-1]
     if int(offsets[0]) != 0 or int(offsets[-1]) != N or bool(steps_down.any()):

@@ -326,7 +326,7 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         own = {name: t for name, t in [*self._parameters.items(), *self._buffers.items()]
                if t is not None and name not in self._non_persistent_buffers_set}
         if not check_loaded(own, _LOADED_SLOTS, state_dict, prefix, self.__dict__.get("_load_strict"),
-                            frozenset(self._modules)):
+                            frozenset(self._modules), bool(local_metadata.get("assign_to_params_buffers"))):
             missing_keys.extend(prefix + name for name in own)
             return
         self._flush_written()

@@ -45,13 +45,17 @@ def value_problem(value: Any, slot: str, dtype: torch.dtype) -> Optional[str]:
         return f"has dtype {value.dtype}; a counter takes an integer dtype ({dtype})"
     if value.numel() == 0:
         return None
-    lo, hi = (float(v) for v in torch.aminmax(value.detach().reshape(-1)))   # NaN propagates to both
+    try:
+        lo, hi = (v.item() for v in torch.aminmax(value.detach().reshape(-1)))   # NaN propagates to both
+    except (NotImplementedError, RuntimeError):   # e.g. uint32 / uint64, which aminmax does not take
+        return f"has dtype {value.dtype}, which this TBE does not load"
     if lo != lo or hi != hi:
         return "holds NaN"
     limit = torch.finfo(dtype).max if dtype.is_floating_point else torch.iinfo(dtype).max
     if max(-lo, hi) > limit:
         bad = lo if -lo > hi else hi
-        return f"holds {bad!r}, which is not finite in {dtype}"
+        return (f"holds {bad!r}, which is not finite in {dtype}" if dtype.is_floating_point
+                else f"holds {bad!r}, beyond {dtype}'s range")
     if slot == COUNTER and lo < 0:
         return f"holds {int(lo)}; a counter is >= 0"
     if slot == "accum" and lo < 0:
@@ -60,13 +64,15 @@ def value_problem(value: Any, slot: str, dtype: torch.dtype) -> Optional[str]:
 
 
 def check_loaded(own: dict[str, torch.Tensor], slots: dict[str, str], state_dict, prefix: str,
-                 strict: Optional[bool], children: frozenset = frozenset()) -> bool:
+                 strict: Optional[bool], children: frozenset = frozenset(), assign: bool = False) -> bool:
     """Check every entry ``nn.Module.load_state_dict`` would copy into a TBE's persistent tensors
     ``own`` (``{name: tensor}``; ``slots``: the slot of each, :func:`value_problem`, default
     ``"weight"``) from ``state_dict`` (keys ``prefix + name``), before any is copied. ``strict``:
     the TBE's own ``load_state_dict``'s, or None when a parent module's load reaches the TBE
     (torch does not tell a module's ``_load_from_state_dict`` its caller's ``strict``);
-    ``children``: the names of the TBE's submodules, whose keys are theirs to check.
+    ``children``: the names of the TBE's submodules, whose keys are theirs to check. ``assign``
+    (``load_state_dict(assign=True)``, which keeps the given tensors as the buffers): each must also
+    have the buffer's dtype and device and be contiguous, as the kernels take them.
 
     Returns:
         whether to load: False when ``state_dict`` holds none of the keys under ``strict`` None
@@ -98,6 +104,11 @@ def check_loaded(own: dict[str, torch.Tensor], slots: dict[str, str], state_dict
             raise ValueError(f"load_state_dict: {key!r} has shape {tuple(value.shape)}, but this TBE's "
                              f"{name} has shape {tuple(tensor.shape)}; this TBE's buffers are unchanged")
         problem = value_problem(value, slots.get(name, "weight"), tensor.dtype)
+        if problem is None and assign and (value.dtype != tensor.dtype or value.device != tensor.device
+                                           or not value.is_contiguous()):
+            problem = (f"is a {value.dtype} tensor on {value.device} (contiguous={value.is_contiguous()}); "
+                       f"load_state_dict(assign=True) keeps it as the buffer, which must be a contiguous "
+                       f"{tensor.dtype} tensor on {tensor.device}")
         if problem is not None:
             raise ValueError(f"load_state_dict: {key!r} {problem}; this TBE's buffers are unchanged")
     return True

@@ -361,7 +361,8 @@ void check_layout(const char* op, const at::Tensor* weights, const at::Tensor& a
               want, "), got ", accum.numel());
 }
 
-// The tables (O(T)): table_dims and table_dim agree; 0 <= dim <= max_D; rows >= 0; each table's
+// The tables (O(T)): table_dims and table_dim agree; 1 <= dim <= max_D, max_D the largest dim (it
+// sizes per-thread scratch rows); rows >= 0; each table's
 // elements [w_offset, w_offset + rows * dim) inside the `elements` of linear; table_row_base the
 // prefix sum of rows, whose total is total_rows.
 void check_tables(const char* op, const at::Tensor& table_w_offset, const at::Tensor& table_dim,
@@ -376,11 +377,12 @@ void check_tables(const char* op, const at::Tensor& table_w_offset, const at::Te
   const int64_t* dim = table_dim.data_ptr<int64_t>();
   const int64_t* rows = table_rows.data_ptr<int64_t>();
   const int64_t* base = table_row_base.data_ptr<int64_t>();
-  int64_t sum = 0;
+  int64_t sum = 0, widest = 0;
   for (int64_t t = 0; t < T; ++t) {
-    TORCH_CHECK(dim[t] >= 0 && dim[t] <= max_D && table_dims[t] == dim[t], "torchrec_ftrl::", op,
-                ": table_dim[", t, "]=", dim[t], " must be in [0, max_D=", max_D, "] and equal table_dims[",
+    TORCH_CHECK(dim[t] >= 1 && dim[t] <= max_D && table_dims[t] == dim[t], "torchrec_ftrl::", op,
+                ": table_dim[", t, "]=", dim[t], " must be in [1, max_D=", max_D, "] and equal table_dims[",
                 t, "]=", table_dims[t]);
+    widest = std::max(widest, dim[t]);
     TORCH_CHECK(rows[t] >= 0, "torchrec_ftrl::", op, ": table_rows[", t, "]=", rows[t], " must be >= 0");
     int64_t size = 0, end = 0;
     const bool overflow = __builtin_mul_overflow(rows[t], dim[t], &size) ||
@@ -395,6 +397,8 @@ void check_tables(const char* op, const at::Tensor& table_w_offset, const at::Te
   }
   TORCH_CHECK_VALUE(total_rows == sum, "torchrec_ftrl::", op, ": total_rows=", total_rows,
                     " must be the sum of table_rows (", sum, ")");
+  TORCH_CHECK_VALUE(T == 0 || max_D == widest, "torchrec_ftrl::", op, ": max_D=", max_D,
+                    " must be the largest table dim (", widest, ")");
 }
 
 // Raises for bag b, which check_bags found bad: decreasing offsets or an output position outside.
@@ -467,6 +471,8 @@ c10::optional<at::Tensor> check_batch(const char* op, FTRL_BATCH_PARAMS, int64_t
                     " (MEAN) or ", kPoolNone, " (NONE), got ", pooling_mode);
   TORCH_CHECK_VALUE(out_size >= 0, "torchrec_ftrl::", op, ": ", out_name, " must be >= 0, got ", out_size);
   const auto psw = check_psw(op, per_sample_weights, indices.numel());
+  TORCH_CHECK_VALUE(!psw || pooling_mode != kPoolNone, "torchrec_ftrl::", op, ": per_sample_weights "
+                    "weight pooled bags (SUM, MEAN); pooling_mode NONE takes none");
   check_tables(op, table_w_offset, table_dim, table_rows, table_row_base, table_dims, max_D, total_rows,
                elements);
   check_bags(op, table_dim, feature_table, bag_feature, bag_out_offset, offsets, indices.numel(),
@@ -908,7 +914,7 @@ c10::optional<at::Tensor> check_backward(const char* op, const at::Tensor* weigh
               "torchrec_ftrl::", op, ": grad_out must be contiguous 1-D fp32, fp16 or bf16, got ", grad_out.scalar_type(), " ",
               grad_out.sizes(), " strides ", grad_out.strides());
   check_cpu(op, nonfinite_rows, "nonfinite_rows");
-  TORCH_CHECK(nonfinite_rows.scalar_type() == at::kLong && nonfinite_rows.numel() == 1, "torchrec_ftrl::",
+  TORCH_CHECK(nonfinite_rows.scalar_type() == at::kLong && nonfinite_rows.dim() == 1 && nonfinite_rows.numel() == 1, "torchrec_ftrl::",
               op, ": nonfinite_rows must be int64 [1], got ", nonfinite_rows.scalar_type(), " ",
               nonfinite_rows.sizes());
   const bool bf16_state = accum.scalar_type() == at::kBFloat16 || linear.scalar_type() == at::kBFloat16;
@@ -916,7 +922,7 @@ c10::optional<at::Tensor> check_backward(const char* op, const at::Tensor* weigh
                     "needs step (the TBE's iter) for its stochastic rounding, got None");
   if (step.has_value()) {
     check_cpu(op, *step, "step");
-    TORCH_CHECK(step->scalar_type() == at::kLong && step->numel() == 1, "torchrec_ftrl::", op,
+    TORCH_CHECK(step->scalar_type() == at::kLong && step->dim() == 1 && step->numel() == 1, "torchrec_ftrl::", op,
                 ": step must be int64 [1], got ", step->scalar_type(), " ", step->sizes());
   }
   return check_batch(op, FTRL_BATCH_ARGS, linear.numel(), "grad_out.numel()", grad_out.numel());
@@ -1072,9 +1078,8 @@ at::Tensor tbe_forward(const c10::optional<at::Tensor>& weights_opt, const at::T
                     "bf16, got ", out_dtype);
   const auto psw = check_batch(op, FTRL_BATCH_ARGS, linear.numel(), "out_numel", out_numel);
   const FtrlHp hp = hp_from(op, knobs, pow_half, has_shrink);
-  const bool empty = offsets.numel() <= 1 || indices.numel() == 0;
   const auto options = linear.options().dtype(out_dtype);
-  at::Tensor out = empty ? at::zeros({out_numel}, options) : at::empty({out_numel}, options);
+  at::Tensor out = at::zeros({out_numel}, options);  // elements no bag writes read as 0
   forward_into(weights, accum, linear, table_w_offset, table_dim, feature_table, bag_feature,
                bag_out_offset, indices, offsets, psw, pooling_mode, max_D, table_row_base, rowwise, hp,
                pow_half, out);

@@ -121,6 +121,21 @@ def test_load_weights_refuses_values_beyond_the_weights_dtype(precision):
     assert_same_bits(before, tbe_state(tbe))
 
 
+def test_load_weights_refuses_a_derived_weight_whose_linear_overflows():
+    """A derived table stores linear = prox's inverse of the weight, about -w (beta + sqrt(n)) / lr:
+    3e38 is a finite fp32 weight whose linear is not finite. Refused, nothing written (the chunked
+    encoding is checked before any chunk is written)."""
+    tbe = _trained_tbe(ftrl_weights="derived")
+    with torch.no_grad():
+        tbe.accum_dev.fill_(4.0)       # sqrt(n) = 2: linear ~ -w (beta + 2) / 0.05, beyond fp32 at 3e38
+    w = torch.zeros(6, 8)
+    w[4] = 3.0e38
+    before = tbe_state(tbe)
+    with pytest.raises(ValueError, match="weights row 4 of table 1: its linear .* not finite"):
+        tbe.load_weights(1, w)
+    assert_same_bits(before, tbe_state(tbe))
+
+
 # ------------------------------------------------------------------ DMP: one gloo process
 
 

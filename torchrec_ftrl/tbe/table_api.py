@@ -187,17 +187,36 @@ class TableStates:
                rows_written: torch.Tensor | slice, weights: torch.Tensor, only_changed: bool) -> int:
         """``linear := ftrl_encode(weights, accum)`` of table ``t``'s ``rows_written``, :data:`CHUNK_ROWS`
         rows at a time (rows whose weights are unchanged keep theirs with ``only_changed``); returns
-        the number of weights that could not be held."""
+        the number of weights that could not be held. Every chunk is encoded once before any is
+        written, so a weight whose ``linear`` would not be finite in ``linear``'s dtype raises with
+        nothing written.
+
+        Raises:
+            ValueError: such a weight, naming the table and its row among ``weights``.
+        """
         dropped = 0
-        for start in range(0, weights.shape[0], CHUNK_ROWS):   # temporaries of one chunk of rows at a time
-            if isinstance(rows_written, slice):
-                first = rows_written.start + start
-                sel = slice(first, min(rows_written.stop, first + CHUNK_ROWS))
-            else:
-                sel = rows_written[start:start + CHUNK_ROWS]
-            dropped += self._encode_chunk(accum, linear, hp, t, sel, weights[start:start + CHUNK_ROWS],
-                                          only_changed)
+        for write in (False, True):
+            for start in range(0, weights.shape[0], CHUNK_ROWS):   # temporaries of one chunk at a time
+                if isinstance(rows_written, slice):
+                    first = rows_written.start + start
+                    sel = slice(first, min(rows_written.stop, first + CHUNK_ROWS))
+                else:
+                    sel = rows_written[start:start + CHUNK_ROWS]
+                chunk = weights[start:start + CHUNK_ROWS]
+                if write:
+                    dropped += self._encode_chunk(accum, linear, hp, t, sel, chunk, only_changed)
+                else:
+                    self._check_encodable(accum, linear, hp, t, sel, chunk, start)
         return dropped
+
+    def _check_encodable(self, accum, linear, hp, t, rows, weights, start: int) -> None:
+        z = ftrl_encode(weights.to(linear.device), self.geometry.accum_rows(accum, self.layout, t, rows), hp)[0]
+        bad = (~torch.isfinite(z.to(linear.dtype))).any(dim=1).nonzero()
+        if bad.numel():
+            row = start + int(bad[0, 0])
+            raise ValueError(f"weights row {row} of table {t}: its linear (prox's inverse) is not finite in "
+                             f"{linear.dtype} for these weights (max |w| {float(weights[row - start].abs().max())}); "
+                             "nothing was written")
 
     def _encode_chunk(self, accum, linear, hp, t, rows, weights, only_changed) -> int:
         n = self.geometry.accum_rows(accum, self.layout, t, rows)

@@ -28,14 +28,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_tbe_cuda import LABELS, build_fbgemm, build_ours, make_batches  # noqa: E402
 
 from torchrec_ftrl.fbgemm_enums import BoundsCheckMode, SparseType  # noqa: E402
-from torchrec_ftrl.kernels.cuda import launch  # noqa: E402
+from torchrec_ftrl.kernels.cuda import host, launch  # noqa: E402
 from torchrec_ftrl.kernels.cuda import backend as triton_backend  # noqa: E402
 
-METHODS = ("ours", "ours_fatal", "ours_triton_run", "ours_torch_sort", "ours_graph",
+METHODS = ("ours", "ours_fatal", "ours_python_host", "ours_triton_run", "ours_torch_sort", "ours_graph",
            "fbgemm_adam", "fbgemm_rowwise_adagrad", "fbgemm_sgd")
 OWN_LABELS = {"ours_graph": "torchrec_ftrl FTRL (Triton), CUDA graph replay",
               "ours_torch_sort": "torchrec_ftrl FTRL (Triton), torch.sort instead of FBGEMM's sort",
               "ours_triton_run": "torchrec_ftrl FTRL (Triton), every launch through JITFunction.run",
+              "ours_python_host": "torchrec_ftrl FTRL (Triton), steps launched from Python (host path off)",
               "ours_fatal": "torchrec_ftrl FTRL (Triton), bounds check FATAL (the TBE's default)"}
 
 
@@ -72,6 +73,20 @@ def triton_run_step(module, batches, grad):
             inner(i)
         finally:
             launch.ENABLED = True
+    return step
+
+
+def python_host_step(module, batches, grad):
+    """:func:`eager_step` with the C++ host path off (:mod:`torchrec_ftrl.kernels.cuda.host`): every
+    kernel launched from Python, to measure what the host path saves."""
+    inner = eager_step(module, batches, grad)
+
+    def step(i):
+        host.ENABLED = False
+        try:
+            inner(i)
+        finally:
+            host.ENABLED = True
     return step
 
 
@@ -144,10 +159,11 @@ def main() -> None:
         if m == "ours_graph":
             modules[m] = build_ours(a.T, a.E, a.D, SparseType.FP32)
             steps[m] = graph_step(modules[m], batches, grad)
-        elif m in ("ours", "ours_fatal", "ours_torch_sort", "ours_triton_run"):
+        elif m in ("ours", "ours_fatal", "ours_torch_sort", "ours_triton_run", "ours_python_host"):
             fatal = dict(bounds_check_mode=BoundsCheckMode.FATAL) if m == "ours_fatal" else {}
             modules[m] = build_ours(a.T, a.E, a.D, SparseType.FP32, **fatal)
-            make = {"ours_torch_sort": torch_sort_step, "ours_triton_run": triton_run_step}.get(m, eager_step)
+            make = {"ours_torch_sort": torch_sort_step, "ours_triton_run": triton_run_step,
+                    "ours_python_host": python_host_step}.get(m, eager_step)
             steps[m] = make(modules[m], batches, grad)
         else:
             modules[m] = build_fbgemm(a.T, a.E, a.D, SparseType.FP32, m)
@@ -159,20 +175,22 @@ def main() -> None:
             times[m].append(wall_ms(steps[m], a.steps))
     launches = {m: kernels_per_step(steps[m]) for m in METHODS}
     ops = top_host_ops(steps["ours"])
+    paths = dict(host.STATS)
     labels = {**LABELS, **OWN_LABELS}
     med = {m: statistics.median(v) for m, v in times.items()}
     head = (f"device {torch.cuda.get_device_name(0)}, torch {torch.__version__}; T={a.T}, E={a.E}, "
             f"D={a.D} fp32, B={a.B}, L={a.L}, Zipf(1.15); {a.rounds} rounds x {a.steps} steps per method")
     lines = ["# Host cost per training step", "", head, "",
-             "| method | ms per step (median of rounds) | min | max | vs FBGEMM ADAM | CUDA kernels per step |",
-             "|---|---:|---:|---:|---:|---:|"]
+             "| method | ms per step (median of rounds) | min | max | ours / row-wise Adagrad | "
+             "CUDA kernels per step |", "|---|---:|---:|---:|---:|---:|"]
     for m in METHODS:
         lines.append(f"| {labels[m]} | {med[m]:.3f} | {min(times[m]):.3f} | {max(times[m]):.3f} | "
-                     f"{med['fbgemm_adam'] / med[m]:.2f}x | {launches[m]:.0f} |")
+                     f"{med[m] / med['fbgemm_rowwise_adagrad']:.2f}x | {launches[m]:.0f} |")
     lines += ["", "Host operators of ours (eager) by self CPU time per step (torch.profiler; its own "
               "overhead inflates them):", "", "| operator | calls per step | self CPU us per step |",
               "|---|---:|---:|"]
     lines += [f"| `{k}` | {c:.0f} | {us:.1f} |" for k, c, us in ops]
+    lines += ["", f"Steps of ours by path (C++ host path / Python), all methods: {paths}"]
     text = "\n".join(lines) + "\n"
     print(text, flush=True)
     os.makedirs(a.out, exist_ok=True)
@@ -180,7 +198,7 @@ def main() -> None:
         f.write(text)
     with open(os.path.join(a.out, "bench_host.json"), "w") as f:
         json.dump(dict(config=vars(a), ms_per_step=times, median_ms=med, kernels_per_step=launches,
-                       top_host_ops=ops, device=torch.cuda.get_device_name(0),
+                       top_host_ops=ops, host_path_steps=paths, device=torch.cuda.get_device_name(0),
                        torch=torch.__version__), f, indent=1)
 
 

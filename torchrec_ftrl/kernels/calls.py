@@ -91,9 +91,18 @@ def forward_train(backend: Backend, arrays: TableArrays, batch: TBEBatch, out_dt
         return forward(backend, arrays, batch, out_dtype, hp), None
     _check_layout(backend, arrays, batch)
     warn = batch.unchecked_counter
-    lin = backend.ops.linearize(*_batch(batch, batch.offsets), int(batch.out_numel), warn)
+    fused = None
+    if backend.ops.train_forward is not None and batch.cache_locations is None:
+        fused = backend.ops.train_forward(hp, *_arrays(arrays), *_batch(batch, batch.offsets),
+                                          *knob_args(hp, arrays.linear.device), int(batch.out_numel),
+                                          out_dtype, warn)
+    if fused is not None:
+        out, lin = fused
+    else:
+        lin = backend.ops.linearize(*_batch(batch, batch.offsets), int(batch.out_numel), warn)
     offsets = batch.offsets if warn is None else lin[4]
-    out = _lookup(backend, arrays, batch, offsets, out_dtype, hp, lin[0])
+    if fused is None:
+        out = _lookup(backend, arrays, batch, offsets, out_dtype, hp, lin[0])
     return out, Linearized(offsets, tuple(lin[:4]))
 
 

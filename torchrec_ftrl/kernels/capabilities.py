@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, Optional
 
 from ..row_layout import RowLayout
 
@@ -14,13 +14,17 @@ class OpTable:
     or its implementation called directly), each taking that op's schema's arguments; ``forward``
     and ``backward_update_`` take the knobs' :class:`~torchrec_ftrl.hyperparams.FTRLHyperparams`
     first (the PyTorch implementation computes with them instead of reading the knob tensor back;
-    the kernels read the tensor)."""
+    the kernels read the tensor). ``train_forward`` (optional): a backend's fused training forward
+    (``tbe_linearize`` then ``tbe_forward`` with its row keys; the arguments of ``forward`` up to
+    ``out_dtype``, then ``warn``), returning ``(out, the five results of tbe_linearize)``, or None
+    where the TBE is to call the two ops itself (while ``torch.compile`` traces)."""
 
     forward: Callable
     linearize: Callable
     backward_update_: Callable
     count_invalid: Callable
     repair_offsets: Callable
+    train_forward: Optional[Callable] = None
 
 
 @dataclasses.dataclass(frozen=True)

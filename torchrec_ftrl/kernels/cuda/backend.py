@@ -24,6 +24,7 @@ from triton.runtime.jit import JITFunction
 
 from ...row_layout import CACHED_LAYOUTS, KERNEL_LAYOUTS
 from ..capabilities import Capabilities, OpTable
+from . import host
 from .launch import DirectLauncher, direct
 from ..batch import POOL_NONE, index_factors, row_alignment
 from ..ops import linearized_like
@@ -421,22 +422,135 @@ def tbe_repair_offsets(offsets: torch.Tensor, warn: torch.Tensor, num_indices: i
 IMPLEMENTATIONS = (tbe_forward, tbe_linearize, tbe_backward_update_, tbe_repair_offsets)
 
 
-def _eager_or_dispatched(impl, takes_hp: bool = False):
-    """``impl`` itself in eager mode (no dispatcher on the step's path), the registered op while
-    ``torch.compile`` traces (its fake implementation traces; the graph calls the op, whose CUDA
-    kernel is ``impl``, :mod:`.impls`). ``takes_hp``: the :class:`~torchrec_ftrl.kernels.capabilities.OpTable` entry
-    takes the hyper-parameters first (unused: the kernels read the knob tensor)."""
+class _HostPlan:
+    """A training step's static configuration for the C++ host path (:mod:`.host`): its plan
+    number and the launch geometry the C++ step computes its grids and buffers from, by the same
+    tuning functions as the Python path."""
+
+    __slots__ = ("id", "padded", "has_scale", "lin_bags", "fwd_bags", "seg", "block", "block_d",
+                 "update_g", "combine_cp", "fbgemm_sort")
+
+    def __init__(self, key: tuple, weights, accum, linear, rowwise: bool, pooling_mode: int, max_D: int,
+                 table_dims: tuple, total_rows: int, has_psw: bool) -> None:
+        self.id = host.plan_id(key)
+        derived = weights is None
+        block_d = _block_d(max_D)
+        layout = tuning_key(derived, rowwise, accum, linear)
+        tile, unroll, _ = _forward_tuning(block_d, 4 if derived else weights.element_size(), layout)
+        self.fwd_bags = forward_config(block_d, tile, unroll)[0]
+        self.lin_bags = int(TUNING["linearize"][0])
+        self.padded = pooling_mode == POOL_NONE and any(int(d) != max_D for d in table_dims)
+        self.has_scale = index_factors(True if has_psw else None, pooling_mode)[1]
+        seg = TUNING["seg"]
+        self.seg = max(1, int(_nearest(seg, block_d) if isinstance(seg, dict) else seg))
+        self.block, self.block_d = int(TUNING["block"]), block_d
+        tile, rows, _ = _update_tuning(block_d, layout, derived or rowwise)
+        self.update_g = segment_config(block_d, tile, rows)[0]
+        self.combine_cp = int(TUNING["combine_cp"])
+        self.fbgemm_sort = total_rows > 0 and hasattr(torch.ops.fbgemm, "get_unique_indices_with_inverse")
+
+
+_host_plans: dict = {}
+
+
+def _host_plan(direction: str, weights, accum, linear, rowwise, pooling_mode, max_D, table_dims,
+               total_rows, has_psw, flags: tuple) -> _HostPlan:
+    key = (direction, None if weights is None else weights.dtype, accum.dtype, linear.dtype, rowwise,
+           pooling_mode, max_D, tuple(table_dims), total_rows, has_psw, flags)
+    plan = _host_plans.get(key)
+    if plan is None or plan.id != host.plan_id(key):    # host.clear() renumbers the plans
+        plan = _host_plans[key] = _HostPlan(key, weights, accum, linear, rowwise, pooling_mode, max_D,
+                                            tuple(table_dims), total_rows, has_psw)
+    return plan
+
+
+def train_forward(weights, accum, linear, rowwise, table_w_offset, table_dim, table_rows, table_row_base,
+                  feature_table, bag_feature, bag_out_offset, indices, offsets, per_sample_weights,
+                  pooling_mode, max_D, table_dims, total_rows, knobs, pow_half, has_shrink, out_numel,
+                  out_dtype, warn) -> tuple:
+    """The forward of an eager training step: ``tbe_linearize`` then ``tbe_forward`` with its row
+    keys, in one C++ call where the host path has the step's kernels (:mod:`.host`), else in
+    Python (registering its kernels for the next steps). Returns ``(out, linearized)`` with
+    ``linearized`` the five results of ``tbe_linearize``. Unchecked, as :func:`tbe_forward`."""
+    has_psw = per_sample_weights is not None and pooling_mode != POOL_NONE
+    plan = None
+    if indices.numel() > 0 and offsets.numel() > 1 and out_numel > 0 and host.ready(linear.device):
+        plan = _host_plan("fwd", weights, accum, linear, rowwise, pooling_mode, max_D, table_dims,
+                          total_rows, has_psw, (warn is not None, pow_half))
+        rc, res = host.load().train_forward(
+            plan.id, weights, accum, linear, table_w_offset, table_dim, table_rows, table_row_base,
+            feature_table, bag_feature, bag_out_offset, indices, offsets,
+            per_sample_weights if has_psw else None, knobs, warn, max_D, total_rows, out_numel,
+            out_dtype, plan.padded, plan.has_scale, plan.lin_bags, plan.fwd_bags)
+        if rc == 0:
+            host.STATS["cpp_forward"] += 1
+            return res[0], tuple(res[1:])
+        plan = plan if rc == 1 else None
+    host.STATS["python_forward"] += 1
+    batch = (table_w_offset, table_dim, table_rows, table_row_base, feature_table, bag_feature,
+             bag_out_offset)
+    with host.recorded(None if plan is None else plan.id, linear.device):
+        lin = tbe_linearize(*batch, indices, offsets, per_sample_weights, pooling_mode, max_D, table_dims,
+                            total_rows, out_numel, warn)
+        out = tbe_forward(weights, accum, linear, rowwise, *batch, indices,
+                          offsets if warn is None else lin[4], per_sample_weights, pooling_mode, max_D,
+                          table_dims, total_rows, knobs, pow_half, has_shrink, out_numel, out_dtype, warn,
+                          lin[0], None, None, None, None)
+    return out, lin
+
+
+def _backward_update_eager(*args) -> None:
+    """:func:`tbe_backward_update_` of an eager step: in one C++ call where the host path has the
+    step's kernels (a linearised, uncached batch; :mod:`.host`), else in Python (registering its
+    kernels for the next steps)."""
+    (weights, accum, linear, rowwise, table_w_offset, table_dim, _, table_row_base, _, _, _, indices,
+     offsets, psw, pooling_mode, max_D, table_dims, total_rows, grad_out, knobs, pow_half, has_shrink,
+     nonfinite_rows, step, _, key, gofs, scale, tid, cache_locations) = args[:30]
+    plan = None
+    if (key is not None and cache_locations is None and indices.numel() > 0 and offsets.numel() > 1
+            and host.ready(linear.device)):
+        has_psw = psw is not None and pooling_mode != POOL_NONE
+        plan = _host_plan("bwd", weights, accum, linear, rowwise, pooling_mode, max_D, table_dims,
+                          total_rows, has_psw, (pow_half, has_shrink))
+        rc = host.load().train_backward(
+            plan.id, weights, accum, linear, table_w_offset, table_dim, table_row_base, grad_out, knobs,
+            nonfinite_rows, step, key, gofs, scale, tid, total_rows, plan.seg, plan.block, plan.block_d,
+            plan.update_g, plan.combine_cp,
+            plan.fbgemm_sort and key.numel() < 2 ** 31 - 1 and _fbgemm_sort_devices.get("cuda", True))
+        if rc == 0:
+            host.STATS["cpp_backward"] += 1
+            return
+        plan = plan if rc == 1 else None
+    host.STATS["python_backward"] += 1
+    with host.recorded(None if plan is None else plan.id, linear.device):
+        tbe_backward_update_(*args)
+
+
+def _eager_or_dispatched(impl, takes_hp: bool = False, eager=None):
+    """``eager`` (default ``impl`` itself) in eager mode (no dispatcher on the step's path), the
+    registered op ``impl`` while ``torch.compile`` traces (its fake implementation traces; the graph
+    calls the op, whose CUDA kernel is ``impl``, :mod:`.impls`). ``takes_hp``: the
+    :class:`~torchrec_ftrl.kernels.capabilities.OpTable` entry takes the hyper-parameters first
+    (unused: the kernels read the knob tensor)."""
     op = getattr(torch.ops.torchrec_ftrl, impl.__name__).default
+    eager = impl if eager is None else eager
 
     def call(*args):
         args = args[1:] if takes_hp else args
-        return op(*args) if torch.compiler.is_compiling() else impl(*args)
+        return op(*args) if torch.compiler.is_compiling() else eager(*args)
     call.__name__ = impl.__name__
     return call
 
 
+def _train_forward_entry(hp, *args):
+    """:attr:`OpTable.train_forward`: :func:`train_forward` in eager mode; None while
+    ``torch.compile`` traces (the TBE then calls ``tbe_linearize`` and ``tbe_forward``)."""
+    return None if torch.compiler.is_compiling() else train_forward(*args)
+
+
 OPS = OpTable(forward=_eager_or_dispatched(tbe_forward, True),
               linearize=_eager_or_dispatched(tbe_linearize),
-              backward_update_=_eager_or_dispatched(tbe_backward_update_, True),
+              backward_update_=_eager_or_dispatched(tbe_backward_update_, True, _backward_update_eager),
               count_invalid=torch.ops.torchrec_ftrl.tbe_count_invalid.default,
-              repair_offsets=_eager_or_dispatched(tbe_repair_offsets))
+              repair_offsets=_eager_or_dispatched(tbe_repair_offsets),
+              train_forward=_train_forward_entry)

@@ -20,7 +20,8 @@ key run the same compiled kernel under Triton's own rules.
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator, Optional
 
 import torch
 from triton.runtime.jit import JITFunction
@@ -84,12 +85,17 @@ class DirectLauncher:
                 tail = [meta[name] if name in meta else default
                         for name, _, _, default in self._params[len(args):]]
                 self._compiled[key] = (compiled, tail)
+            if _recorder is not None:
+                _recorder.append((self.kernel, compiled if key is not None else None, args))
             return
         compiled, tail = entry
         compiled[tuple(grid) + (1,) * (3 - len(grid))](*args, *tail)
+        if _recorder is not None:
+            _recorder.append((self.kernel, compiled, args))
 
 
 _launchers: dict = {}
+_recorder: Optional[list] = None
 ENABLED = True   # False: every launch goes through JITFunction.run (benchmarks compare the two)
 
 
@@ -103,3 +109,16 @@ def direct(kernel: Any) -> Any:
     if launcher is None:
         launcher = _launchers[kernel] = DirectLauncher(kernel)
     return launcher
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list]:
+    """Within the block, each launch through a :class:`DirectLauncher` appends ``(kernel,
+    compiled kernel or None, positional arguments)`` to the yielded list (how
+    :mod:`.host` learns which compiled kernels a step launched)."""
+    global _recorder
+    outer, _recorder = _recorder, []
+    try:
+        yield _recorder
+    finally:
+        _recorder = outer

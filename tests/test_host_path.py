@@ -1,0 +1,135 @@
+"""The C++ host path of the eager CUDA training step (``torchrec_ftrl.kernels.cuda.host``).
+
+On the CPU (CI): the library builds against this torch, and its specialisation rule (the key under
+which a compiled Triton kernel is registered) equals the Python rule Triton's own rule is stated in,
+over tensors of every dtype and alignment and integers of every class.
+
+Tests marked ``cuda``: training steps through the C++ path are bit for bit those of the Python path
+(every row layout, fp32 and bf16 state, SUM / MEAN / NONE pooling, per-sample weights, WARNING /
+FATAL, misaligned user tensors, a gradient long enough to cut runs), and the C++ path is the one
+that ran after the first step of each configuration.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import bits, cuda, needs_cuda
+
+pytest.importorskip("triton")
+
+from torchrec_ftrl import FTRLTableBatchedEmbeddingBags  # noqa: E402
+from torchrec_ftrl.fbgemm_enums import BoundsCheckMode, PoolingMode  # noqa: E402
+from torchrec_ftrl.kernels.cuda import host  # noqa: E402
+
+KNOBS = dict(learning_rate=0.05, ftrl_l1_reg=0.002, ftrl_l2_reg=0.01, ftrl_beta=0.3)
+SPECS = [(1000, 64), (300, 32), (5000, 64)]
+SPECS_NONE = [(1000, 64), (300, 64), (5000, 64)]   # sequence (NONE) tables share one dim
+FMAP = [0, 1, 2, 2]
+
+
+def test_signature_rule_matches_the_library():
+    """C++ ``signature_of`` == :func:`host.signature_of`, character for character, and both state
+    Triton's rule: dtype and 16-byte alignment of a tensor; width and 1 / multiple of 16 / other of an
+    integer."""
+    ops = host.load()
+    assert ops is not None
+    base = torch.zeros(64, dtype=torch.int64)
+    tensors = [base, base[1:], base[2:], torch.zeros(9), torch.zeros(9)[3:], torch.zeros(4, dtype=torch.bfloat16),
+               torch.zeros(4, dtype=torch.float16)[1:], torch.zeros(4, dtype=torch.int32)[4:],
+               torch.zeros(3, dtype=torch.uint8), torch.zeros(3, dtype=torch.bool)]
+    ints = [0, 1, 2, 15, 16, 17, -1, -16, 2 ** 31 - 1, 2 ** 31, -(2 ** 31), -(2 ** 31) - 1, 48]
+    order = "T" * len(tensors) + "I" * len(ints)
+    args = tuple(tensors) + tuple(ints)
+    expected = ("lA" + "lU" + "lA" + "fA" + "fU" + "bA" + "hU" + "iA" + "uA" + "oA"
+                + "ID" + "I1" + "IN" + "IN" + "ID" + "IN" + "IN" + "ID" + "IN" + "JD" + "ID" + "JN" + "ID")
+    assert host.signature_of(args) == expected
+    assert ops.signature(tensors, ints, order) == expected
+    mixed = (base[1:], 7, torch.zeros(5), 32)
+    assert ops.signature([base[1:], torch.zeros(5)], [7, 32], "TITI") == host.signature_of(mixed) == "lUINfAID"
+
+
+def test_signature_of_refuses_other_kinds():
+    assert host.signature_of((torch.zeros(2, dtype=torch.float64),)) is None
+    assert host.signature_of((1.5,)) is None
+    assert host.signature_of((None,)) is None
+
+
+# ---------------------------------------------------------------------------- CUDA
+def _case(seed: int, B: int, max_len: int, psw: bool, hot: bool, misalign: bool, specs):
+    rng = np.random.RandomState(seed)
+    lengths, idx = [], []
+    for f, t in enumerate(FMAP):
+        for _ in range(B):
+            L = int(rng.randint(0, max_len + 1))
+            lengths.append(L)
+            rows = specs[t][0]
+            ids = rng.randint(0, rows, L)
+            if hot:
+                ids = np.where(rng.rand(L) < 0.7, rng.randint(0, 3, L), ids)
+            idx.extend(int(i) for i in ids)
+    offsets = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int64, device="cuda")
+    indices = torch.tensor(idx, dtype=torch.int64, device="cuda")
+    weights = torch.tensor(rng.rand(len(idx)) + 0.5, dtype=torch.float32, device="cuda") if psw else None
+    if misalign:   # views one element into a larger buffer: addresses not multiples of 16
+        indices, offsets = (torch.cat([t[:1], t])[1:] for t in (indices, offsets))
+        weights = None if weights is None else torch.cat([weights[:1], weights])[1:]
+    return indices, offsets, weights
+
+
+def _train(enabled: bool, layout, pooling, psw: bool, mode, state_dtype, steps: int, misalign: bool):
+    host.ENABLED = enabled
+    torch.manual_seed(0)
+    specs = SPECS_NONE if pooling == PoolingMode.NONE else SPECS
+    m = FTRLTableBatchedEmbeddingBags(
+        specs, feature_table_map=FMAP, pooling_mode=pooling, bounds_check_mode=mode, device="cuda",
+        ftrl_weights=layout[0], ftrl_accumulator=layout[1],
+        optimizer_state_dtypes={"accum": state_dtype, "linear": state_dtype}, **KNOBS)
+    with torch.no_grad():
+        m.linear_dev.uniform_(-0.1, 0.1)
+        m.accum_dev.uniform_(0.0, 0.5)
+    outs = []
+    for step in range(steps):
+        indices, offsets, weights = _case(step, B=96, max_len=40, psw=psw, hot=True, misalign=misalign,
+                                          specs=specs)
+        out = m(indices, offsets, weights)
+        g = torch.randn(out.shape, generator=torch.Generator().manual_seed(step)).cuda()
+        (out * g).sum().backward()
+        outs.append(out.detach().clone())
+    torch.cuda.synchronize()
+    return outs, [t.detach().clone() for t in (m.weights_dev, m.accum_dev, m.linear_dev)]
+
+
+LAYOUTS = [("stored", "elementwise"), ("stored", "rowwise"), ("derived", "elementwise"), ("derived", "rowwise")]
+CASES = [
+    # (pooling, psw, mode, state dtype, misalign)
+    (PoolingMode.SUM, False, BoundsCheckMode.WARNING, torch.float32, False),
+    (PoolingMode.MEAN, True, BoundsCheckMode.FATAL, torch.float32, True),
+    (PoolingMode.SUM, True, BoundsCheckMode.IGNORE, torch.bfloat16, False),
+    (PoolingMode.NONE, False, BoundsCheckMode.WARNING, torch.bfloat16, True),
+]
+
+
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("case", CASES, ids=["sum-warn", "mean-psw-fatal-misaligned", "sum-psw-ignore-bf16",
+                                             "none-warn-bf16-misaligned"])
+@pytest.mark.parametrize("layout", LAYOUTS, ids="-".join)
+def test_cuda_host_path_equals_python_path(layout, case):
+    pooling, psw, mode, state_dtype, misalign = case
+    try:
+        host.clear()
+        host.STATS.clear()
+        want = _train(False, layout, pooling, psw, mode, state_dtype, 4, misalign)
+        assert host.STATS["cpp_forward"] == host.STATS["cpp_backward"] == 0
+        got = _train(True, layout, pooling, psw, mode, state_dtype, 4, misalign)
+    finally:
+        host.ENABLED = True
+    # the first step of a configuration runs in Python and registers its kernels; the later ones
+    # (the same specialisations) in C++
+    assert host.STATS["cpp_forward"] >= 2 and host.STATS["cpp_backward"] >= 2, dict(host.STATS)
+    for w, g in zip(want[0] + want[1], got[0] + got[1]):
+        assert w.dtype == g.dtype and w.shape == g.shape
+        assert torch.equal(bits(w), bits(g))

@@ -1,0 +1,347 @@
+// The eager CUDA training step of the FTRL TBE launched from C++ (see kernels/cuda/host.py).
+//
+// The kernels are Triton's, compiled and loaded by Triton (the Python path compiles them on its
+// first step of a configuration and registers each compiled variant here: its CUfunction, threads,
+// shared memory and how each positional argument is passed). A step then makes its buffers with
+// ATen and launches the kernels with cuLaunchKernel on the current stream, without Python.
+//
+// A variant is keyed by (plan, role, specialisation string): the plan is the Python side's static
+// configuration (every constexpr of every kernel), the string the facts Triton specialises each
+// positional argument on (a tensor's dtype and 16-byte alignment, an integer's value class), so a
+// registered variant is exactly the kernel JITFunction.run would launch with these arguments. A
+// step whose variants are not all registered launches nothing and returns "absent"; the Python path
+// then runs that step and registers what it launched.
+//
+// Only c10/ATen headers: the CUDA driver is reached through dlopen, the stream through c10's
+// device guard interface, so this file builds on any machine with torch.
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/library.h>
+
+#include <dlfcn.h>
+
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <unordered_map>
+#include <vector>
+
+namespace {
+
+using CUresult = int;
+using CUfunction = void*;
+using CUcontext = void*;
+using CUdevice = int;
+using LaunchFn = CUresult (*)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                              unsigned, void*, void**, void**);
+using CtxGetFn = CUresult (*)(CUcontext*);
+using CtxSetFn = CUresult (*)(CUcontext);
+using DeviceGetFn = CUresult (*)(CUdevice*, int);
+using RetainFn = CUresult (*)(CUcontext*, CUdevice);
+
+struct Driver {
+  LaunchFn launch = nullptr;
+  CtxGetFn ctx_get = nullptr;
+  CtxSetFn ctx_set = nullptr;
+  DeviceGetFn device_get = nullptr;
+  RetainFn retain = nullptr;
+};
+
+const Driver& driver() {
+  static const Driver d = [] {
+    Driver r;
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    TORCH_CHECK(lib != nullptr, "torchrec_ftrl host path: cannot load libcuda.so.1");
+    r.launch = reinterpret_cast<LaunchFn>(dlsym(lib, "cuLaunchKernel"));
+    r.ctx_get = reinterpret_cast<CtxGetFn>(dlsym(lib, "cuCtxGetCurrent"));
+    r.ctx_set = reinterpret_cast<CtxSetFn>(dlsym(lib, "cuCtxSetCurrent"));
+    r.device_get = reinterpret_cast<DeviceGetFn>(dlsym(lib, "cuDeviceGet"));
+    r.retain = reinterpret_cast<RetainFn>(dlsym(lib, "cuDevicePrimaryCtxRetain"));
+    TORCH_CHECK(r.launch && r.ctx_get && r.ctx_set && r.device_get && r.retain,
+                "torchrec_ftrl host path: libcuda.so.1 lacks a driver entry point");
+    return r;
+  }();
+  return d;
+}
+
+// A thread that has not touched the driver (e.g. a fresh autograd worker) has no current context:
+// make the device's primary context current, as Triton's launcher does.
+void ensure_context(int device) {
+  const Driver& d = driver();
+  CUcontext ctx = nullptr;
+  TORCH_CHECK(d.ctx_get(&ctx) == 0, "torchrec_ftrl host path: cuCtxGetCurrent failed");
+  if (ctx != nullptr) return;
+  CUdevice dev = 0;
+  TORCH_CHECK(d.device_get(&dev, device) == 0, "torchrec_ftrl host path: cuDeviceGet failed");
+  TORCH_CHECK(d.retain(&ctx, dev) == 0, "torchrec_ftrl host path: cuDevicePrimaryCtxRetain failed");
+  TORCH_CHECK(d.ctx_set(ctx) == 0, "torchrec_ftrl host path: cuCtxSetCurrent failed");
+}
+
+// One positional argument of a kernel launch.
+struct Arg {
+  enum Kind { kTensor, kInt } kind;
+  at::Tensor tensor;
+  int64_t value = 0;
+};
+
+Arg T(const at::Tensor& t) { return Arg{Arg::kTensor, t, 0}; }
+Arg I(int64_t v) { return Arg{Arg::kInt, at::Tensor(), v}; }
+
+char dtype_code(at::ScalarType s) {
+  switch (s) {
+    case at::kFloat: return 'f';
+    case at::kHalf: return 'h';
+    case at::kBFloat16: return 'b';
+    case at::kInt: return 'i';
+    case at::kLong: return 'l';
+    case at::kByte: return 'u';
+    case at::kBool: return 'o';
+    default: return '?';
+  }
+}
+
+// Triton's specialisation facts of the arguments (host.py's signature_of states the same rule).
+std::string signature_of(const std::vector<Arg>& args) {
+  std::string s;
+  s.reserve(args.size() * 2);
+  for (const Arg& a : args) {
+    if (a.kind == Arg::kTensor) {
+      s.push_back(dtype_code(a.tensor.scalar_type()));
+      s.push_back(reinterpret_cast<uintptr_t>(a.tensor.data_ptr()) % 16 == 0 ? 'A' : 'U');
+    } else {
+      const int64_t v = a.value;
+      const bool i32 = v >= INT32_MIN && v <= INT32_MAX;
+      s.push_back(i32 ? 'I' : 'J');
+      s.push_back(v == 1 ? '1' : (v % 16 == 0 ? 'D' : 'N'));
+    }
+  }
+  return s;
+}
+
+struct Variant {
+  uintptr_t function = 0;   // 0: a variant only the Python path launches
+  unsigned threads = 0;
+  unsigned shared = 0;
+  std::string kinds;        // per argument: 'P' pointer, 'i' int32, 'l' int64, 'x' not passed
+};
+
+std::mutex registry_mutex;
+std::unordered_map<std::string, Variant> registry;
+
+std::string variant_key(int64_t plan, int64_t role, int64_t device, const std::string& sig) {
+  return std::to_string(plan) + ":" + std::to_string(role) + ":" + std::to_string(device) + ":" + sig;
+}
+
+// 0: found and launchable, 1: absent, 2: registered as Python-only.
+int find(int64_t plan, int64_t role, int64_t device, const std::vector<Arg>& args, Variant* out) {
+  const std::string key = variant_key(plan, role, device, signature_of(args));
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  auto it = registry.find(key);
+  if (it == registry.end()) return 1;
+  if (it->second.function == 0) return 2;
+  *out = it->second;
+  return 0;
+}
+
+void launch(const Variant& v, const std::vector<Arg>& args, int64_t grid, void* stream) {
+  if (grid <= 0) return;
+  TORCH_CHECK(v.kinds.size() == args.size(), "torchrec_ftrl host path: a variant of ", v.kinds.size(),
+              " arguments launched with ", args.size());
+  std::vector<uint64_t> storage(args.size() + 2, 0);   // + Triton's global and profile scratch
+  std::vector<void*> params;
+  params.reserve(args.size() + 2);
+  for (size_t i = 0; i < args.size(); ++i) {
+    const char k = v.kinds[i];
+    if (k == 'x') continue;
+    if (k == 'P') {
+      storage[i] = reinterpret_cast<uint64_t>(args[i].tensor.data_ptr());
+    } else if (k == 'i') {
+      int32_t v32 = static_cast<int32_t>(args[i].value);
+      std::memcpy(&storage[i], &v32, sizeof(v32));
+    } else {
+      std::memcpy(&storage[i], &args[i].value, sizeof(int64_t));
+    }
+    params.push_back(&storage[i]);
+  }
+  params.push_back(&storage[args.size()]);
+  params.push_back(&storage[args.size() + 1]);
+  const CUresult rc = driver().launch(reinterpret_cast<CUfunction>(v.function),
+                                      static_cast<unsigned>(grid), 1, 1, v.threads, 1, 1, v.shared,
+                                      stream, params.data(), nullptr);
+  TORCH_CHECK(rc == 0, "torchrec_ftrl host path: cuLaunchKernel failed with CUresult ", rc);
+}
+
+int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+constexpr int64_t kI32Max = 2147483647;
+
+void* current_stream(const at::Device& dev) {
+  const c10::impl::DeviceGuardImplInterface* impl = c10::impl::getDeviceGuardImpl(dev.type());
+  return impl->getStream(dev).native_handle();
+}
+
+// Roles: the kernels of a training step (host.py's ROLES, in this order).
+enum Role : int64_t { kLinearize = 0, kForward = 1, kMark = 2, kUpdate = 3, kCombine = 4 };
+
+void register_variant(int64_t plan, int64_t role, int64_t device, std::string sig, int64_t function,
+                      int64_t threads, int64_t shared, std::string kinds) {
+  TORCH_CHECK(function == 0 || kinds.size() * 2 == sig.size(),
+              "torchrec_ftrl host path: kinds and signature disagree");
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  registry[variant_key(plan, role, device, sig)] =
+      Variant{static_cast<uintptr_t>(function), static_cast<unsigned>(threads),
+              static_cast<unsigned>(shared), std::move(kinds)};
+}
+
+void clear_variants() {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  registry.clear();
+}
+
+std::string signature_op(std::vector<at::Tensor> tensors, std::vector<int64_t> ints, std::string order) {
+  // The signature of arguments given as tensors and ints in the order of `order` ('T' / 'I'),
+  // for host.py's tests of its twin rule.
+  std::vector<Arg> args;
+  size_t t = 0, i = 0;
+  for (char c : order) args.push_back(c == 'T' ? T(tensors.at(t++)) : I(ints.at(i++)));
+  return signature_of(args);
+}
+
+// The training forward: tbe_linearize then tbe_forward with the row keys (host.py's Python twin:
+// cuda/backend.py's _linearize and tbe_forward). Returns (0, [out, key, gofs, scale, tid, fixed]),
+// or (1 absent / 2 Python-only, []) having launched nothing.
+std::tuple<int64_t, std::vector<at::Tensor>> train_forward(
+    int64_t plan, const std::optional<at::Tensor>& weights, const at::Tensor& accum,
+    const at::Tensor& linear, const at::Tensor& table_w_offset, const at::Tensor& table_dim,
+    const at::Tensor& table_rows, const at::Tensor& row_base, const at::Tensor& feature_table,
+    const at::Tensor& bag_feature, const at::Tensor& bag_out_offset, const at::Tensor& indices,
+    const at::Tensor& offsets, const std::optional<at::Tensor>& psw, const at::Tensor& knobs,
+    const std::optional<at::Tensor>& warn, int64_t max_D, int64_t total_rows, int64_t out_numel,
+    at::ScalarType out_dtype, bool padded, bool has_scale, int64_t lin_bags, int64_t fwd_bags) {
+  const at::Device dev = linear.device();
+  c10::DeviceGuard guard(dev);
+  const int64_t N = indices.numel(), num_bags = offsets.numel() - 1;
+  TORCH_CHECK(N > 0 && num_bags > 0 && out_numel > 0, "torchrec_ftrl host path: an empty batch");
+  const bool repair = warn.has_value();
+  const auto on = [&](at::ScalarType s) { return at::TensorOptions().dtype(s).device(dev); };
+  at::Tensor key = at::empty({N}, on(0 <= total_rows && total_rows < kI32Max ? at::kInt : at::kLong));
+  at::Tensor gofs = at::empty({N}, on(out_numel < kI32Max ? at::kInt : at::kLong));
+  at::Tensor scale = at::empty({has_scale ? N : 1}, on(at::kFloat));
+  at::Tensor tid = at::empty({N}, on(at::kInt));
+  at::Tensor fixed = at::empty({repair ? offsets.numel() : 0}, on(offsets.scalar_type()));
+  const int64_t tiles = cdiv(num_bags, lin_bags);
+  at::Tensor ws = repair ? at::zeros({tiles + 1}, on(at::kLong)) : offsets;
+  const bool has_psw = psw.has_value();
+  const at::Tensor& lin_psw = has_psw ? *psw : scale;
+  const at::Tensor& counter = repair ? *warn : offsets;
+  std::vector<Arg> lin = {T(indices), T(offsets), T(bag_feature), T(bag_out_offset), T(feature_table),
+                          T(row_base), T(table_rows), T(lin_psw), T(key), T(gofs), T(scale), T(tid),
+                          T(counter), T(repair ? fixed : offsets), T(ws), I(num_bags), I(N), I(max_D)};
+  at::Tensor out = padded ? at::zeros({out_numel}, on(out_dtype)) : at::empty({out_numel}, on(out_dtype));
+  const at::Tensor& offs = repair ? fixed : offsets;
+  const at::Tensor& w = weights.has_value() ? *weights : linear;
+  std::vector<Arg> fwd = {T(w), T(out), T(key), T(offs), T(bag_feature), T(bag_out_offset),
+                          T(feature_table), T(table_w_offset), T(table_dim), T(table_rows), T(row_base),
+                          T(has_psw ? *psw : out), T(repair ? *warn : offs), T(offs), T(w), T(w),
+                          T(linear), T(accum), T(knobs), I(num_bags), I(max_D), I(0)};
+  Variant vl, vf;
+  int rc = find(plan, kLinearize, dev.index(), lin, &vl);
+  if (rc == 0) rc = find(plan, kForward, dev.index(), fwd, &vf);
+  if (rc != 0) return {rc, {}};
+  ensure_context(dev.index());
+  void* stream = current_stream(dev);
+  launch(vl, lin, tiles, stream);
+  launch(vf, fwd, cdiv(num_bags, fwd_bags), stream);
+  return {0, {out, key, gofs, scale, tid, fixed}};
+}
+
+at::Tensor sort_positions(const at::Tensor& key, int64_t total_rows, bool fbgemm_sort) {
+  if (fbgemm_sort) {
+    static const auto handle = c10::Dispatcher::singleton().findSchema(
+        {"fbgemm::get_unique_indices_with_inverse", ""});
+    if (handle.has_value()) {
+      try {
+        std::vector<c10::IValue> stack = {key, total_rows - 1, false, true};
+        handle->callBoxed(&stack);
+        return stack.at(3).toTensor();
+      } catch (const c10::NotImplementedError&) {   // no kernel of the op for this device
+      }
+    }
+  }
+  return std::get<1>(at::sort(key, /*stable=*/true, /*dim=*/0, /*descending=*/false));
+}
+
+// The training backward + update from the forward's linearised batch (host.py's Python twin:
+// cuda/backend.py's _backward_kernels, uncached). Returns 0 (done), 1 (absent) or 2 (Python-only);
+// when not 0 no kernel that writes the tables was launched.
+int64_t train_backward(
+    int64_t plan, const std::optional<at::Tensor>& weights, const at::Tensor& accum,
+    const at::Tensor& linear, const at::Tensor& table_w_offset, const at::Tensor& table_dim,
+    const at::Tensor& row_base, const at::Tensor& grad_out, const at::Tensor& knobs,
+    const at::Tensor& nonfinite_rows, const std::optional<at::Tensor>& step, const at::Tensor& key,
+    const at::Tensor& gofs, const at::Tensor& scale, const at::Tensor& tid, int64_t total_rows,
+    int64_t seg_len, int64_t block, int64_t block_d, int64_t update_g, int64_t combine_cp,
+    bool fbgemm_sort) {
+  const at::Device dev = linear.device();
+  c10::DeviceGuard guard(dev);
+  const int64_t N = key.numel();
+  TORCH_CHECK(N > 0, "torchrec_ftrl host path: an empty batch");
+  const auto on = [&](at::ScalarType s) { return at::TensorOptions().dtype(s).device(dev); };
+  at::Tensor grad = grad_out.reshape(-1).contiguous();
+  const at::Tensor& step_t = step.has_value() ? *step : row_base;
+  at::Tensor perm = sort_positions(key, total_rows, fbgemm_sort);
+  at::Tensor sorted_key = at::empty_like(key), sgofs = at::empty_like(gofs);
+  at::Tensor sscale = at::empty_like(scale), stid = at::empty_like(tid);
+  at::Tensor seg = at::empty({N + 1}, on(N < kI32Max ? at::kInt : at::kLong));
+  const int64_t tiles = cdiv(N, block);
+  at::Tensor ws = at::zeros({tiles + 2}, on(at::kLong));
+  std::vector<Arg> mark = {T(key), T(perm), T(gofs), T(scale), T(tid), T(tid), T(sorted_key), T(sgofs),
+                           T(sscale), T(stid), T(tid), T(seg), T(ws), I(N), I(tiles)};
+  at::Tensor count = ws.narrow(0, tiles + 1, 1);
+  const int64_t nmult = cdiv(N, seg_len) - 1;
+  at::Tensor part = at::empty({std::max<int64_t>(1, 2 * (nmult + 1)) * block_d}, on(at::kFloat));
+  const int64_t bound = total_rows < 0 ? N : std::min(N, total_rows + N / seg_len);
+  const bool derived = !weights.has_value();
+  const at::Tensor& w = derived ? grad : *weights;
+  std::vector<Arg> update = {T(seg), T(count), T(sorted_key), T(sgofs), T(sscale), T(stid), T(tid),
+                             T(grad), T(w), T(accum), T(linear), T(grad), T(grad), T(grad),
+                             T(table_w_offset), T(table_dim), T(row_base), T(part), T(nonfinite_rows),
+                             T(step_t), T(knobs), I(N), I(0)};
+  std::vector<Arg> combine = {T(sorted_key), T(stid), T(tid), T(part), T(w), T(accum), T(linear),
+                              T(grad), T(grad), T(grad), T(table_w_offset), T(table_dim), T(row_base),
+                              T(nonfinite_rows), T(step_t), T(knobs), I(N), I(0)};
+  Variant vm, vu, vc;
+  int rc = find(plan, kMark, dev.index(), mark, &vm);
+  if (rc == 0) rc = find(plan, kUpdate, dev.index(), update, &vu);
+  if (rc == 0 && nmult > 0) rc = find(plan, kCombine, dev.index(), combine, &vc);
+  if (rc != 0) return rc;
+  ensure_context(dev.index());
+  void* stream = current_stream(dev);
+  launch(vm, mark, tiles, stream);
+  launch(vu, update, cdiv(bound, update_g), stream);
+  if (nmult > 0) launch(vc, combine, cdiv(nmult, combine_cp), stream);
+  return 0;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(torchrec_ftrl_host, m) {
+  m.def("register_variant(int plan, int role, int device, str sig, int function, int threads, "
+        "int shared, str kinds) -> ()", &register_variant);
+  m.def("clear_variants() -> ()", &clear_variants);
+  m.def("signature(Tensor[] tensors, int[] ints, str order) -> str", &signature_op);
+  m.def("train_forward(int plan, Tensor? weights, Tensor accum, Tensor linear, Tensor table_w_offset, "
+        "Tensor table_dim, Tensor table_rows, Tensor row_base, Tensor feature_table, Tensor bag_feature, "
+        "Tensor bag_out_offset, Tensor indices, Tensor offsets, Tensor? psw, Tensor knobs, Tensor? warn, "
+        "int max_D, int total_rows, int out_numel, ScalarType out_dtype, bool padded, bool has_scale, "
+        "int lin_bags, int fwd_bags) -> (int, Tensor[])", &train_forward);
+  m.def("train_backward(int plan, Tensor? weights, Tensor accum, Tensor linear, Tensor table_w_offset, "
+        "Tensor table_dim, Tensor row_base, Tensor grad_out, Tensor knobs, Tensor nonfinite_rows, "
+        "Tensor? step, Tensor key, Tensor gofs, Tensor scale, Tensor tid, int total_rows, int seg_len, "
+        "int block, int block_d, int update_g, int combine_cp, bool fbgemm_sort) -> int", &train_backward);
+}

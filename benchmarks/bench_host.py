@@ -35,7 +35,7 @@ METHODS = ("ours", "ours_fatal", "ours_python_host", "ours_triton_run", "ours_to
            "fbgemm_adam", "fbgemm_rowwise_adagrad", "fbgemm_sgd")
 OWN_LABELS = {"ours_graph": "torchrec_ftrl FTRL (Triton), CUDA graph replay",
               "ours_torch_sort": "torchrec_ftrl FTRL (Triton), torch.sort instead of FBGEMM's sort",
-              "ours_triton_run": "torchrec_ftrl FTRL (Triton), every launch through JITFunction.run",
+              "ours_triton_run": "torchrec_ftrl FTRL (Triton), host path off, every launch through JITFunction.run",
               "ours_python_host": "torchrec_ftrl FTRL (Triton), steps launched from Python (host path off)",
               "ours_fatal": "torchrec_ftrl FTRL (Triton), bounds check FATAL (the TBE's default)"}
 
@@ -62,31 +62,19 @@ def torch_sort_step(module, batches, grad):
     return step
 
 
-def triton_run_step(module, batches, grad):
-    """:func:`eager_step` with every Triton launch through ``JITFunction.run`` instead of the
-    backend's direct launcher (:mod:`torchrec_ftrl.kernels.cuda.launch`), to measure what it saves."""
+def with_flag_step(module, batches, grad, owner, flag: str):
+    """:func:`eager_step` with ``owner.flag`` False during each step: ``launch.ENABLED`` (every
+    Triton launch through ``JITFunction.run`` instead of the direct launcher,
+    :mod:`torchrec_ftrl.kernels.cuda.launch`) or ``host.ENABLED`` (every kernel launched from Python
+    instead of the C++ host path, :mod:`torchrec_ftrl.kernels.cuda.host`), to measure what each saves."""
     inner = eager_step(module, batches, grad)
 
     def step(i):
-        launch.ENABLED = False
+        setattr(owner, flag, False)
         try:
             inner(i)
         finally:
-            launch.ENABLED = True
-    return step
-
-
-def python_host_step(module, batches, grad):
-    """:func:`eager_step` with the C++ host path off (:mod:`torchrec_ftrl.kernels.cuda.host`): every
-    kernel launched from Python, to measure what the host path saves."""
-    inner = eager_step(module, batches, grad)
-
-    def step(i):
-        host.ENABLED = False
-        try:
-            inner(i)
-        finally:
-            host.ENABLED = True
+            setattr(owner, flag, True)
     return step
 
 
@@ -162,9 +150,12 @@ def main() -> None:
         elif m in ("ours", "ours_fatal", "ours_torch_sort", "ours_triton_run", "ours_python_host"):
             fatal = dict(bounds_check_mode=BoundsCheckMode.FATAL) if m == "ours_fatal" else {}
             modules[m] = build_ours(a.T, a.E, a.D, SparseType.FP32, **fatal)
-            make = {"ours_torch_sort": torch_sort_step, "ours_triton_run": triton_run_step,
-                    "ours_python_host": python_host_step}.get(m, eager_step)
-            steps[m] = make(modules[m], batches, grad)
+            if m in ("ours_triton_run", "ours_python_host"):
+                flags = (launch, "ENABLED") if m == "ours_triton_run" else (host, "ENABLED")
+                steps[m] = with_flag_step(modules[m], batches, grad, *flags)
+            else:
+                make = torch_sort_step if m == "ours_torch_sort" else eager_step
+                steps[m] = make(modules[m], batches, grad)
         else:
             modules[m] = build_fbgemm(a.T, a.E, a.D, SparseType.FP32, m)
             steps[m] = eager_step(modules[m], batches, grad)

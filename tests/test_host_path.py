@@ -133,3 +133,21 @@ def test_cuda_host_path_equals_python_path(layout, case):
     for w, g in zip(want[0] + want[1], got[0] + got[1]):
         assert w.dtype == g.dtype and w.shape == g.shape
         assert torch.equal(bits(w), bits(g))
+
+
+def test_kinds_of_reads_the_compiled_signature():
+    """Pointers, int32, int64 and specialised constants (not passed) by the compiled kernel's
+    signature; a kernel needing what ``cuLaunchKernel`` alone does not give is refused (None)."""
+    from types import SimpleNamespace as NS
+
+    kernel = NS(arg_names=["x_ptr", "n", "big", "one", "BLOCK"])
+    md = dict(num_ctas=1, global_scratch_size=0, profile_scratch_size=0, launch_pdl=False,
+              launch_cooperative_grid=False)
+    sig = {"x_ptr": "*fp32", "n": "i32", "big": "i64", "one": "constexpr", "BLOCK": "constexpr"}
+    compiled = NS(metadata=NS(**md), src=NS(signature=sig))
+    assert host.kinds_of(kernel, compiled, 4) == "Pilx"
+    for field, value in (("num_ctas", 2), ("global_scratch_size", 64), ("launch_pdl", True)):
+        assert host.kinds_of(kernel, NS(metadata=NS(**{**md, field: value}), src=NS(signature=sig)), 4) is None
+    assert host.kinds_of(kernel, NS(metadata=NS(**md), src=NS(signature={**sig, "n": "fp32"})), 4) is None
+    # a runtime parameter past the positional arguments cannot be passed
+    assert host.kinds_of(kernel, NS(metadata=NS(**md), src=NS(signature={**sig, "BLOCK": "i32"})), 4) is None

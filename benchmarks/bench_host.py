@@ -37,7 +37,7 @@ OWN_LABELS = {"ours_graph": "torchrec_ftrl FTRL (Triton), CUDA graph replay",
               "ours_torch_sort": "torchrec_ftrl FTRL (Triton), torch.sort instead of FBGEMM's sort",
               "ours_triton_run": "torchrec_ftrl FTRL (Triton), host path off, every launch through JITFunction.run",
               "ours_python_host": "torchrec_ftrl FTRL (Triton), steps launched from Python (host path off)",
-              "ours_fatal": "torchrec_ftrl FTRL (Triton), bounds check FATAL (the TBE's default)"}
+              "ours_fatal": "torchrec_ftrl FTRL (Triton), bounds check FATAL (one host read per forward)"}
 
 
 def eager_step(module, batches, grad):

@@ -5,7 +5,8 @@ tests/test_tbe_triton.py), and the ``cuda`` tests on a GPU.
 
 * malformed indices / offsets / per-sample weights / dtypes / devices / VBE sizes, bad constructor
   arguments and hyperparameters: ``ValueError`` naming the argument; weights, accum, linear and
-  counters bitwise unchanged (snapshot before, compare after); the module still trains afterwards;
+  counters bitwise unchanged (snapshot before, compare after); the module still trains afterwards
+  (bad index / offset values raise under ``FATAL``; ``WARNING``, the default, repairs and counts them);
 * NaN/Inf in the output gradient: every (table, row) whose summed gradient is non-finite — found here
   by float64 autograd through ``torch.nn.functional.embedding_bag`` (tests/conftest.py) — keeps its
   weight/accum/linear bits and is counted in ``nonfinite_grad_rows``; all other touched rows match the
@@ -27,7 +28,7 @@ from conftest import (INTERP, assert_same_bits, bits, cuda, interp_only, interpr
                       run_interpreter_suite, tbe_state)
 from knob_rules import ANY_VALUE, assert_valid_or_named_error, valid_knob
 from torchrec_ftrl import FTRLTableBatchedEmbeddingBags
-from torchrec_ftrl.fbgemm_enums import PoolingMode, SparseType
+from torchrec_ftrl.fbgemm_enums import BoundsCheckMode, PoolingMode, SparseType
 
 BACKENDS = H.CPU_BACKENDS
 SETTINGS = settings(max_examples=40, deadline=None, derandomize=True,
@@ -92,26 +93,38 @@ def _mutations():
 
 
 MUTATIONS = _mutations()
+# Bad values of indices / offsets: FATAL raises; WARNING (the default) repairs and counts them.
+# (offsets_count with one feature sets the last offset to N + 1, a value; with several it drops one.)
+BOUNDS_VALUES = ("index_too_large", "index_negative", "offsets_start", "offsets_end", "offsets_decreasing")
 
 
 @cpu_only
 @pytest.mark.parametrize("backend", BACKENDS)
 @MANY
 @given(seed=st.integers(0, 2 ** 20), kind=st.sampled_from(sorted(MUTATIONS)),
-       pooling=st.sampled_from([PoolingMode.SUM, PoolingMode.MEAN]))
-def test_malformed_input_raises_naming_it_and_changes_nothing(backend, seed, kind, pooling):
+       pooling=st.sampled_from([PoolingMode.SUM, PoolingMode.MEAN]),
+       mode=st.sampled_from([BoundsCheckMode.FATAL, BoundsCheckMode.WARNING]))
+def test_malformed_input_raises_naming_it_and_changes_nothing(backend, seed, kind, pooling, mode):
+    """Every malformed input raises under FATAL; under WARNING (the default) all but the bad index /
+    offset values, which are repaired and counted in ``bounds_check_warning``."""
     import random
     r = random.Random(seed)
     T = r.randint(1, 3)
     specs = [(r.randint(1, 20), r.choice([1, 3, 4, 8])) for _ in range(T)]
     fmap = [r.randrange(T) for _ in range(r.randint(1, 3))]
     m = FTRLTableBatchedEmbeddingBags(specs, feature_table_map=fmap, pooling_mode=pooling,
-                                      backend=backend, learning_rate=0.1, ftrl_l1_reg=0.01)
+                                      backend=backend, learning_rate=0.1, ftrl_l1_reg=0.01,
+                                      **({} if mode == BoundsCheckMode.WARNING else dict(bounds_check_mode=mode)))
+    assert m.bounds_check_mode == mode
     idx, off, B = _valid_batch(m, r)
     args = dict(indices=idx, offsets=off, per_sample_weights=None, batch_size_per_feature_per_rank=None)
     make, arg = MUTATIONS[kind]
     args.update(make(m, idx, off, B, r))
     m(idx, off).sum().backward()                    # states are non-trivial before the bad call
+    if mode == BoundsCheckMode.WARNING and (kind in BOUNDS_VALUES or (kind == "offsets_count" and len(fmap) == 1)):
+        m(**args).sum().backward()
+        assert int(m.bounds_check_warning) > 0
+        return
     before = tbe_state(m)
     with pytest.raises(ValueError, match=arg) as e:
         m(**args).sum().backward()

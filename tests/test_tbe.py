@@ -155,10 +155,11 @@ BAD_INPUTS = {
 }
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("name", sorted(BAD_INPUTS))
-def test_bad_input_raises_and_changes_nothing(backend, name):
-    m = _module(backend)
+# what the bounds check repairs under WARNING (the default) and refuses under FATAL
+BOUNDS_CHECKED = ("index_too_large", "index_negative", "offsets_decreasing", "offsets_last_not_N")
+
+
+def _bad_call(m, name):
     args = dict(indices=_i64([1, 5, 2, 5]), offsets=_i64([0, 1, 2, 3, 4]), per_sample_weights=None,
                 batch_size_per_feature_per_rank=None)
     overrides, match = BAD_INPUTS[name]
@@ -167,6 +168,23 @@ def test_bad_input_raises_and_changes_nothing(backend, name):
     with pytest.raises(ValueError, match=match):
         m(**args)
     assert_same_bits(before, tbe_state(m))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", sorted(BAD_INPUTS))
+def test_bad_input_raises_and_changes_nothing(backend, name):
+    """FATAL (an explicit choice): every bad input raises before anything changes."""
+    _bad_call(_module(backend, bounds_check_mode=BoundsCheckMode.FATAL), name)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", sorted(set(BAD_INPUTS) - set(BOUNDS_CHECKED)))
+def test_malformed_arguments_raise_under_the_default_bounds_check(backend, name):
+    """Under the default (WARNING) the arguments' dtypes, shapes, devices and VBE sizes are still
+    checked; only bad index / offset values are repaired (tests/test_bounds_default.py)."""
+    m = _module(backend)
+    assert m.bounds_check_mode == BoundsCheckMode.WARNING
+    _bad_call(m, name)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -160,7 +160,8 @@ def tbe_kwargs_from_fused_params(fused_params: Optional[dict[str, Any]],
     :class:`~torchrec_ftrl.row_layout.RowLayout` of ``ftrl_weights``, ``ftrl_accumulator`` and the
     state dtype, ``state_dtype`` or ``optimizer_state_dtypes``, parsed once here), ``output_dtype``,
     ``bounds_check_mode``
-    (default ``BoundsCheckMode.WARNING``, FBGEMM's default for stock tables) and the cache keys
+    (default ``BoundsCheckMode.WARNING``, FBGEMM's default for stock tables and the TBE's own; a
+    ``fused_params`` value, FATAL among them, is honoured) and the cache keys
     ``cache_load_factor``, ``cache_sets``, ``cache_algorithm``, ``cache_reserved_memory``,
     ``cache_precision`` (as a ``SparseType``), ``prefetch_pipeline``, ``uvm_host_mapped`` and
     ``gather_uvm_cache_stats``. Drops every other key, among them: ``optimizer`` (routing reads it);
@@ -200,7 +201,8 @@ def tbe_kwargs_from_fused_params(fused_params: Optional[dict[str, Any]],
                          "'fused' for HBM, or leave enforce_hbm unset")
     if fp.get("cache_precision") is not None:
         kwargs["cache_precision"] = _cache_precision(fp["cache_precision"], location, weights_precision)
-    # Under TorchRec, FBGEMM's default (WARNING: repair + count, no host sync) as for stock tables.
+    # FBGEMM's default (WARNING: repair + count, no host sync) as for stock tables; also the TBE's
+    # own default, set here so the kwargs say it (FATAL only when fused_params asks for it).
     kwargs.setdefault("bounds_check_mode", BoundsCheckMode.WARNING)
     return kwargs
 

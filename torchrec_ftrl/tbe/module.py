@@ -139,12 +139,15 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         weights_precision: ``SparseType`` FP32, FP16 or BF16 for the weights.
         output_dtype: ``SparseType`` FP32, FP16 or BF16 of the forward output.
         learning_rate, ftrl_*: the FTRL knobs, named and validated as in :class:`torchrec_ftrl.FTRL`.
-        bounds_check_mode: FBGEMM ``BoundsCheckMode``. FATAL (default) raises ``ValueError`` for an
-            index out of ``[0, rows)`` or malformed offsets before anything changes (on CUDA this is one
-            host sync per forward); WARNING replaces bad indices by 0 and clamps offsets as FBGEMM does,
-            counting them in ``bounds_check_warning`` with no host sync; IGNORE trusts the input: an
-            index out of range, or offsets that are not non-decreasing from 0 to ``indices.numel()``,
-            is undefined behaviour (the kernels may read or write outside the tables), as in FBGEMM.
+        bounds_check_mode: FBGEMM ``BoundsCheckMode``. WARNING (default, as FBGEMM's
+            ``SplitTableBatchedEmbeddingBagsCodegen``) reads an index out of ``[0, rows)`` as row 0
+            and repairs malformed offsets as FBGEMM does, counting them in ``bounds_check_warning``,
+            with no host sync; FATAL raises ``ValueError`` for such a batch before anything changes,
+            at the cost of reading its count on the host once per forward (on CUDA the host waits for
+            the forward's kernels: a stall every step; refused under CUDA graph capture); IGNORE
+            trusts the input: an index out of range, or offsets that are not non-decreasing from 0 to
+            ``indices.numel()``, is undefined behaviour (the kernels may read or write outside the
+            tables), as in FBGEMM.
         device: where weights and states live (default CPU).
         backend: ``"triton"`` (CUDA default), ``"cpp"`` (CPU default, compiled at first use), ``"torch"``.
         table_names: optional names (for messages and export).
@@ -227,7 +230,7 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         ftrl_l2_shrinkage: float = 0.0,
         ftrl_initial_accumulator_value: float = 0.0,
         ftrl_l2_convention: str = "tensorflow",
-        bounds_check_mode: BoundsCheckMode = BoundsCheckMode.FATAL,
+        bounds_check_mode: BoundsCheckMode = BoundsCheckMode.WARNING,
         device: Optional[torch.device | str] = None,
         backend: Optional[str] = None,
         table_names: Optional[Sequence[str]] = None,

@@ -66,7 +66,7 @@ ARRAY_NAMES = ("weights", "accum", "linear", "rowwise")
 KNOB_NAMES = ("knobs", "pow_half", "has_shrink")
 CACHE_NAMES = ("cache_locations", "cache_weights", "cache_accum", "cache_linear")
 NAMES = {
-    "forward": ARRAY_NAMES + BATCH_NAMES + KNOB_NAMES + ("out_numel", "out_dtype", "warn", "row_keys")
+    "forward": ARRAY_NAMES + BATCH_NAMES + KNOB_NAMES + ("out_numel", "out_dtype", "warn", "check", "row_keys")
     + CACHE_NAMES,
     "update": ARRAY_NAMES + BATCH_NAMES + ("grad_out",) + KNOB_NAMES + (
         "nonfinite_rows", "step", "check", "lin_key", "lin_gofs", "lin_scale", "lin_tid") + CACHE_NAMES,
@@ -120,7 +120,7 @@ def valid_args(op: str, layout: str = "stored") -> dict:
     args = dict(state_arrays(layout), **batch_args(), **knob_dict())
     args.update({k: None for k in NAMES[op] if k not in args})
     if op == "forward":
-        args.update(out_numel=OUT_NUMEL, out_dtype=torch.float32)
+        args.update(out_numel=OUT_NUMEL, out_dtype=torch.float32, warn=torch.zeros(1, **I64), check=False)
     else:
         args.update(grad_out=grad_out(), nonfinite_rows=torch.zeros(1, **I64), step=torch.tensor([3]),
                     check=False)
@@ -318,6 +318,9 @@ FORWARD_MUTATIONS = [
     ("out_numel_zero", setter("out_numel", lambda: 0), r"out_numel|bag_out_offset"),
     ("out_numel_negative", setter("out_numel", lambda: -1), r"out_numel"),
     ("out_dtype_int64", setter("out_dtype", lambda: torch.int64), r"out_dtype|dtype"),
+    ("warn_int32", setter("warn", lambda: torch.zeros(1, dtype=torch.int32)), r"warn"),
+    ("warn_shape_2", setter("warn", lambda: torch.zeros(2, **I64)), r"warn"),
+    ("check_true", setter("check", lambda: True), r"check"),
 ]
 UPDATE_MUTATIONS = [
     ("grad_out_empty", setter("grad_out", lambda: torch.empty(0)), r"grad_out|out_numel|bag_out_offset"),
@@ -336,7 +339,7 @@ UPDATE_MUTATIONS = [
 ]
 META_POSITIONS = {
     "forward": ("weights", "accum", "linear", "table_w_offset", "table_rows", "bag_out_offset", "indices",
-                "offsets", "knobs"),
+                "offsets", "knobs", "warn"),
     "update": ("weights", "accum", "linear", "table_dim", "feature_table", "indices", "offsets", "grad_out",
                "knobs", "nonfinite_rows", "step"),
 }

@@ -27,7 +27,7 @@ A = dict(weights=0, accum=1, linear=2, table_w_offset=4, table_dim=5, table_rows
          feature_table=8, bag_feature=9, bag_out_offset=10, indices=11, offsets=12, psw=13, pooling_mode=14,
          max_D=15, table_dims=16, total_rows=17, knobs=18)
 GRAD, NONFINITE, STEP = 18, 22, 23          # backward: grad_out, then knobs at 19
-OUT_NUMEL = 21                               # forward
+OUT_NUMEL, WARN, CHECK = 21, 23, 24         # forward
 
 
 def _set(args, name, value, backward=False):
@@ -70,7 +70,10 @@ COMMON = [
 BACKWARD_ONLY = [("grad_out", "grad_out", lambda t: t[:0], ValueError),
                  ("grad_out", "grad_out", lambda t: t[:-1], ValueError),
                  ("nonfinite_rows", "nonfinite_rows", lambda t: t.int(), RuntimeError)]
-FORWARD_ONLY = [("out_numel", "out_numel", lambda n: n - 1, ValueError)]
+FORWARD_ONLY = [("out_numel", "out_numel", lambda n: n - 1, ValueError),
+                ("warn", "warn", lambda t: t.int(), RuntimeError),
+                ("warn", "warn", lambda t: t.expand(2).contiguous(), RuntimeError),
+                ("check", "check", True, RuntimeError)]       # the PyTorch implementation checks nothing
 
 
 def _ids(case):
@@ -97,8 +100,9 @@ def _forward_case(case, layout=("stored", "elementwise")):
     b = _batch(PoolingMode.SUM, False)
     args = list(_forward_args(_state(layout), layout, b))
     _, name, value, _ = case
-    if name == "out_numel":
-        args[OUT_NUMEL] = value(args[OUT_NUMEL])
+    if name in ("out_numel", "warn", "check"):
+        i = {"out_numel": OUT_NUMEL, "warn": WARN, "check": CHECK}[name]
+        args[i] = value(args[i]) if callable(value) else value
     else:
         _set(args, name, value)
     return args

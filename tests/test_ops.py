@@ -60,8 +60,9 @@ def _forward_args(weights, layout, out_dtype=torch.float32, accum=None, linear=N
     """Stored ``weights``, or derived ones (``weights`` None) from ``accum`` and ``linear``."""
     if weights is not None:
         accum = linear = torch.zeros_like(weights)
+    warn = torch.zeros(1, dtype=torch.int64, device=linear.device)   # unread: check False
     return (weights, accum, linear, rowwise, *_batch_args(layout), *_knob_args(linear.device), 24, out_dtype,
-            None, None, None, None, None, None)
+            warn, False, None, None, None, None, None)
 
 
 def _tables(seed=0):

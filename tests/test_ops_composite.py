@@ -77,8 +77,9 @@ def _batch_args(b):
 
 
 def _forward_args(state, layout, b, out_dtype=torch.float32):
+    warn = torch.zeros(1, dtype=torch.int64, device=state[2].device)   # unread: check False
     return (*state, layout[1] == "rowwise", *_batch_args(b), *_knob_args(state[2].device), b["out_numel"],
-            out_dtype, None, None, None, None, None, None)
+            out_dtype, warn, False, None, None, None, None, None)
 
 
 def _update_args(state, layout, b, grad_out, nonfinite, step=0):

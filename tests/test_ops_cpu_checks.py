@@ -52,7 +52,8 @@ def _valid(layout="stored", op="backward"):
               max_D=max(DIMS), table_dims=list(DIMS), total_rows=sum(ROWS),
               knobs=torch.tensor(KNOBS), pow_half=True, has_shrink=False)
     if op == "forward":
-        return dict(kw, out_numel=24, out_dtype=torch.float32, warn=None, row_keys=None)
+        return dict(kw, out_numel=24, out_dtype=torch.float32, warn=torch.zeros(1, dtype=torch.int64),
+                    check=False, row_keys=None)
     return dict(kw, grad_out=torch.linspace(-1.0, 1.0, 24), nonfinite_rows=torch.zeros(1, dtype=torch.int64),
                 step=torch.tensor([0]), check=False)
 
@@ -66,7 +67,7 @@ def _call(op, kw, keyset=None):
 
 
 def _snapshot(kw):
-    return [bits(kw[k]) for k in ("weights", "accum", "linear", "nonfinite_rows") if kw.get(k) is not None]
+    return [bits(kw[k]) for k in ("weights", "accum", "linear", "nonfinite_rows", "warn") if kw.get(k) is not None]
 
 
 def _knobs(**changed):
@@ -144,6 +145,10 @@ CASES = [
     ("accum-length", BOTH, dict(accum=torch.zeros(TOTAL - 1)), r"an element-wise accum must have as many elements as linear \(44\), got 43"),
     ("weights-dtype", BOTH, dict(weights=torch.zeros(TOTAL, dtype=torch.float64)), r"weights must be fp32, fp16 or bf16"),
     ("linear-dtype", BOTH, dict(linear=torch.zeros(TOTAL, dtype=torch.float16)), r"accum and linear must be fp32 or bf16"),
+    ("warn-dtype", FWD, dict(warn=torch.zeros(1, dtype=torch.int32)), r"warn must be int64 \[1\]"),
+    ("warn-2d", FWD, dict(warn=torch.zeros(1, 1, dtype=torch.int64)), r"warn must be int64 \[1\]"),
+    ("check", FWD, dict(check=True), r"does not check indices \(check=True\)"),
+    ("row_keys", FWD, dict(row_keys=torch.zeros(6, dtype=torch.int64)), r"does not take row_keys"),
     ("nonfinite_rows-dtype", BWD, dict(nonfinite_rows=torch.zeros(1, dtype=torch.int32)), r"nonfinite_rows must be int64 \[1\]"),
     ("step-dtype", BWD, dict(step=torch.tensor([0], dtype=torch.int32)), r"step must be int64 \[1\]"),
     ("step-missing-bf16", BWD, dict(step=None, accum=torch.zeros(TOTAL, dtype=torch.bfloat16)),

@@ -808,7 +808,7 @@ def test_cuda_ops_under_torch_compile():
             # (knobs, pow_half, has_shrink); the knob tensor, traced: a constant of the graph
             knobs = knob_args(hp, idx.device)
             out = ops.tbe_forward(w, accum, linear, False, *batch(fixed), *knobs, b.out_numel,
-                                  torch.float32, b.unchecked_counter, lin[0],
+                                  torch.float32, b.unchecked_counter, True, lin[0],
                                   None, None, None, None)       # no cache
             ops.tbe_backward_update_(w, accum, linear, False, *batch(fixed), torch.cos(out), *knobs,
                                      nonfinite, m.iter, True, *lin[:4], None, None, None, None)

@@ -120,6 +120,17 @@ def ftrl_encode(weights: torch.Tensor, accum: torch.Tensor,
     return z, int(lost.sum())
 
 
+def _sum_last(x: torch.Tensor) -> torch.Tensor:
+    """The sum over the last dim in one fixed pairwise order (halves added element by element,
+    an odd last column carried), so an eager call and a compiled graph (whose reductions Inductor
+    orders its own way) give the same bits."""
+    while x.shape[-1] > 1:
+        h = x.shape[-1] // 2
+        head = x[..., :h] + x[..., h:2 * h]
+        x = torch.cat([head, x[..., 2 * h:]], dim=-1) if x.shape[-1] % 2 else head
+    return x[..., 0]
+
+
 def ftrl_rule_rowwise(w: torch.Tensor, accum: torch.Tensor, linear: torch.Tensor, g: torch.Tensor,
                       hp: FTRLHyperparams) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Return new ``(w, accum, linear)`` of touched rows with a row-wise accumulator, in the math dtype.
@@ -128,13 +139,14 @@ def ftrl_rule_rowwise(w: torch.Tensor, accum: torch.Tensor, linear: torch.Tensor
         w, linear, g: ``[U, D]`` old weights, z and summed gradients (as :func:`ftrl_rule`).
         accum: ``[U]``, one n per row (fp32 or bf16: fp32 math; fp64: fp64 math).
 
-    ``n_new = n + mean_d(g_d^2)`` (the mean over the row's D elements of the raw gradient squared),
+    ``n_new = n + mean_d(g_d^2)`` (the mean over the row's D elements of the raw gradient squared,
+    summed pairwise in a fixed order: :func:`_sum_last`),
     then every element of the row takes the element rule's ``z`` and ``w`` steps with the row's
     ``sigma`` and ``q``. Returns ``w`` and ``linear`` ``[U, D]``, ``accum`` ``[U]``.
     """
     math = torch.promote_types(accum.dtype, torch.float32)
     w, g, accum, linear = w.to(math), g.to(math), accum.to(math), linear.to(math)
-    n_new = accum + (g * g).mean(dim=-1)
+    n_new = accum + _sum_last(g * g) / g.shape[-1]
     z = _linear_step(w, accum.unsqueeze(-1), n_new.unsqueeze(-1), linear, g, hp)
     return ftrl_prox(z, n_new.unsqueeze(-1), hp), n_new, z
 

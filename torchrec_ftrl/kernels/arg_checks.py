@@ -449,22 +449,21 @@ def check_forward(args: tuple, values: bool = True) -> None:
     checks (where :func:`wants_values`)."""
     op = "tbe_forward"
     weights, accum, linear, rowwise, batch = args[0], args[1], args[2], args[3], args[4:18]
-    knobs, pow_half, has_shrink, out_numel, out_dtype, warn, row_keys, *cache = args[18:]
+    knobs, pow_half, has_shrink, out_numel, out_dtype, warn, check, row_keys, *cache = args[18:]
     dev = check_arrays_meta(op, weights, accum, linear, rowwise, int(batch[13]))
     check_batch_meta(op, batch, dev)
     check_knobs_meta(op, knobs, dev)
     if out_dtype not in FLOATS:
         _fail(op, f"out_dtype must be one of {FLOATS}, got {out_dtype}", ValueError)
     check_out_meta(op, "out_numel", int(out_numel), batch)
-    if warn is not None:
-        check_counter(op, "warn", warn, dev)
+    check_counter(op, "warn", warn, dev)
     N = batch[7].numel()
     if row_keys is not None:
         vec(op, "row_keys", row_keys, dev, (torch.int32, torch.int64), N)
     check_cache_meta(op, weights, accum, linear, rowwise, int(batch[11]), N, *cache)
     if values and wants_values(linear):
         check_knob_values(op, knobs, pow_half, has_shrink)
-        check_batch_values(op, batch, linear.numel(), int(out_numel), "out_numel", warn is not None)
+        check_batch_values(op, batch, linear.numel(), int(out_numel), "out_numel", bool(check))
 
 
 def check_backward(args: tuple, values: bool = True) -> None:

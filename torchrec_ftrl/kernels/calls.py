@@ -60,9 +60,15 @@ def _check_layout(backend: Backend, arrays: TableArrays, batch: TBEBatch) -> Non
 
 def _lookup(backend: Backend, arrays: TableArrays, batch: TBEBatch, offsets: torch.Tensor,
             out_dtype: torch.dtype, hp: FTRLHyperparams, row_keys: Optional[torch.Tensor]) -> torch.Tensor:
-    knobs = knob_args(hp, arrays.linear.device)
-    return backend.ops.forward(hp, *_arrays(arrays), *_batch(batch, offsets), *knobs, int(batch.out_numel),
-                               out_dtype, batch.unchecked_counter, row_keys, *_cache(batch))
+    """``tbe_forward``: a raw batch checked by the kernels into its counter; a checked one with a
+    scratch ``warn``, which the kernels do not touch (the op takes one always, :mod:`.ops`)."""
+    dev = arrays.linear.device
+    warn = batch.unchecked_counter
+    check = warn is not None
+    if not check:
+        warn = torch.empty(1, dtype=torch.int64, device=dev)
+    return backend.ops.forward(hp, *_arrays(arrays), *_batch(batch, offsets), *knob_args(hp, dev),
+                               int(batch.out_numel), out_dtype, warn, check, row_keys, *_cache(batch))
 
 
 def forward(backend: Backend, arrays: TableArrays, batch: TBEBatch, out_dtype: torch.dtype,

@@ -32,8 +32,8 @@ class Capabilities:
     """What a backend supports, as data (the TBE reads these, never a backend's name).
 
     Attributes:
-        fused_check: its forward checks a raw batch itself (the ``warn`` argument of
-            ``tbe_forward`` / ``tbe_linearize``): FBGEMM's ``WARNING`` (unless the per-sample
+        fused_check: its forward checks a raw batch itself (``check`` and ``warn`` of
+            ``tbe_forward``, ``warn`` of ``tbe_linearize``): FBGEMM's ``WARNING`` (unless the per-sample
             weights need a gradient, which reads a checked batch) and ``FATAL`` (the TBE reads the
             count once after the forward and raises before any update).
         linearizes: has ``tbe_linearize``: a training forward linearises the batch once, looks up

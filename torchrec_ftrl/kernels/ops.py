@@ -36,21 +36,24 @@ out of range, knobs outside :class:`~torchrec_ftrl.hyperparams.FTRLHyperparams`'
 op, the argument and its value; the state is then unchanged. Every tensor is on one device (meta
 only under fake tensors, where the metadata checks run). The values of ``indices`` and ``offsets``
 are the bounds check's job (:mod:`torchrec_ftrl.tbe.bounds_check`), not the ops': where the ops are
-told the batch is checked (``warn`` None, ``check`` False), indices must lie in their tables and
-offsets be valid, and with ``BoundsCheckMode.IGNORE`` a bad index or offset is undefined behaviour
-(reads and writes outside the arrays). The same holds for ``cache_locations`` and the linearised
-batch (``lin_*``), which only the TBE makes.
+told the batch is checked (``check`` False; ``warn`` None for ``tbe_linearize``), indices must lie
+in their tables and offsets be valid, and with ``BoundsCheckMode.IGNORE`` a bad index or offset is
+undefined behaviour (reads and writes outside the arrays). The same holds for ``cache_locations``
+and the linearised batch (``lin_*``), which only the TBE makes.
 
 Ops:
 
-* ``tbe_forward(<arrays>, <batch>, <knobs>, out_numel, out_dtype, warn?, row_keys?, cache_locations?,
-  cache_weights?, cache_accum?, cache_linear?) -> Tensor``: the flat pooled (SUM / MEAN) or
-  sequence (NONE) output ``[out_numel]`` in ``out_dtype`` (fp32, fp16 or bf16), fp32 accumulation;
-  empty bags give zeros. ``offsets`` are valid. ``warn`` (int64 ``[1]``; ``fused_check``): indices
-  are unchecked; one outside ``[0, rows)`` reads row 0 and is counted in ``warn``. ``row_keys``
-  (``linearizes``): the checked row keys of :func:`tbe_linearize`, read instead of ``indices``.
-  ``cache_*`` (``cached_placement``; all or none): rows with a cache slot (``cache_locations[i] >= 0``) are read
-  from the HBM cache (:mod:`.batch`).
+* ``tbe_forward(<arrays>, <batch>, <knobs>, out_numel, out_dtype, warn!, check, row_keys?,
+  cache_locations?, cache_weights?, cache_accum?, cache_linear?) -> Tensor``: the flat pooled (SUM /
+  MEAN) or sequence (NONE) output ``[out_numel]`` in ``out_dtype`` (fp32, fp16 or bf16), fp32
+  accumulation; empty bags give zeros. ``offsets`` are valid. ``warn``: an int64 ``[1]`` counter.
+  ``check`` (``fused_check``): indices are unchecked; one outside ``[0, rows)`` reads row 0 and is
+  counted in ``warn``; without ``check`` no kernel reads or writes ``warn`` (the TBE then passes a
+  scratch one). ``warn`` is not optional: Inductor (``torch.compile``'s default backend) cannot
+  lower a mutating op that returns one tensor and mutates none (its mutated arguments all None).
+  ``row_keys`` (``linearizes``): the checked row keys of :func:`tbe_linearize`, read instead of
+  ``indices`` (``check`` then checks nothing). ``cache_*`` (``cached_placement``; all or none): rows
+  with a cache slot (``cache_locations[i] >= 0``) are read from the HBM cache (:mod:`.batch`).
 * ``tbe_linearize(<batch>, out_numel, warn?) -> (key, gofs, scale, tid, offsets)`` (``linearizes``):
   each index's row key ``table_row_base[t] + index`` (int32 when the tables have fewer than 2**31
   rows, else int64), its gradient offset (int32 / int64), its fp32 factor (per-sample weight and 1/L
@@ -94,8 +97,8 @@ _BATCH = ("Tensor table_w_offset, Tensor table_dim, Tensor table_rows, Tensor ta
 _KNOBS = "Tensor knobs, bool pow_half, bool has_shrink"
 SCHEMAS = {
     "tbe_forward": (f"({_ARRAYS}, {_BATCH}, {_KNOBS}, int out_numel, ScalarType out_dtype, "
-                    "Tensor(d!)? warn, Tensor? row_keys, Tensor? cache_locations, Tensor? cache_weights, "
-                    "Tensor? cache_accum, Tensor? cache_linear) -> Tensor"),
+                    "Tensor(d!) warn, bool check, Tensor? row_keys, Tensor? cache_locations, "
+                    "Tensor? cache_weights, Tensor? cache_accum, Tensor? cache_linear) -> Tensor"),
     "tbe_linearize": (f"({_BATCH}, int out_numel, Tensor(d!)? warn) "
                       "-> (Tensor, Tensor, Tensor, Tensor, Tensor)"),
     "tbe_backward_update_": (

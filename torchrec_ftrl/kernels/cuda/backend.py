@@ -174,11 +174,12 @@ def _vec_even(table_dims, block_d: int) -> tuple[int, bool]:
 def tbe_forward(weights, accum, linear, rowwise, table_w_offset, table_dim, table_rows, table_row_base,
                 feature_table, bag_feature, bag_out_offset, indices, offsets, per_sample_weights,
                 pooling_mode, max_D, table_dims, total_rows, knobs, pow_half, has_shrink, out_numel,
-                out_dtype, warn, row_keys, cache_locations, cache_weights, cache_accum,
+                out_dtype, warn, check, row_keys, cache_locations, cache_weights, cache_accum,
                 cache_linear) -> torch.Tensor:
     """``tbe_forward`` (:mod:`torchrec_ftrl.kernels.ops`): the pooled lookup of :func:`.forward.tbe_forward_kernel`.
     A cached batch (``cache_locations``) reads its cached rows from ``cache_weights``, or for derived
-    weights from ``cache_linear`` and ``cache_accum``.
+    weights from ``cache_linear`` and ``cache_accum``. With ``check`` (and no ``row_keys``) bad
+    indices read row 0 and are counted in ``warn``.
 
     Unchecked: the registered op (:mod:`.impls`) checks its arguments first (:mod:`..arg_checks`);
     the TBE's eager calls (:data:`OPS`) pass the arguments it built and checked itself.
@@ -206,9 +207,9 @@ def tbe_forward(weights, accum, linear, rowwise, table_w_offset, table_dim, tabl
     _k(tbe_forward_kernel)[(_cdiv(num_bags, bags),)](
         w, out, row_keys if use_keys else indices, offsets, bag_feature, bag_out_offset,
         feature_table, table_w_offset, table_dim, table_rows, table_row_base, psw,
-        offsets if warn is None else warn, cache_locations if cached else offsets, cw, cn, linear,
+        warn, cache_locations if cached else offsets, cw, cn, linear,
         accum, knobs, num_bags, max_D, cw.stride(0) if cached else 0,
-        POOL=pooling_mode, HAS_PSW=has_psw, CHECK=warn is not None and not use_keys, KEYS=use_keys,
+        POOL=pooling_mode, HAS_PSW=has_psw, CHECK=bool(check) and not use_keys, KEYS=use_keys,
         BAGS=bags, UNROLL=unroll, BLOCK_D=BLOCK_D, VEC=vec, EVEN_D=even_d, WEVICT=evict,
         CACHED=cached, DERIVED=derived, ROWWISE=derived and rowwise, POW_HALF=pow_half,
         LIBDEVICE_POW=isinstance(tbe_forward_kernel, JITFunction), num_warps=warps)
@@ -496,10 +497,12 @@ def train_forward(weights, accum, linear, rowwise, table_w_offset, table_dim, ta
     with host.recorded(None if plan is None else plan.id, linear.device):
         lin = tbe_linearize(*batch, indices, offsets, per_sample_weights, pooling_mode, max_D, table_dims,
                             total_rows, out_numel, warn)
+        # the lookup reads the checked row keys: its own check is off and its warn unused (without
+        # a counter, table_row_base stands there, as in the C++ step)
         out = tbe_forward(weights, accum, linear, rowwise, *batch, indices,
                           offsets if warn is None else lin[4], per_sample_weights, pooling_mode, max_D,
-                          table_dims, total_rows, knobs, pow_half, has_shrink, out_numel, out_dtype, warn,
-                          lin[0], None, None, None, None)
+                          table_dims, total_rows, knobs, pow_half, has_shrink, out_numel, out_dtype,
+                          table_row_base if warn is None else warn, False, lin[0], None, None, None, None)
     return out, lin
 
 

@@ -70,8 +70,8 @@ def _forward(hp: FTRLHyperparams, *args):
 
 
 def _forward_checked(hp: FTRLHyperparams, weights, accum, linear, rowwise, *rest):
-    batch_args, (_, _, _, out_numel, out_dtype, warn, row_keys, *cache) = rest[:N_BATCH], rest[N_BATCH:]
-    _refuse("tbe_forward", warn=warn, row_keys=row_keys, cache_locations=cache[0],
+    batch_args, (_, _, _, out_numel, out_dtype, _, check, row_keys, *cache) = rest[:N_BATCH], rest[N_BATCH:]
+    _refuse("tbe_forward", check, row_keys=row_keys, cache_locations=cache[0],
             cache_weights=cache[1], cache_accum=cache[2], cache_linear=cache[3])
     return rows.forward(TableArrays(weights, accum, linear, rowwise),
                                  batch_of(batch_args, out_numel), out_dtype, hp)

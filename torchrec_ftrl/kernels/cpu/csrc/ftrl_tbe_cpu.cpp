@@ -1064,14 +1064,18 @@ int64_t count_invalid_scalar(const at::Tensor& table_rows, const at::Tensor& fea
   return bad.load();
 }
 
-// torchrec_ftrl::tbe_forward: the flat output [out_numel] in out_dtype (zeros for empty bags).
+// torchrec_ftrl::tbe_forward: the flat output [out_numel] in out_dtype (zeros for empty bags). `warn`
+// (int64 [1]) is checked but never read or written: this kernel takes no fused check (check=False).
 at::Tensor tbe_forward(const c10::optional<at::Tensor>& weights_opt, const at::Tensor& accum,
                        const at::Tensor& linear, bool rowwise, FTRL_BATCH_PARAMS, const at::Tensor& knobs,
                        bool pow_half, bool has_shrink, int64_t out_numel, at::ScalarType out_dtype,
-                       const c10::optional<at::Tensor>& warn, const c10::optional<at::Tensor>& row_keys,
+                       at::Tensor& warn, bool check, const c10::optional<at::Tensor>& row_keys,
                        FTRL_CACHE_PARAMS) {
   const char* op = "tbe_forward";
-  refuse_unsupported(op, false, {{"warn", &warn}, {"row_keys", &row_keys}, FTRL_CACHE_ARGS});
+  refuse_unsupported(op, check, {{"row_keys", &row_keys}, FTRL_CACHE_ARGS});
+  check_cpu(op, warn, "warn");
+  TORCH_CHECK(warn.scalar_type() == at::kLong && warn.dim() == 1 && warn.numel() == 1, "torchrec_ftrl::",
+              op, ": warn must be int64 [1], got ", warn.scalar_type(), " ", warn.sizes());
   const at::Tensor* weights = stored_weights(weights_opt);
   check_layout(op, weights, accum, linear, rowwise, total_rows);
   TORCH_CHECK_VALUE(is_float_type(out_dtype), "torchrec_ftrl::", op, ": out_dtype must be fp32, fp16 or "

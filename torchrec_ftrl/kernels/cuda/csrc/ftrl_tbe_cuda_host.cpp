@@ -247,7 +247,7 @@ std::tuple<int64_t, std::vector<at::Tensor>> train_forward(
   const at::Tensor& w = weights.has_value() ? *weights : linear;
   std::vector<Arg> fwd = {T(w), T(out), T(key), T(offs), T(bag_feature), T(bag_out_offset),
                           T(feature_table), T(table_w_offset), T(table_dim), T(table_rows), T(row_base),
-                          T(has_psw ? *psw : out), T(repair ? *warn : offs), T(offs), T(w), T(w),
+                          T(has_psw ? *psw : out), T(repair ? *warn : row_base), T(offs), T(w), T(w),
                           T(linear), T(accum), T(knobs), I(num_bags), I(max_D), I(0)};
   Variant vl, vf;
   int rc = find(plan, kLinearize, dev.index(), lin, &vl);

@@ -51,6 +51,7 @@ import torchrec_ftrl
 from torchrec_ftrl import FTRLTableBatchedEmbeddingBags
 from torchrec_ftrl.kernels import calls
 from torchrec_ftrl.kernels.cuda import backend as triton_backend
+from torchrec_ftrl.kernels.cuda import host
 from torchrec_ftrl.row_layout import ACCUMULATORS, WEIGHTS, RowLayout
 from torchrec_ftrl.fbgemm_enums import BoundsCheckMode, ComputeDevice, EmbOptimType, PoolingMode, SparseType
 from torchrec_ftrl.state_dtype import parse_state_dtypes, state_bytes_per_element as _state_bytes
@@ -372,6 +373,7 @@ def tune_layouts(args, log) -> dict:
             if group == "seg_launch" and with_rows:
                 cfg, tuning["rows"][twin] = cfg
             own[group] = cfg
+            host.clear()   # entries edited in place: the C++ host path's plans start afresh
 
         step_ms()   # compile + first timing after building a module: discarded
         for group, cfg in _layout_grid(with_rows):

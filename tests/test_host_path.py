@@ -151,3 +151,49 @@ def test_kinds_of_reads_the_compiled_signature():
     assert host.kinds_of(kernel, NS(metadata=NS(**md), src=NS(signature={**sig, "n": "fp32"})), 4) is None
     # a runtime parameter past the positional arguments cannot be passed
     assert host.kinds_of(kernel, NS(metadata=NS(**md), src=NS(signature={**sig, "BLOCK": "i32"})), 4) is None
+
+
+def test_clear_makes_plans_anew(monkeypatch):
+    """After :func:`host.clear` the Triton backend's plans are rebuilt from TUNING as it is then (an
+    entry edited in place included), and a replaced TUNING entry makes a new plan by itself."""
+    from torchrec_ftrl.kernels.cuda import backend as tb
+
+    accum = linear = torch.zeros(8)
+    args = ("bwd", None, accum, linear, True, 0, 64, (64, 64), 100, False, (True, False))
+    first = tb._host_plan(*args)
+    assert tb._host_plan(*args) is first
+    monkeypatch.setitem(tb.TUNING, "combine_cp", 8)            # replaced: a new plan
+    replaced = tb._host_plan(*args)
+    assert replaced is not first and replaced.combine_cp == 8 and replaced.id != first.id
+    layouts = {**tb.TUNING["layouts"], "derived/rowwise/fp32/fp32": {"fwd": (512, ""), "seg_launch": (512,)}}
+    monkeypatch.setitem(tb.TUNING, "layouts", layouts)
+    before = tb._host_plan(*args)
+    layouts["derived/rowwise/fp32/fp32"]["seg_launch"] = (4096,)  # edited in place: seen after clear()
+    assert tb._host_plan(*args) is before
+    host.clear()
+    after = tb._host_plan(*args)
+    assert after is not before and after.update_g != before.update_g
+
+
+def test_recording_is_per_thread():
+    """A recording on one thread neither sees another thread's launches nor stays installed after
+    overlapping recordings on two threads end out of order."""
+    import threading
+
+    from torchrec_ftrl.kernels.cuda import launch
+
+    entered, leave_a = threading.Event(), threading.Event()
+
+    def a():
+        with launch.recording() as records:
+            entered.set()
+            leave_a.wait(5)
+            assert records == []
+
+    t = threading.Thread(target=a)
+    t.start()
+    entered.wait(5)
+    with launch.recording() as mine:
+        leave_a.set()
+        t.join(5)
+    assert mine == [] and getattr(launch._recording, "records", None) is None

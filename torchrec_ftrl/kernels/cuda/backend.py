@@ -428,12 +428,12 @@ class _HostPlan:
     number and the launch geometry the C++ step computes its grids and buffers from, by the same
     tuning functions as the Python path."""
 
-    __slots__ = ("id", "padded", "has_scale", "lin_bags", "fwd_bags", "seg", "block", "block_d",
-                 "update_g", "combine_cp", "fbgemm_sort", "tuning")
+    __slots__ = ("id", "generation", "padded", "has_scale", "lin_bags", "fwd_bags", "seg", "block",
+                 "block_d", "update_g", "combine_cp", "fbgemm_sort", "tuning")
 
     def __init__(self, key: tuple, weights, accum, linear, rowwise: bool, pooling_mode: int, max_D: int,
                  table_dims: tuple, total_rows: int, has_psw: bool) -> None:
-        self.id = host.plan_id(key)
+        self.id, self.generation = host.plan_id(key), host.generation()
         self.tuning = tuple(TUNING.values())   # kept alive: their ids in the key stay theirs
         derived = weights is None
         block_d = _block_d(max_D)
@@ -453,17 +453,18 @@ class _HostPlan:
 
 
 _host_plans: dict = {}
+_COMPILED = isinstance(tbe_forward_kernel, JITFunction)   # not interpreted: the host path may run
 
 
 def _host_plan(direction: str, weights, accum, linear, rowwise, pooling_mode, max_D, table_dims,
                total_rows, has_psw, flags: tuple) -> _HostPlan:
-    # TUNING's entries by identity: a replaced entry (as the tests' monkeypatch.setitem and the
-    # benchmarks' sweeps do) makes a new plan; an entry edited in place is read after host.clear()
+    # TUNING's entries by identity: a replaced entry (as the tests' monkeypatch.setitem does) makes a
+    # new plan; after an entry is edited in place, host.clear() makes every plan anew
     key = (direction, None if weights is None else weights.dtype, accum.dtype, linear.dtype, rowwise,
            pooling_mode, max_D, tuple(table_dims), total_rows, has_psw, flags,
            tuple(map(id, TUNING.values())))
     plan = _host_plans.get(key)
-    if plan is None or plan.id != host.plan_id(key):    # host.clear() renumbers the plans
+    if plan is None or plan.generation != host.generation():
         plan = _host_plans[key] = _HostPlan(key, weights, accum, linear, rowwise, pooling_mode, max_D,
                                             tuple(table_dims), total_rows, has_psw)
     return plan
@@ -479,7 +480,8 @@ def train_forward(weights, accum, linear, rowwise, table_w_offset, table_dim, ta
     ``linearized`` the five results of ``tbe_linearize``. Unchecked, as :func:`tbe_forward`."""
     has_psw = per_sample_weights is not None and pooling_mode != POOL_NONE
     plan = None
-    if indices.numel() > 0 and offsets.numel() > 1 and out_numel > 0 and host.ready(linear.device):
+    if (_COMPILED and indices.numel() > 0 and offsets.numel() > 1 and out_numel > 0
+            and host.ready(linear.device)):
         plan = _host_plan("fwd", weights, accum, linear, rowwise, pooling_mode, max_D, table_dims,
                           total_rows, has_psw, (warn is not None, pow_half))
         rc, res = host.load().train_forward(
@@ -494,7 +496,7 @@ def train_forward(weights, accum, linear, rowwise, table_w_offset, table_dim, ta
     host.STATS["python_forward"] += 1
     batch = (table_w_offset, table_dim, table_rows, table_row_base, feature_table, bag_feature,
              bag_out_offset)
-    with host.recorded(None if plan is None else plan.id, linear.device):
+    with host.recorded(None if plan is None else plan.id):
         lin = tbe_linearize(*batch, indices, offsets, per_sample_weights, pooling_mode, max_D, table_dims,
                             total_rows, out_numel, warn)
         # the lookup reads the checked row keys: its own check is off and its warn unused (without
@@ -514,8 +516,8 @@ def _backward_update_eager(*args) -> None:
      offsets, psw, pooling_mode, max_D, table_dims, total_rows, grad_out, knobs, pow_half, has_shrink,
      nonfinite_rows, step, _, key, gofs, scale, tid, cache_locations) = args[:30]
     plan = None
-    if (key is not None and cache_locations is None and indices.numel() > 0 and offsets.numel() > 1
-            and host.ready(linear.device)):
+    if (_COMPILED and key is not None and cache_locations is None and indices.numel() > 0
+            and offsets.numel() > 1 and host.ready(linear.device)):
         has_psw = psw is not None and pooling_mode != POOL_NONE
         plan = _host_plan("bwd", weights, accum, linear, rowwise, pooling_mode, max_D, table_dims,
                           total_rows, has_psw, (pow_half, has_shrink))
@@ -529,7 +531,7 @@ def _backward_update_eager(*args) -> None:
             return
         plan = plan if rc == 1 else None
     host.STATS["python_backward"] += 1
-    with host.recorded(None if plan is None else plan.id, linear.device):
+    with host.recorded(None if plan is None else plan.id):
         tbe_backward_update_(*args)
 
 

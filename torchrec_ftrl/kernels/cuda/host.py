@@ -31,9 +31,11 @@ import hashlib
 import os
 import sys
 import threading
+import warnings
 from typing import Iterator, Optional
 
 import torch
+from triton import knobs as triton_knobs
 
 from . import launch
 
@@ -51,6 +53,8 @@ _I32 = 2 ** 31
 _lock = threading.Lock()
 _ops = None          # torch.ops.torchrec_ftrl_host once loaded; False: unavailable
 _plans: dict = {}    # static configuration -> plan id
+_generation = 0      # counts clear()s: a plan made before one is stale
+_kept: list = []     # the registered compiled kernels, alive while their CUfunctions are used
 
 
 def _build() -> None:
@@ -83,11 +87,18 @@ def load():
     return _ops or None
 
 
+def _no_launch_hook() -> bool:
+    hook = triton_knobs.runtime.launch_enter_hook     # None, a function or a chain of them
+    return hook is None or not getattr(hook, "calls", True)
+
+
 def ready(device: torch.device) -> bool:
-    """Whether steps on ``device`` may run in C++: a CUDA device, the host path enabled, compiled
-    kernels launched directly (:data:`.launch.ENABLED`), the library loaded, not while
-    ``torch.compile`` traces."""
-    return (device.type == "cuda" and ENABLED and launch.ENABLED and not torch.compiler.is_compiling()
+    """Whether steps on ``device`` may run in C++: an NVIDIA CUDA device (the library opens
+    ``libcuda``; not ROCm), the host path enabled, compiled kernels launched directly
+    (:data:`.launch.ENABLED`), no Triton launch hook set (a profiler's: C++ launches would skip
+    it), the library loaded, not while ``torch.compile`` traces."""
+    return (device.type == "cuda" and ENABLED and launch.ENABLED and torch.version.hip is None
+            and _no_launch_hook() and not torch.compiler.is_compiling()
             and load() is not None)
 
 
@@ -96,15 +107,26 @@ def plan_id(key: tuple) -> int:
     constexprs and launch options depend on)."""
     plan = _plans.get(key)
     if plan is None:
-        plan = _plans.setdefault(key, len(_plans))
+        with _lock:
+            plan = _plans.setdefault(key, len(_plans))
     return plan
 
 
+def generation() -> int:
+    """The number of :func:`clear` calls so far: a plan made under another number is stale."""
+    return _generation
+
+
 def clear() -> None:
-    """Forget every plan and registered variant (e.g. after editing :data:`.backend.TUNING`)."""
-    _plans.clear()
-    if _ops:
-        _ops.clear_variants()
+    """Forget every plan and registered variant: steps register their kernels afresh (after an
+    in-place edit of :data:`.backend.TUNING`'s nested entries; a replaced entry makes new plans by
+    itself)."""
+    global _generation
+    with _lock:
+        _plans.clear()
+        _generation += 1
+        if _ops:
+            _ops.clear_variants()
 
 
 def signature_of(args: tuple) -> Optional[str]:
@@ -148,9 +170,9 @@ def kinds_of(kernel, compiled, nargs: int) -> Optional[str]:
     return "".join(out)
 
 
-def _register(plan: int, device: int, records: list) -> None:
+def _register(plan: int, records: list) -> None:
     ops = load()
-    for kernel, compiled, args in records:
+    for kernel, compiled, args, device in records:
         name = getattr(kernel, "__name__", None)
         if name not in ROLE_NAMES:
             continue
@@ -162,17 +184,25 @@ def _register(plan: int, device: int, records: list) -> None:
             ops.register_variant(plan, ROLE_NAMES.index(name), device, sig, 0, 0, 0, "")
             continue
         compiled._init_handles()
+        _kept.append(compiled)
         ops.register_variant(plan, ROLE_NAMES.index(name), device, sig, int(compiled.function),
                              32 * int(compiled.metadata.num_warps), int(compiled.metadata.shared), kinds)
 
 
 @contextlib.contextmanager
-def recorded(plan: Optional[int], device: torch.device) -> Iterator[None]:
+def recorded(plan: Optional[int]) -> Iterator[None]:
     """Run the block (a step on the Python path); with a ``plan``, register the kernels it launched
-    under it once the block completes."""
+    (on this thread) under it once the block completes. A registration that fails turns the host
+    path off for the process, with a warning: the step itself has completed."""
+    global ENABLED
     if plan is None:
         yield
         return
     with launch.recording() as records:
         yield
-    _register(plan, device.index if device.index is not None else torch.cuda.current_device(), records)
+    try:
+        _register(plan, records)
+    except Exception as exc:   # a Triton whose compiled kernels this module cannot read
+        ENABLED = False
+        warnings.warn(f"torchrec_ftrl: the CUDA host path is off ({exc!r}); steps launch from Python",
+                      RuntimeWarning, stacklevel=3)

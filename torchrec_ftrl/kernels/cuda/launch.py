@@ -21,7 +21,8 @@ key run the same compiled kernel under Triton's own rules.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+import threading
+from typing import Any, Iterator
 
 import torch
 from triton.runtime.jit import JITFunction
@@ -85,17 +86,19 @@ class DirectLauncher:
                 tail = [meta[name] if name in meta else default
                         for name, _, _, default in self._params[len(args):]]
                 self._compiled[key] = (compiled, tail)
-            if _recorder is not None:
-                _recorder.append((self.kernel, compiled if key is not None else None, args))
+            records = getattr(_recording, "records", None)
+            if records is not None:
+                records.append((self.kernel, compiled if key is not None else None, args, device))
             return
         compiled, tail = entry
         compiled[tuple(grid) + (1,) * (3 - len(grid))](*args, *tail)
-        if _recorder is not None:
-            _recorder.append((self.kernel, compiled, args))
+        records = getattr(_recording, "records", None)
+        if records is not None:
+            records.append((self.kernel, compiled, args, device))
 
 
 _launchers: dict = {}
-_recorder: Optional[list] = None
+_recording = threading.local()   # .records: this thread's list while recording()
 ENABLED = True   # False: every launch goes through JITFunction.run (benchmarks compare the two)
 
 
@@ -113,12 +116,12 @@ def direct(kernel: Any) -> Any:
 
 @contextlib.contextmanager
 def recording() -> Iterator[list]:
-    """Within the block, each launch through a :class:`DirectLauncher` appends ``(kernel,
-    compiled kernel or None, positional arguments)`` to the yielded list (how
-    :mod:`.host` learns which compiled kernels a step launched)."""
-    global _recorder
-    outer, _recorder = _recorder, []
+    """Within the block, each launch through a :class:`DirectLauncher` on this thread appends
+    ``(kernel, compiled kernel or None, positional arguments, device index)`` to the yielded list
+    (how :mod:`.host` learns which compiled kernels a step launched)."""
+    outer = getattr(_recording, "records", None)
+    _recording.records = []
     try:
-        yield _recorder
+        yield _recording.records
     finally:
-        _recorder = outer
+        _recording.records = outer

@@ -337,11 +337,12 @@ TORCH_LIBRARY(torchrec_ftrl_host, m) {
   m.def("signature(Tensor[] tensors, int[] ints, str order) -> str", &signature_op);
   m.def("train_forward(int plan, Tensor? weights, Tensor accum, Tensor linear, Tensor table_w_offset, "
         "Tensor table_dim, Tensor table_rows, Tensor row_base, Tensor feature_table, Tensor bag_feature, "
-        "Tensor bag_out_offset, Tensor indices, Tensor offsets, Tensor? psw, Tensor knobs, Tensor? warn, "
+        "Tensor bag_out_offset, Tensor indices, Tensor offsets, Tensor? psw, Tensor knobs, Tensor(a!)? warn, "
         "int max_D, int total_rows, int out_numel, ScalarType out_dtype, bool padded, bool has_scale, "
         "int lin_bags, int fwd_bags) -> (int, Tensor[])", &train_forward);
-  m.def("train_backward(int plan, Tensor? weights, Tensor accum, Tensor linear, Tensor table_w_offset, "
-        "Tensor table_dim, Tensor row_base, Tensor grad_out, Tensor knobs, Tensor nonfinite_rows, "
+  m.def("train_backward(int plan, Tensor(a!)? weights, Tensor(b!) accum, Tensor(c!) linear, "
+        "Tensor table_w_offset, Tensor table_dim, Tensor row_base, Tensor grad_out, Tensor knobs, "
+        "Tensor(d!) nonfinite_rows, "
         "Tensor? step, Tensor key, Tensor gofs, Tensor scale, Tensor tid, int total_rows, int seg_len, "
         "int block, int block_d, int update_g, int combine_cp, bool fbgemm_sort) -> int", &train_backward);
 }

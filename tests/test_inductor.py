@@ -9,20 +9,22 @@ layouts, and the ``WARNING`` (a bad index in every batch, repaired and counted) 
 batch refused, the state unchanged) bounds checks. On a GPU, the Triton backend's TBE too, with
 ``IGNORE`` among the modes (a checked batch: ``tbe_forward`` mutates only a scratch ``warn``).
 
-One exception to the bits: the ``torch`` backend with a row-wise accum. Its ``n += mean_d(g_d^2)``
-is a reduction, which Inductor sums in another order than ATen (for a row of 8 or more), so the
-states after an update agree to fp32 rounding only (the output of the first step, before any
-update, keeps its bits)."""
+The CPU tests run in a child pytest (:func:`test_inductor_suite`): Inductor's compile workers and
+its OpenMP kernels stay out of the suite's own process, whose later tests fork workers (a fork of a
+process with other threads can deadlock the child)."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from conftest import TBE_STATE, bits, cuda, needs_cuda
+from conftest import REPO, TBE_STATE, bits, cuda, needs_cuda
 from torchrec_ftrl import FTRLTableBatchedEmbeddingBags
 from torchrec_ftrl.fbgemm_enums import BoundsCheckMode
 
@@ -33,6 +35,21 @@ KNOBS = dict(learning_rate=0.3, ftrl_l1_reg=0.01, ftrl_l2_reg=0.02, ftrl_beta=0.
 STEPS = 3
 # The ops a compiled training step runs inside Inductor's graphs (backends cpp and triton).
 STEP_OPS = {"tbe_forward", "tbe_backward_update_"}
+_CHILD_ENV = "TORCHREC_FTRL_INDUCTOR_CHILD"
+in_child = pytest.mark.skipif(os.environ.get(_CHILD_ENV) != "1",
+                              reason="runs in the child pytest of test_inductor_suite")
+
+
+@pytest.mark.skipif(os.environ.get(_CHILD_ENV) == "1", reason="the child process itself")
+def test_inductor_suite():
+    """Runs this file's CPU tests in a child pytest; asserts that it passed and skipped none."""
+    env = {**os.environ, _CHILD_ENV: "1"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+                           "-m", "not cuda", "-k", "not inductor_suite"],
+                          env=env, capture_output=True, text=True, timeout=1200, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert " passed" in last and "skipped" not in last and "deselected" in last, last
 
 
 class _LoweredOps(CustomGraphPass):
@@ -130,6 +147,7 @@ def check_tbe_compiles(lowered: set, backend: str, layout: str, mode: str, devic
         _assert_same([eager(indices, offsets)], [torch.compile(twin)(indices, offsets)], "eval output")
 
 
+@in_child
 @pytest.mark.parametrize("backend,layout,mode", [
     ("cpp", "stored-elementwise", "WARNING"), ("cpp", "stored-elementwise", "FATAL"),
     ("cpp", "derived-rowwise", "WARNING"), ("cpp", "derived-rowwise", "FATAL"),
@@ -179,6 +197,7 @@ def _dmp_step(dmp, kjt, up):
     return out.detach()
 
 
+@in_child
 @pytest.mark.parametrize("backend,layout,mode", [
     ("cpp", "stored-elementwise", "WARNING"), ("cpp", "derived-rowwise", "FATAL"),
     ("torch", "derived-elementwise", "WARNING")])

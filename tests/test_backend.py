@@ -30,9 +30,11 @@ def test_backend_modules_implement_the_protocol(name):
 
 
 def test_protocol_lists_the_members():
-    # one entry per op, then the optional fused training forward (a backend's own, no op of its own)
-    assert tuple(f.name for f in dataclasses.fields(OpTable)) == MEMBERS + ("train_forward",)
-    assert OpTable(*(lambda *a: None,) * len(MEMBERS)).train_forward is None
+    # one entry per op, then the optional fused training forward and training lookup (a backend's
+    # own, no op of :mod:`ops`)
+    assert tuple(f.name for f in dataclasses.fields(OpTable)) == MEMBERS + ("train_forward", "train_lookup")
+    table = OpTable(*(lambda *a: None,) * len(MEMBERS))
+    assert table.train_forward is None and table.train_lookup is None
     assert {f"tbe_{m}" for m in MEMBERS} == set(SCHEMAS)           # one entry per op
     assert tuple(f.name for f in dataclasses.fields(Backend)) == ("name", "ops", "capabilities")
 

@@ -4,7 +4,8 @@ On the CPU (CI): the library builds against this torch, and its specialisation r
 which a compiled Triton kernel is registered) equals the Python rule Triton's own rule is stated in,
 over tensors of every dtype and alignment and integers of every class.
 
-Tests marked ``cuda``: training steps through the C++ path are bit for bit those of the Python path
+Tests marked ``cuda``: training steps through the C++ path (the one autograd op ``train_lookup``, and
+its two directions called from the TBE's Python autograd node) are bit for bit those of the Python path
 (every row layout, fp32 and bf16 state, SUM / MEAN / NONE pooling, per-sample weights, WARNING /
 FATAL, misaligned user tensors, a gradient long enough to cut runs), and the C++ path is the one
 that ran after the first step of each configuration.
@@ -122,16 +123,37 @@ def test_cuda_host_path_equals_python_path(layout, case):
     try:
         host.clear()
         host.STATS.clear()
+        base = host.stats()["cpp_backward"]   # the C++ lookups' count is the process's
         want = _train(False, layout, pooling, psw, mode, state_dtype, 4, misalign)
-        assert host.STATS["cpp_forward"] == host.STATS["cpp_backward"] == 0
+        assert host.stats()["cpp_forward"] == host.stats()["cpp_backward"] - base == 0
         got = _train(True, layout, pooling, psw, mode, state_dtype, 4, misalign)
     finally:
         host.ENABLED = True
     # the first step of a configuration runs in Python and registers its kernels; the later ones
     # (the same specialisations) in C++
-    assert host.STATS["cpp_forward"] >= 2 and host.STATS["cpp_backward"] >= 2, dict(host.STATS)
+    got_stats = host.stats()
+    assert got_stats["cpp_forward"] >= 2 and got_stats["cpp_backward"] - base >= 2, dict(got_stats)
     for w, g in zip(want[0] + want[1], got[0] + got[1]):
         assert w.dtype == g.dtype and w.shape == g.shape
+        assert torch.equal(bits(w), bits(g))
+
+
+@cuda
+@needs_cuda
+def test_cuda_split_host_path_equals_python_path():
+    """With the one autograd op off (``host.LOOKUP_OP``), the two C++ calls under the TBE's Python
+    autograd node give the same bits as well."""
+    layout, (pooling, psw, mode, state_dtype, misalign) = LAYOUTS[3], CASES[1]
+    try:
+        host.clear()
+        want = _train(False, layout, pooling, psw, mode, state_dtype, 4, misalign)
+        host.LOOKUP_OP = False
+        host.STATS.clear()
+        got = _train(True, layout, pooling, psw, mode, state_dtype, 4, misalign)
+    finally:
+        host.ENABLED, host.LOOKUP_OP = True, True
+    assert host.STATS["cpp_forward"] >= 2 and host.STATS["cpp_backward"] >= 2, dict(host.STATS)
+    for w, g in zip(want[0] + want[1], got[0] + got[1]):
         assert torch.equal(bits(w), bits(g))
 
 

@@ -112,6 +112,24 @@ def forward_train(backend: Backend, arrays: TableArrays, batch: TBEBatch, out_dt
     return out, Linearized(offsets, tuple(lin[:4]))
 
 
+def train_lookup(backend: Backend, arrays: TableArrays, batch: TBEBatch, out_dtype: torch.dtype,
+                 hp: FTRLHyperparams, placeholder: torch.Tensor, nonfinite_rows: torch.Tensor,
+                 iteration: torch.Tensor) -> Optional[torch.Tensor]:
+    """A training step's lookup and its update as one autograd op of the backend
+    (``OpTable.train_lookup``): :func:`forward_train`'s output, whose backward does what
+    :func:`backward_update_` does and adds 1 to ``iteration``. None where the step is to run
+    through :func:`forward_train` and :func:`backward_update_` instead: a backend without the op or
+    not ready for the step, a cached batch, a bf16 state without ``batch.step``. Per-sample weights
+    that need a gradient are the caller's to route to the other path."""
+    op = backend.ops.train_lookup
+    if (op is None or batch.cache_locations is not None
+            or (batch.step is None and torch.bfloat16 in (arrays.accum.dtype, arrays.linear.dtype))):
+        return None
+    return op(hp, *_arrays(arrays), *_batch(batch, batch.offsets), *knob_args(hp, arrays.linear.device),
+              int(batch.out_numel), out_dtype, batch.unchecked_counter, placeholder, nonfinite_rows,
+              batch.step, iteration)
+
+
 def backward_update_(backend: Backend, arrays: TableArrays, batch: TBEBatch, ctx: Optional[Linearized],
                      grad_out: torch.Tensor, hp: FTRLHyperparams, nonfinite_rows: torch.Tensor) -> None:
     """Sum the gradient (``grad_out`` flat ``[batch.out_numel]``, fp32/fp16/bf16) per touched row,

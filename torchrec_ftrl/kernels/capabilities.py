@@ -17,7 +17,11 @@ class OpTable:
     the kernels read the tensor). ``train_forward`` (optional): a backend's fused training forward
     (``tbe_linearize`` then ``tbe_forward`` with its row keys; the arguments of ``forward`` up to
     ``out_dtype``, then ``warn``), returning ``(out, the five results of tbe_linearize)``, or None
-    where the TBE is to call the two ops itself (while ``torch.compile`` traces)."""
+    where the TBE is to call the two ops itself (while ``torch.compile`` traces). ``train_lookup``
+    (optional): a backend's whole training lookup as one autograd op (the arguments of
+    ``train_forward``, then the TBE's placeholder parameter, ``nonfinite_rows``, ``step`` and
+    ``iter``), returning the output, whose backward updates the tables and adds 1 to ``iter``; or
+    None where the TBE is to run the step through :mod:`.calls`' forward and backward."""
 
     forward: Callable
     linearize: Callable
@@ -25,6 +29,7 @@ class OpTable:
     count_invalid: Callable
     repair_offsets: Callable
     train_forward: Optional[Callable] = None
+    train_lookup: Optional[Callable] = None
 
 
 @dataclasses.dataclass(frozen=True)

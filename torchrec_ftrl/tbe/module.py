@@ -428,8 +428,15 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         cache_keys, release = None, None
         if self.cache is not None:
             batch, cache_keys, release = self._cached_batch(batch, bsfpr, train)
-        out = _FTRLLookupFunction.apply(self.placeholder_autograd_tensor, self, batch, per_sample_weights,
-                                        train, cache_keys)
+        out = None
+        if train and cache_keys is None and not (per_sample_weights is not None
+                                                 and per_sample_weights.requires_grad):
+            out = calls.train_lookup(self._backend, self.table_arrays, batch, self._output_torch_dtype,
+                                     self._hp, self.placeholder_autograd_tensor, self.nonfinite_grad_rows,
+                                     self.iter)
+        if out is None:
+            out = _FTRLLookupFunction.apply(self.placeholder_autograd_tensor, self, batch,
+                                            per_sample_weights, train, cache_keys)
         if self.bounds_check_mode == BoundsCheckMode.FATAL and batch.unchecked_counter is not None:
             raise_if_counted(self._fatal_count, self.table_names, batch)
         if release is not None:

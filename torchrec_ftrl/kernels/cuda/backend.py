@@ -262,6 +262,11 @@ def _linearize(indices, offsets, bag_feature, bag_out_offset, feature_table, row
 _fbgemm_sort_devices: dict[str, bool] = {}   # device type -> FBGEMM's sort op is built for it
 
 
+def _fbgemm_sort(n_keys: int, device_type: str) -> bool:
+    """Whether ``n_keys`` row keys on ``device_type`` sort by FBGEMM's op (:func:`_sort_positions`)."""
+    return n_keys < 2 ** 31 - 1 and _fbgemm_sort_devices.get(device_type, True)
+
+
 def _sort_positions(key: torch.Tensor, total_rows: int) -> torch.Tensor:
     """The positions (int32 or int64 ``[N]``) that sort the row keys ``key`` stably.
 
@@ -275,8 +280,8 @@ def _sort_positions(key: torch.Tensor, total_rows: int) -> torch.Tensor:
     by their low bits, among the rows they alias.
     """
     dev = key.device.type
-    if (0 < total_rows and key.numel() < 2 ** 31 - 1 and type(key) is torch.Tensor
-            and _fbgemm_sort_devices.get(dev, True) and not torch.compiler.is_compiling()):
+    if (0 < total_rows and _fbgemm_sort(key.numel(), dev) and type(key) is torch.Tensor
+            and not torch.compiler.is_compiling()):
         try:
             return torch.ops.fbgemm.get_unique_indices_with_inverse(key, total_rows - 1, False, True)[3]
         except (AttributeError, NotImplementedError):   # no such op / no kernel for this device
@@ -525,7 +530,7 @@ def _backward_update_eager(*args) -> None:
             plan.id, weights, accum, linear, table_w_offset, table_dim, table_row_base, grad_out, knobs,
             nonfinite_rows, step, key, gofs, scale, tid, total_rows, plan.seg, plan.block, plan.block_d,
             plan.update_g, plan.combine_cp,
-            plan.fbgemm_sort and key.numel() < 2 ** 31 - 1 and _fbgemm_sort_devices.get("cuda", True))
+            plan.fbgemm_sort and _fbgemm_sort(key.numel(), "cuda"))
         if rc == 0:
             host.STATS["cpp_backward"] += 1
             return
@@ -533,6 +538,67 @@ def _backward_update_eager(*args) -> None:
     host.STATS["python_backward"] += 1
     with host.recorded(None if plan is None else plan.id):
         tbe_backward_update_(*args)
+
+
+# The Python arguments of each C++ training lookup's backward, for the Python path where a backward
+# variant is not registered (:func:`_backward_fallback`); an entry lives while its autograd node
+# holds its token.
+_fallbacks = torch.utils.weak.WeakTensorKeyDictionary()
+
+
+def train_lookup(weights, accum, linear, rowwise, table_w_offset, table_dim, table_rows, table_row_base,
+                 feature_table, bag_feature, bag_out_offset, indices, offsets, per_sample_weights,
+                 pooling_mode, max_D, table_dims, total_rows, knobs, pow_half, has_shrink, out_numel,
+                 out_dtype, warn, placeholder, nonfinite_rows, step, iteration) -> Optional[torch.Tensor]:
+    """A whole eager training lookup as one C++ autograd op (``torchrec_ftrl_host::train_lookup``):
+    the forward of :func:`train_forward`; its backward :func:`_backward_update_eager`'s C++ call and
+    ``iteration += 1``, with no Python in the backward. Returns the output (its ``grad_fn`` that
+    node), or None where the step is to run through Python (the host path off or not ready, a
+    forward variant not registered yet): nothing was launched then."""
+    if not (_COMPILED and host.LOOKUP_OP and indices.numel() > 0 and offsets.numel() > 1 and out_numel > 0
+            and host.ready(linear.device)):
+        return None
+    has_psw = per_sample_weights is not None and pooling_mode != POOL_NONE
+    fplan = _host_plan("fwd", weights, accum, linear, rowwise, pooling_mode, max_D, table_dims,
+                       total_rows, has_psw, (warn is not None, pow_half))
+    bplan = _host_plan("bwd", weights, accum, linear, rowwise, pooling_mode, max_D, table_dims,
+                       total_rows, has_psw, (pow_half, has_shrink))
+    sort = bplan.fbgemm_sort and _fbgemm_sort(indices.numel(), "cuda")
+    token = torch.empty(0)
+    out = host.load().train_lookup(
+        placeholder, token, fplan.id, bplan.id, weights, accum, linear, table_w_offset, table_dim,
+        table_rows, table_row_base, feature_table, bag_feature, bag_out_offset, indices, offsets,
+        per_sample_weights if has_psw else None, knobs, warn, max_D, total_rows, out_numel, out_dtype,
+        fplan.padded, fplan.has_scale, fplan.lin_bags, fplan.fwd_bags, nonfinite_rows, step, iteration,
+        [bplan.seg, bplan.block, bplan.block_d, bplan.update_g, bplan.combine_cp, int(sort)])
+    if out.numel() == 0:
+        return None
+    host.STATS["cpp_forward"] += 1
+    _fallbacks[token] = (weights, accum, linear, rowwise, table_w_offset, table_dim, table_rows,
+                         table_row_base, feature_table, bag_feature, bag_out_offset, indices, offsets,
+                         per_sample_weights, pooling_mode, max_D, table_dims, total_rows, knobs, pow_half,
+                         has_shrink, nonfinite_rows, step, warn is not None)
+    return out
+
+
+def _backward_fallback(token, grad_out, key, gofs, scale, tid, fixed) -> None:
+    """``torchrec_ftrl_host_py::backward_fallback``: a C++ training lookup's backward whose
+    variants are not all registered, through :func:`_backward_update_eager` (the Python path, which
+    registers them); the forward's repaired offsets ``fixed`` stand in for a raw batch's."""
+    (weights, accum, linear, rowwise, table_w_offset, table_dim, table_rows, table_row_base, feature_table,
+     bag_feature, bag_out_offset, indices, offsets, psw, pooling_mode, max_D, table_dims, total_rows, knobs,
+     pow_half, has_shrink, nonfinite_rows, step, raw) = _fallbacks.pop(token)
+    _backward_update_eager(weights, accum, linear, rowwise, table_w_offset, table_dim, table_rows,
+                           table_row_base, feature_table, bag_feature, bag_out_offset, indices,
+                           fixed if raw else offsets, psw, pooling_mode, max_D, table_dims, total_rows,
+                           grad_out, knobs, pow_half, has_shrink, nonfinite_rows, step, raw, key, gofs,
+                           scale, tid, None, None, None, None)
+
+
+_fallback_lib = torch.library.Library("torchrec_ftrl_host_py", "DEF")
+_fallback_lib.define("backward_fallback(Tensor token, Tensor grad_out, Tensor key, Tensor gofs, "
+                     "Tensor scale, Tensor tid, Tensor fixed) -> ()")
+_fallback_lib.impl("backward_fallback", _backward_fallback, "CUDA")
 
 
 def _eager_or_dispatched(impl, takes_hp: bool = False, eager=None):
@@ -557,9 +623,16 @@ def _train_forward_entry(hp, *args):
     return None if torch.compiler.is_compiling() else train_forward(*args)
 
 
+def _train_lookup_entry(hp, *args):
+    """:attr:`OpTable.train_lookup`: :func:`train_lookup` in eager mode; None while
+    ``torch.compile`` traces."""
+    return None if torch.compiler.is_compiling() else train_lookup(*args)
+
+
 OPS = OpTable(forward=_eager_or_dispatched(tbe_forward, True),
               linearize=_eager_or_dispatched(tbe_linearize),
               backward_update_=_eager_or_dispatched(tbe_backward_update_, True, _backward_update_eager),
               count_invalid=torch.ops.torchrec_ftrl.tbe_count_invalid.default,
               repair_offsets=_eager_or_dispatched(tbe_repair_offsets),
-              train_forward=_train_forward_entry)
+              train_forward=_train_forward_entry,
+              train_lookup=_train_lookup_entry)

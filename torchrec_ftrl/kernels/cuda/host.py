@@ -5,7 +5,12 @@ A training step of the Triton backend runs five kernels (``linearize_kernel`` an
 ``segment_combine_kernel`` after a sort in the backward) and a dozen buffer allocations. In Python
 each launch costs tens of microseconds of host time; the C++ ops ``torch.ops.torchrec_ftrl_host``
 allocate with ATen and launch Triton's compiled kernels with the CUDA driver's ``cuLaunchKernel`` on
-the current stream, one call per direction.
+the current stream. ``train_lookup`` is the whole training lookup as one autograd op registered in
+C++ (its Autograd kernel a C++ autograd function): Python calls it once per step, and its backward
+(``train_backward``, then the TBE's ``iter += 1``) runs without Python. A backward that meets an
+unregistered variant calls the Python op ``torchrec_ftrl_host_py::backward_fallback``, which runs the
+Python path and registers it. ``train_forward`` and ``train_backward`` are also ops of their own,
+which the TBE's Python autograd node calls where the one op is off (:data:`LOOKUP_OP`).
 
 The kernels stay Triton's: the Python path (:mod:`.backend`) compiles and launches them on the
 first step of a configuration, and :func:`recorded` registers each compiled kernel it launched
@@ -44,6 +49,9 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "ftrl_
 ROLE_NAMES = ("linearize_kernel", "tbe_forward_kernel", "segment_mark_kernel", "segment_update_kernel",
               "segment_combine_kernel")
 ENABLED = os.environ.get("TORCHREC_FTRL_HOST_PATH", "1") != "0"
+# False: a training lookup runs as two C++ calls under a Python autograd node instead of the one
+# autograd op train_lookup (benchmarks/bench_host.py measures what the op saves).
+LOOKUP_OP = True
 # Steps by path: "cpp_forward", "python_forward", "cpp_backward", "python_backward".
 STATS: collections.Counter = collections.Counter()
 
@@ -85,6 +93,15 @@ def load():
                           "from Python", file=sys.stderr, flush=True)
                     _ops = False
     return _ops or None
+
+
+def stats() -> collections.Counter:
+    """:data:`STATS` with the backward steps of C++ training lookups (counted in C++) added to
+    ``cpp_backward``."""
+    out = collections.Counter(STATS)
+    if _ops:
+        out["cpp_backward"] += int(_ops.counts()[0])
+    return out
 
 
 def _no_launch_hook() -> bool:

@@ -19,10 +19,12 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
 #include <dlfcn.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -328,9 +330,126 @@ int64_t train_backward(
   return 0;
 }
 
+// Training lookups whose backward ran in C++ (host.py reads it for its step counts).
+std::atomic<int64_t> cpp_backward_steps{0};
+
+std::vector<int64_t> counts() { return {cpp_backward_steps.load()}; }
+
+// The arguments of train_lookup past the placeholder (one struct: the autograd Function's forward
+// takes it by pointer; only the placeholder is a differentiable input).
+struct LookupArgs {
+  const at::Tensor& token;
+  int64_t fwd_plan, bwd_plan;
+  const std::optional<at::Tensor>& weights;
+  const at::Tensor &accum, &linear, &table_w_offset, &table_dim, &table_rows, &row_base, &feature_table,
+      &bag_feature, &bag_out_offset, &indices, &offsets;
+  const std::optional<at::Tensor>& psw;
+  const at::Tensor& knobs;
+  const std::optional<at::Tensor>& warn;
+  int64_t max_D, total_rows, out_numel;
+  at::ScalarType out_dtype;
+  bool padded, has_scale;
+  int64_t lin_bags, fwd_bags;
+  const at::Tensor& nonfinite_rows;
+  const std::optional<at::Tensor>& step;
+  const at::Tensor& iter;
+  c10::IntArrayRef bwd;   // seg_len, block, block_d, update_g, combine_cp, fbgemm_sort
+};
+
+// A whole training lookup as one autograd node: forward = train_forward; backward = train_backward
+// (or, where a backward variant is not registered, the Python path through the op
+// torchrec_ftrl_host_py::backward_fallback, which registers it), then iter += 1. The forward of a
+// step whose forward variants are not all registered launches nothing and returns an empty tensor.
+struct TrainLookup : public torch::autograd::Function<TrainLookup> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& placeholder,
+                            const LookupArgs* a) {
+    auto [rc, res] = train_forward(a->fwd_plan, a->weights, a->accum, a->linear, a->table_w_offset,
+                                   a->table_dim, a->table_rows, a->row_base, a->feature_table,
+                                   a->bag_feature, a->bag_out_offset, a->indices, a->offsets, a->psw,
+                                   a->knobs, a->warn, a->max_D, a->total_rows, a->out_numel, a->out_dtype,
+                                   a->padded, a->has_scale, a->lin_bags, a->fwd_bags);
+    if (rc != 0) return at::empty({0}, a->linear.options().dtype(a->out_dtype));
+    auto& d = ctx->saved_data;
+    d["key"] = res[1];
+    d["gofs"] = res[2];
+    d["scale"] = res[3];
+    d["tid"] = res[4];
+    d["fixed"] = res[5];
+    d["token"] = a->token;
+    d["plan"] = a->bwd_plan;
+    d["weights"] = a->weights;
+    d["accum"] = a->accum;
+    d["linear"] = a->linear;
+    d["table_w_offset"] = a->table_w_offset;
+    d["table_dim"] = a->table_dim;
+    d["row_base"] = a->row_base;
+    d["knobs"] = a->knobs;
+    d["nonfinite_rows"] = a->nonfinite_rows;
+    d["step"] = a->step;
+    d["iter"] = a->iter;
+    d["total_rows"] = a->total_rows;
+    d["bwd"] = a->bwd.vec();
+    return res[0];
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto& d = ctx->saved_data;
+    const at::Tensor grad = grads.at(0).reshape(-1).contiguous();
+    const at::Tensor key = d["key"].toTensor(), gofs = d["gofs"].toTensor();
+    const at::Tensor scale = d["scale"].toTensor(), tid = d["tid"].toTensor();
+    const std::vector<int64_t> bwd = d["bwd"].toIntVector();
+    const std::optional<at::Tensor> weights = d["weights"].toOptional<at::Tensor>();
+    const std::optional<at::Tensor> step = d["step"].toOptional<at::Tensor>();
+    const int64_t rc = train_backward(
+        d["plan"].toInt(), weights, d["accum"].toTensor(), d["linear"].toTensor(),
+        d["table_w_offset"].toTensor(), d["table_dim"].toTensor(), d["row_base"].toTensor(), grad,
+        d["knobs"].toTensor(), d["nonfinite_rows"].toTensor(), step, key, gofs, scale, tid,
+        d["total_rows"].toInt(), bwd.at(0), bwd.at(1), bwd.at(2), bwd.at(3), bwd.at(4), bwd.at(5) != 0);
+    if (rc == 0) {
+      ++cpp_backward_steps;
+    } else {
+      static const auto fallback = c10::Dispatcher::singleton()
+          .findSchemaOrThrow("torchrec_ftrl_host_py::backward_fallback", "")
+          .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                      const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
+      at::AutoDispatchBelowADInplaceOrView below_autograd;
+      fallback.call(d["token"].toTensor(), grad, key, gofs, scale, tid, d["fixed"].toTensor());
+    }
+    d["iter"].toTensor().add_(1);
+    return {at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor train_lookup(
+    const at::Tensor& placeholder, const at::Tensor& token, int64_t fwd_plan, int64_t bwd_plan,
+    const std::optional<at::Tensor>& weights, const at::Tensor& accum, const at::Tensor& linear,
+    const at::Tensor& table_w_offset, const at::Tensor& table_dim, const at::Tensor& table_rows,
+    const at::Tensor& row_base, const at::Tensor& feature_table, const at::Tensor& bag_feature,
+    const at::Tensor& bag_out_offset, const at::Tensor& indices, const at::Tensor& offsets,
+    const std::optional<at::Tensor>& psw, const at::Tensor& knobs, const std::optional<at::Tensor>& warn,
+    int64_t max_D, int64_t total_rows, int64_t out_numel, at::ScalarType out_dtype, bool padded,
+    bool has_scale, int64_t lin_bags, int64_t fwd_bags, const at::Tensor& nonfinite_rows,
+    const std::optional<at::Tensor>& step, const at::Tensor& iter, c10::IntArrayRef bwd) {
+  TORCH_CHECK(bwd.size() == 6, "torchrec_ftrl host path: train_lookup takes 6 backward settings, got ",
+              bwd.size());
+  const LookupArgs args{token, fwd_plan, bwd_plan, weights, accum, linear, table_w_offset, table_dim,
+                        table_rows, row_base, feature_table, bag_feature, bag_out_offset, indices,
+                        offsets, psw, knobs, warn, max_D, total_rows, out_numel, out_dtype, padded,
+                        has_scale, lin_bags, fwd_bags, nonfinite_rows, step, iter, bwd};
+  return TrainLookup::apply(placeholder, &args);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(torchrec_ftrl_host, m) {
+  m.def("counts() -> int[]", &counts);
+  m.def("train_lookup(Tensor placeholder, Tensor token, int fwd_plan, int bwd_plan, Tensor? weights, "
+        "Tensor accum, Tensor linear, Tensor table_w_offset, Tensor table_dim, Tensor table_rows, "
+        "Tensor row_base, Tensor feature_table, Tensor bag_feature, Tensor bag_out_offset, Tensor indices, "
+        "Tensor offsets, Tensor? psw, Tensor knobs, Tensor(a!)? warn, int max_D, int total_rows, "
+        "int out_numel, ScalarType out_dtype, bool padded, bool has_scale, int lin_bags, int fwd_bags, "
+        "Tensor(b!) nonfinite_rows, Tensor? step, Tensor(c!) iter, int[] bwd) -> Tensor");
   m.def("register_variant(int plan, int role, int device, str sig, int function, int threads, "
         "int shared, str kinds) -> ()", &register_variant);
   m.def("clear_variants() -> ()", &clear_variants);
@@ -345,4 +464,8 @@ TORCH_LIBRARY(torchrec_ftrl_host, m) {
         "Tensor(d!) nonfinite_rows, "
         "Tensor? step, Tensor key, Tensor gofs, Tensor scale, Tensor tid, int total_rows, int seg_len, "
         "int block, int block_d, int update_g, int combine_cp, bool fbgemm_sort) -> int", &train_backward);
+}
+
+TORCH_LIBRARY_IMPL(torchrec_ftrl_host, Autograd, m) {
+  m.impl("train_lookup", &train_lookup);
 }

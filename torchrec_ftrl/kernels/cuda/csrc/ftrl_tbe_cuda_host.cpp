@@ -370,11 +370,8 @@ struct TrainLookup : public torch::autograd::Function<TrainLookup> {
                                    a->padded, a->has_scale, a->lin_bags, a->fwd_bags);
     if (rc != 0) return at::empty({0}, a->linear.options().dtype(a->out_dtype));
     auto& d = ctx->saved_data;
-    d["key"] = res[1];
-    d["gofs"] = res[2];
-    d["scale"] = res[3];
-    d["tid"] = res[4];
-    d["fixed"] = res[5];
+    const char* const linearized[] = {"key", "gofs", "scale", "tid", "fixed"};   // res[1..5]
+    for (size_t i = 0; i < 5; ++i) d[linearized[i]] = res[i + 1];
     d["token"] = a->token;
     d["plan"] = a->bwd_plan;
     d["weights"] = a->weights;

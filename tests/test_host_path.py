@@ -197,6 +197,27 @@ def test_clear_makes_plans_anew(monkeypatch):
     assert after is not before and after.update_g != before.update_g
 
 
+def test_backward_fallback_runs_again_for_a_retained_graph(monkeypatch):
+    """The Python fallback of a C++ training lookup's backward reads its arguments by the node's
+    token and leaves them there: a graph kept by ``retain_graph=True`` runs the backward again
+    (as the Python autograd node does), and the entry goes with the token."""
+    import gc
+
+    from torchrec_ftrl.kernels.cuda import backend as tb
+
+    calls = []
+    monkeypatch.setattr(tb, "_backward_update_eager", lambda *a: calls.append(a))
+    token, offsets, fixed = torch.empty(0), torch.tensor([0, 1]), torch.tensor([0, 2])
+    raw = True
+    tb._fallbacks[token] = (None,) * 12 + (offsets,) + (None,) * 10 + (raw,)
+    for _ in range(2):
+        tb._backward_fallback(token, torch.ones(2), *(torch.empty(0),) * 4, fixed)
+    assert len(calls) == 2 and all(a[12] is fixed and a[24] is True for a in calls)
+    del token
+    gc.collect()
+    assert len(tb._fallbacks) == 0
+
+
 def test_recording_is_per_thread():
     """A recording on one thread neither sees another thread's launches nor stays installed after
     overlapping recordings on two threads end out of order."""

@@ -542,7 +542,7 @@ def _backward_update_eager(*args) -> None:
 
 # The Python arguments of each C++ training lookup's backward, for the Python path where a backward
 # variant is not registered (:func:`_backward_fallback`); an entry lives while its autograd node
-# holds its token.
+# holds its token (read, not popped: a retained graph's node may run its backward again).
 _fallbacks = torch.utils.weak.WeakTensorKeyDictionary()
 
 
@@ -587,7 +587,7 @@ def _backward_fallback(token, grad_out, key, gofs, scale, tid, fixed) -> None:
     registers them); the forward's repaired offsets ``fixed`` stand in for a raw batch's."""
     (weights, accum, linear, rowwise, table_w_offset, table_dim, table_rows, table_row_base, feature_table,
      bag_feature, bag_out_offset, indices, offsets, psw, pooling_mode, max_D, table_dims, total_rows, knobs,
-     pow_half, has_shrink, nonfinite_rows, step, raw) = _fallbacks.pop(token)
+     pow_half, has_shrink, nonfinite_rows, step, raw) = _fallbacks[token]
     _backward_update_eager(weights, accum, linear, rowwise, table_w_offset, table_dim, table_rows,
                            table_row_base, feature_table, bag_feature, bag_out_offset, indices,
                            fixed if raw else offsets, psw, pooling_mode, max_D, table_dims, total_rows,

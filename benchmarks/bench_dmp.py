@@ -26,9 +26,10 @@ each and freed before the next), in two modes: ``throughput`` (``--steps`` steps
 sync at the end: ms/step and examples/s over all processes) and ``latency`` (a barrier and a sync
 around each step: median ms, the slowest rank's). ``--profile`` adds a torch.profiler breakdown of
 ``--profile-steps`` synced steps: the TBE's kernels (ours: the Triton kernels and the FBGEMM sort
-ops they call, i.e. everything launched inside ``_FTRLLookupFunction`` and its backward; the
-baselines: FBGEMM's TBE ops), TorchRec's kernels (all-to-alls, permutes, bucketize, KJT ops), the
-loss, GPU busy and idle time, and the host (CPU) time inside the TBE's forward and backward.
+ops they call, i.e. everything launched inside ``_FTRLLookupFunction`` or the op
+``torchrec_ftrl_host::train_lookup`` and their backward; the baselines: FBGEMM's TBE ops),
+TorchRec's kernels (all-to-alls, permutes, bucketize, KJT ops), the loss, GPU busy and idle time,
+and the host (CPU) time inside the TBE's forward and backward.
 
 Rank 0 writes ``DIR/bench_dmp.json`` (after every config) and ``DIR/bench_dmp.md``. On CPU (gloo)
 FBGEMM's TBE has no ADAM and TorchRec's planner offers no row-wise sharding: those configs are
@@ -70,8 +71,11 @@ LABELS = {"ftrl": "torchrec_ftrl FTRL (ours)", "ftrl_bf16": "torchrec_ftrl FTRL,
           **{k: f"torchrec_ftrl FTRL, {k[5:]} (ours)" for k in LEAN}}
 
 # Profiler attribution (see breakdown()). Host ranges of our TBE: the autograd Function's forward
-# (recorded under the class name by torch's Function.apply) and its backward node.
-OUR_HOST = ("_FTRLLookupFunction", "_FTRLLookupFunctionBackward")
+# (recorded under the class name by torch's Function.apply) and its backward node; on the CUDA host
+# path the one op torchrec_ftrl_host::train_lookup and its C++ autograd node.
+OUR_FORWARD = ("_FTRLLookupFunction", "torchrec_ftrl_host::train_lookup")
+OUR_BACKWARD = ("_FTRLLookupFunctionBackward", "torch::autograd::CppNode<(anonymous namespace)::TrainLookup>")
+OUR_HOST = OUR_FORWARD + OUR_BACKWARD
 OUR_KERNELS = ("tbe_forward_kernel", "linearize_kernel", "segment_mark_kernel", "segment_update_kernel",
                "segment_combine_kernel", "offsets_repair_kernel", "state_cache_fill_kernel",
                "state_cache_follow_kernel")
@@ -442,8 +446,8 @@ def _tbe_host_us(cpu, tbe):
     (``tbe``: "ours", our autograd Function and its backward node; else FBGEMM's lookup op and its
     bounds check, and the lookup's autograd node)."""
     if tbe == "ours":
-        f_in, f_self = _top_level_us(cpu, lambda s: s == "_FTRLLookupFunction")
-        b_in, b_self = _top_level_us(cpu, lambda s: s == "_FTRLLookupFunctionBackward")
+        f_in, f_self = _top_level_us(cpu, lambda s: s in OUR_FORWARD)
+        b_in, b_self = _top_level_us(cpu, lambda s: s in OUR_BACKWARD)
     else:   # FBGEMM: the lookup op and its bounds check; the lookup's autograd node
         f_in, f_self = _top_level_us(cpu, lambda s: _matches(s, ("split_embedding_codegen_lookup",
                                                                  "bounds_check_indices")))

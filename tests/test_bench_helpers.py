@@ -527,6 +527,10 @@ def test_dmp_classify_kernel():
     import bench_dmp as b
     assert b.classify_kernel("void at::native::elementwise", ["aten::add", "_FTRLLookupFunction"], "ours") == "tbe"
     assert b.classify_kernel("segment_update_kernel", [], "ours") == "tbe"
+    # the CUDA host path's one op and its C++ autograd node (the sort it runs in the backward)
+    assert b.classify_kernel("DeviceRadixSortOnesweepKernel", ["fbgemm::get_unique_indices_with_inverse",
+                             "torch::autograd::CppNode<(anonymous namespace)::TrainLookup>"], "ours") == "tbe"
+    assert b.classify_kernel("k", ["torchrec_ftrl_host::train_lookup"], "ours") == "tbe"
     assert b.classify_kernel("DeviceRadixSortOnesweepKernel", [], "fbgemm") == "tbe"
     assert b.classify_kernel("k", ["fbgemm::split_embedding_codegen_lookup_adam_function_pt2"], "fbgemm") == "tbe"
     assert b.classify_kernel("k", ["torch::autograd::CppNode<SplitLookupFunction_adam_Op_pt2>"], "fbgemm") == "tbe"
@@ -584,6 +588,16 @@ def test_dmp_breakdown_fake_profile():
     assert r["device_ms"] == pytest.approx({"tbe": 0.025}) and r["gpu_idle_ms"] is None
     assert r["host_ms"]["tbe_forward"] == pytest.approx(0.01)
     assert r["host_ms"]["tbe_backward"] == pytest.approx(0.016)   # the outer node range only
+
+
+def test_dmp_host_time_of_the_cuda_host_path_op():
+    """On the CUDA host path the TBE's host ranges are the op torchrec_ftrl_host::train_lookup and
+    its C++ autograd node (the Python fallback op nested in the node counted once)."""
+    import bench_dmp as b
+    fwd = _ev("torchrec_ftrl_host::train_lookup", 5, 25, cpu_total=20, cpu_self=15)
+    node = _ev("torch::autograd::CppNode<(anonymous namespace)::TrainLookup>", 120, 150, cpu_total=30, cpu_self=10)
+    inner = _ev("torchrec_ftrl_host_py::backward_fallback", 121, 149, node)
+    assert b._tbe_host_us([fwd, node, inner], "ours") == (20, 15, 30, 10)
 
 
 def test_dmp_parse_and_skips():

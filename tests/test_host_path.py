@@ -208,14 +208,31 @@ def test_backward_fallback_runs_again_for_a_retained_graph(monkeypatch):
     calls = []
     monkeypatch.setattr(tb, "_backward_update_eager", lambda *a: calls.append(a))
     token, offsets, fixed = torch.empty(0), torch.tensor([0, 1]), torch.tensor([0, 2])
-    raw = True
-    tb._fallbacks[token] = (None,) * 12 + (offsets,) + (None,) * 10 + (raw,)
+    raw, version = True, torch.zeros(1, dtype=torch.int64)
+    saved_knobs, now_knobs = (torch.zeros(3), False, False), (torch.ones(3), True, True)
+    tb._fallbacks[token] = ((None,) * 12 + (offsets,) + (None,) * 5 + saved_knobs + (None, None, raw)
+                            + (version, 0, lambda: now_knobs))
     for _ in range(2):
         tb._backward_fallback(token, torch.ones(2), *(torch.empty(0),) * 4, fixed)
     assert len(calls) == 2 and all(a[12] is fixed and a[24] is True for a in calls)
+    assert all(a[19:22] == saved_knobs for a in calls)     # knobs unchanged since the forward
+    version.add_(1)                                        # the TBE's knobs changed (e.g. its lr)
+    tb._backward_fallback(token, torch.ones(2), *(torch.empty(0),) * 4, fixed)
+    assert calls[-1][19:22] == now_knobs
     del token
     gc.collect()
     assert len(tb._fallbacks) == 0
+
+
+def test_set_hp_moves_the_knob_version():
+    """The TBE counts its knob changes in ``_hp_version`` (what the C++ lookup's backward compares),
+    and an unchanged learning rate (TorchRec sets it every step) counts nothing."""
+    tbe = FTRLTableBatchedEmbeddingBags([(10, 4)], **KNOBS)
+    v0 = int(tbe._hp_version[0])
+    tbe.set_learning_rate(KNOBS["learning_rate"])
+    assert int(tbe._hp_version[0]) == v0
+    tbe.set_learning_rate(0.5)
+    assert int(tbe._hp_version[0]) == v0 + 1 and tbe._current_hp().learning_rate == 0.5
 
 
 def test_recording_is_per_thread():

@@ -10,7 +10,7 @@ kernels with its counter.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -114,10 +114,13 @@ def forward_train(backend: Backend, arrays: TableArrays, batch: TBEBatch, out_dt
 
 def train_lookup(backend: Backend, arrays: TableArrays, batch: TBEBatch, out_dtype: torch.dtype,
                  hp: FTRLHyperparams, placeholder: torch.Tensor, nonfinite_rows: torch.Tensor,
-                 iteration: torch.Tensor) -> Optional[torch.Tensor]:
+                 iteration: torch.Tensor, hp_version: torch.Tensor,
+                 hp_now: Callable[[], FTRLHyperparams]) -> Optional[torch.Tensor]:
     """A training step's lookup and its update as one autograd op of the backend
     (``OpTable.train_lookup``): :func:`forward_train`'s output, whose backward does what
-    :func:`backward_update_` does and adds 1 to ``iteration``. None where the step is to run
+    :func:`backward_update_` does and adds 1 to ``iteration``. The update uses the knobs of
+    backward time: ``hp`` while ``hp_version`` (CPU int64 ``[1]``, counting the caller's changes of
+    its knobs) keeps its forward value, else ``hp_now()``. None where the step is to run
     through :func:`forward_train` and :func:`backward_update_` instead: a backend without the op or
     not ready for the step, a cached batch, a bf16 state without ``batch.step``. Per-sample weights
     that need a gradient are the caller's to route to the other path."""
@@ -127,7 +130,7 @@ def train_lookup(backend: Backend, arrays: TableArrays, batch: TBEBatch, out_dty
         return None
     return op(hp, *_arrays(arrays), *_batch(batch, batch.offsets), *knob_args(hp, arrays.linear.device),
               int(batch.out_numel), out_dtype, batch.unchecked_counter, placeholder, nonfinite_rows,
-              batch.step, iteration)
+              batch.step, iteration, hp_version, lambda: knob_args(hp_now(), arrays.linear.device))
 
 
 def backward_update_(backend: Backend, arrays: TableArrays, batch: TBEBatch, ctx: Optional[Linearized],

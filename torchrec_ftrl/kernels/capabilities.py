@@ -19,8 +19,9 @@ class OpTable:
     ``out_dtype``, then ``warn``), returning ``(out, the five results of tbe_linearize)``, or None
     where the TBE is to call the two ops itself (while ``torch.compile`` traces). ``train_lookup``
     (optional): a backend's whole training lookup as one autograd op (the arguments of
-    ``train_forward``, then the TBE's placeholder parameter, ``nonfinite_rows``, ``step`` and
-    ``iter``), returning the output, whose backward updates the tables and adds 1 to ``iter``; or
+    ``train_forward``, then the TBE's placeholder parameter, ``nonfinite_rows``, ``step``, ``iter``,
+    its knobs' version counter and a callable giving the knob arguments of backward time),
+    returning the output, whose backward updates the tables and adds 1 to ``iter``; or
     None where the TBE is to run the step through :mod:`.calls`' forward and backward."""
 
     forward: Callable

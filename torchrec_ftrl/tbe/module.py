@@ -267,6 +267,9 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         collaborators built from them."""
         g = args.geometry
         self._geometry, self._hp, self._backend = g, args.hp, args.backend
+        # counts _set_hp's changes (CPU int64 [1]): a C++ training lookup's backward compares it
+        # with its forward's to update with the knobs of backward time, as the Python path does
+        self._hp_version = torch.zeros(1, dtype=torch.int64)
         self.row_layout = args.layout
         self.optimizer_state_dtypes = state_sparse_types(args.layout.state_dtypes)
         self.weights_precision, self.output_dtype = args.weights_precision, args.output_dtype
@@ -433,7 +436,7 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
                                                  and per_sample_weights.requires_grad):
             out = calls.train_lookup(self._backend, self.table_arrays, batch, self._output_torch_dtype,
                                      self._hp, self.placeholder_autograd_tensor, self.nonfinite_grad_rows,
-                                     self.iter)
+                                     self.iter, self._hp_version, self._current_hp)
         if out is None:
             out = _FTRLLookupFunction.apply(self.placeholder_autograd_tensor, self, batch,
                                             per_sample_weights, train, cache_keys)
@@ -588,6 +591,9 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
                              "use reset_optimizer_state() after constructing with the new value")
         self._set_hp(parse_options(params_dict, base=self._hp, strict=True, where="update_hyper_parameters"))
 
+    def _current_hp(self) -> FTRLHyperparams:
+        return self._hp
+
     def _set_hp(self, hp: FTRLHyperparams) -> None:
         """Take ``hp`` unless it equals the current knobs: the object, and with it the kernels' knob
         tensor, is kept (TorchRec's fused optimizer sets the learning rate at every step). Warns
@@ -595,6 +601,7 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         if hp == self._hp:
             return
         self._hp = hp
+        self._hp_version.add_(1)
         if self._captured_hps and hp != self._captured_hps[-1]:   # the latest capture
             warnings.warn("FTRL hyper-parameters changed after a CUDA graph captured this TBE's step: "
                           "graphs captured before replay the old values (the learning rate and ftrl_* "

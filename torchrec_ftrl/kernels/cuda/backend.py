@@ -549,10 +549,13 @@ _fallbacks = torch.utils.weak.WeakTensorKeyDictionary()
 def train_lookup(weights, accum, linear, rowwise, table_w_offset, table_dim, table_rows, table_row_base,
                  feature_table, bag_feature, bag_out_offset, indices, offsets, per_sample_weights,
                  pooling_mode, max_D, table_dims, total_rows, knobs, pow_half, has_shrink, out_numel,
-                 out_dtype, warn, placeholder, nonfinite_rows, step, iteration) -> Optional[torch.Tensor]:
+                 out_dtype, warn, placeholder, nonfinite_rows, step, iteration, hp_version,
+                 knobs_now) -> Optional[torch.Tensor]:
     """A whole eager training lookup as one C++ autograd op (``torchrec_ftrl_host::train_lookup``):
     the forward of :func:`train_forward`; its backward :func:`_backward_update_eager`'s C++ call and
-    ``iteration += 1``, with no Python in the backward. Returns the output (its ``grad_fn`` that
+    ``iteration += 1``, with no Python in the backward; where ``hp_version`` (CPU int64 ``[1]``)
+    changed since the forward, the backward runs through Python with ``knobs_now()`` (the knob
+    arguments of backward time), as the TBE's Python path reads them. Returns the output (its ``grad_fn`` that
     node), or None where the step is to run through Python (the host path off or not ready, a
     forward variant not registered yet): nothing was launched then."""
     if not (_COMPILED and host.LOOKUP_OP and indices.numel() > 0 and offsets.numel() > 1 and out_numel > 0
@@ -566,7 +569,7 @@ def train_lookup(weights, accum, linear, rowwise, table_w_offset, table_dim, tab
     sort = bplan.fbgemm_sort and _fbgemm_sort(indices.numel(), "cuda")
     token = torch.empty(0)
     out = host.load().train_lookup(
-        placeholder, token, fplan.id, bplan.id, weights, accum, linear, table_w_offset, table_dim,
+        placeholder, token, hp_version, fplan.id, bplan.id, weights, accum, linear, table_w_offset, table_dim,
         table_rows, table_row_base, feature_table, bag_feature, bag_out_offset, indices, offsets,
         per_sample_weights if has_psw else None, knobs, warn, max_D, total_rows, out_numel, out_dtype,
         fplan.padded, fplan.has_scale, fplan.lin_bags, fplan.fwd_bags, nonfinite_rows, step, iteration,
@@ -577,7 +580,8 @@ def train_lookup(weights, accum, linear, rowwise, table_w_offset, table_dim, tab
     _fallbacks[token] = (weights, accum, linear, rowwise, table_w_offset, table_dim, table_rows,
                          table_row_base, feature_table, bag_feature, bag_out_offset, indices, offsets,
                          per_sample_weights, pooling_mode, max_D, table_dims, total_rows, knobs, pow_half,
-                         has_shrink, nonfinite_rows, step, warn is not None)
+                         has_shrink, nonfinite_rows, step, warn is not None, hp_version,
+                         int(hp_version[0]), knobs_now)
     return out
 
 
@@ -587,7 +591,9 @@ def _backward_fallback(token, grad_out, key, gofs, scale, tid, fixed) -> None:
     registers them); the forward's repaired offsets ``fixed`` stand in for a raw batch's."""
     (weights, accum, linear, rowwise, table_w_offset, table_dim, table_rows, table_row_base, feature_table,
      bag_feature, bag_out_offset, indices, offsets, psw, pooling_mode, max_D, table_dims, total_rows, knobs,
-     pow_half, has_shrink, nonfinite_rows, step, raw) = _fallbacks[token]
+     pow_half, has_shrink, nonfinite_rows, step, raw, hp_version, version_seen, knobs_now) = _fallbacks[token]
+    if int(hp_version[0]) != version_seen:   # the knobs changed after the forward
+        knobs, pow_half, has_shrink = knobs_now()
     _backward_update_eager(weights, accum, linear, rowwise, table_w_offset, table_dim, table_rows,
                            table_row_base, feature_table, bag_feature, bag_out_offset, indices,
                            fixed if raw else offsets, psw, pooling_mode, max_D, table_dims, total_rows,

@@ -8,8 +8,9 @@ allocate with ATen and launch Triton's compiled kernels with the CUDA driver's `
 the current stream. ``train_lookup`` is the whole training lookup as one autograd op registered in
 C++ (its Autograd kernel a C++ autograd function): Python calls it once per step, and its backward
 (``train_backward``, then the TBE's ``iter += 1``) runs without Python. A backward that meets an
-unregistered variant calls the Python op ``torchrec_ftrl_host_py::backward_fallback``, which runs the
-Python path and registers it. ``train_forward`` and ``train_backward`` are also ops of their own,
+unregistered variant, or follows a change of the TBE's knobs since its forward (e.g. a learning
+rate set by ``zero_grad``), calls the Python op ``torchrec_ftrl_host_py::backward_fallback``, which
+runs the Python path (with the knobs of backward time) and registers the variant. ``train_forward`` and ``train_backward`` are also ops of their own,
 which the TBE's Python autograd node calls where the one op is off (:data:`LOOKUP_OP`).
 
 The kernels stay Triton's: the Python path (:mod:`.backend`) compiles and launches them on the

@@ -339,6 +339,7 @@ std::vector<int64_t> counts() { return {cpp_backward_steps.load()}; }
 // takes it by pointer; only the placeholder is a differentiable input).
 struct LookupArgs {
   const at::Tensor& token;
+  const at::Tensor& hp_version;
   int64_t fwd_plan, bwd_plan;
   const std::optional<at::Tensor>& weights;
   const at::Tensor &accum, &linear, &table_w_offset, &table_dim, &table_rows, &row_base, &feature_table,
@@ -357,8 +358,9 @@ struct LookupArgs {
 };
 
 // A whole training lookup as one autograd node: forward = train_forward; backward = train_backward
-// (or, where a backward variant is not registered, the Python path through the op
-// torchrec_ftrl_host_py::backward_fallback, which registers it), then iter += 1. The forward of a
+// (or, where a backward variant is not registered or the knobs changed since the forward, the
+// Python path through the op torchrec_ftrl_host_py::backward_fallback, which registers it), then
+// iter += 1. The forward of a
 // step whose forward variants are not all registered launches nothing and returns an empty tensor.
 struct TrainLookup : public torch::autograd::Function<TrainLookup> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& placeholder,
@@ -373,6 +375,8 @@ struct TrainLookup : public torch::autograd::Function<TrainLookup> {
     const char* const linearized[] = {"key", "gofs", "scale", "tid", "fixed"};   // res[1..5]
     for (size_t i = 0; i < 5; ++i) d[linearized[i]] = res[i + 1];
     d["token"] = a->token;
+    d["hp_version"] = a->hp_version;
+    d["hp_seen"] = *a->hp_version.data_ptr<int64_t>();
     d["plan"] = a->bwd_plan;
     d["weights"] = a->weights;
     d["accum"] = a->accum;
@@ -398,7 +402,9 @@ struct TrainLookup : public torch::autograd::Function<TrainLookup> {
     const std::vector<int64_t> bwd = d["bwd"].toIntVector();
     const std::optional<at::Tensor> weights = d["weights"].toOptional<at::Tensor>();
     const std::optional<at::Tensor> step = d["step"].toOptional<at::Tensor>();
-    const int64_t rc = train_backward(
+    // knobs changed since the forward (hp_version moved): the Python path, with the current ones
+    const bool knobs_current = *d["hp_version"].toTensor().data_ptr<int64_t>() == d["hp_seen"].toInt();
+    const int64_t rc = !knobs_current ? 3 : train_backward(
         d["plan"].toInt(), weights, d["accum"].toTensor(), d["linear"].toTensor(),
         d["table_w_offset"].toTensor(), d["table_dim"].toTensor(), d["row_base"].toTensor(), grad,
         d["knobs"].toTensor(), d["nonfinite_rows"].toTensor(), step, key, gofs, scale, tid,
@@ -419,7 +425,8 @@ struct TrainLookup : public torch::autograd::Function<TrainLookup> {
 };
 
 at::Tensor train_lookup(
-    const at::Tensor& placeholder, const at::Tensor& token, int64_t fwd_plan, int64_t bwd_plan,
+    const at::Tensor& placeholder, const at::Tensor& token, const at::Tensor& hp_version,
+    int64_t fwd_plan, int64_t bwd_plan,
     const std::optional<at::Tensor>& weights, const at::Tensor& accum, const at::Tensor& linear,
     const at::Tensor& table_w_offset, const at::Tensor& table_dim, const at::Tensor& table_rows,
     const at::Tensor& row_base, const at::Tensor& feature_table, const at::Tensor& bag_feature,
@@ -428,9 +435,11 @@ at::Tensor train_lookup(
     int64_t max_D, int64_t total_rows, int64_t out_numel, at::ScalarType out_dtype, bool padded,
     bool has_scale, int64_t lin_bags, int64_t fwd_bags, const at::Tensor& nonfinite_rows,
     const std::optional<at::Tensor>& step, const at::Tensor& iter, c10::IntArrayRef bwd) {
+  TORCH_CHECK(hp_version.device().is_cpu() && hp_version.scalar_type() == at::kLong &&
+              hp_version.numel() == 1, "torchrec_ftrl host path: hp_version must be a CPU int64 [1]");
   TORCH_CHECK(bwd.size() == 6, "torchrec_ftrl host path: train_lookup takes 6 backward settings, got ",
               bwd.size());
-  const LookupArgs args{token, fwd_plan, bwd_plan, weights, accum, linear, table_w_offset, table_dim,
+  const LookupArgs args{token, hp_version, fwd_plan, bwd_plan, weights, accum, linear, table_w_offset, table_dim,
                         table_rows, row_base, feature_table, bag_feature, bag_out_offset, indices,
                         offsets, psw, knobs, warn, max_D, total_rows, out_numel, out_dtype, padded,
                         has_scale, lin_bags, fwd_bags, nonfinite_rows, step, iter, bwd};
@@ -441,7 +450,7 @@ at::Tensor train_lookup(
 
 TORCH_LIBRARY(torchrec_ftrl_host, m) {
   m.def("counts() -> int[]", &counts);
-  m.def("train_lookup(Tensor placeholder, Tensor token, int fwd_plan, int bwd_plan, Tensor? weights, "
+  m.def("train_lookup(Tensor placeholder, Tensor token, Tensor hp_version, int fwd_plan, int bwd_plan, Tensor? weights, "
         "Tensor accum, Tensor linear, Tensor table_w_offset, Tensor table_dim, Tensor table_rows, "
         "Tensor row_base, Tensor feature_table, Tensor bag_feature, Tensor bag_out_offset, Tensor indices, "
         "Tensor offsets, Tensor? psw, Tensor knobs, Tensor(a!)? warn, int max_D, int total_rows, "

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 from typing import Optional
 
 import torch
@@ -601,10 +602,20 @@ def _backward_fallback(token, grad_out, key, gofs, scale, tid, fixed) -> None:
                            scale, tid, None, None, None, None)
 
 
-_fallback_lib = torch.library.Library("torchrec_ftrl_host_py", "DEF")
-_fallback_lib.define("backward_fallback(Tensor token, Tensor grad_out, Tensor key, Tensor gofs, "
-                     "Tensor scale, Tensor tid, Tensor fixed) -> ()")
-_fallback_lib.impl("backward_fallback", _backward_fallback, "CUDA")
+def _define_backward_fallback() -> Optional[torch.library.Library]:
+    """Register ``torchrec_ftrl_host_py::backward_fallback`` once per process (a re-import of this
+    module finds it; the kernel calls the module's current :func:`_backward_fallback`)."""
+    if hasattr(torch.ops.torchrec_ftrl_host_py, "backward_fallback"):
+        return None
+    lib = torch.library.Library("torchrec_ftrl_host_py", "DEF")
+    lib.define("backward_fallback(Tensor token, Tensor grad_out, Tensor key, Tensor gofs, Tensor scale, "
+               "Tensor tid, Tensor fixed) -> ()")
+    lib.impl("backward_fallback", lambda *args: sys.modules[__name__]._backward_fallback(*args), "CUDA")
+    return lib
+
+
+# kept for the process (a re-import runs in the same globals): the C++ backward holds the op
+_fallback_lib = globals().get("_fallback_lib") or _define_backward_fallback()
 
 
 def _eager_or_dispatched(impl, takes_hp: bool = False, eager=None):

@@ -19,6 +19,10 @@ difference against non-zero weights, with the intervals).
         --out benchmarks/results/quality_samples_cpu
     python3 benchmarks/quality.py --device cuda --datasets teacher --teacher large --exclude sgd \\
         --batches 8192 65536 --seeds 0 1 2 3 4 5 6 7 --time-budget-s 180 --out DIR/quality_teacher_large_h200
+
+``--dense-precision {fp32,tf32,bf16}`` is the CTR job's flag (``torchrec_ftrl.job.dense_precision``, the
+same code and default): the MLPs' and the interaction's arithmetic of every run. A precision's AUC
+against fp32: two studies with the same seeds, one per precision (``model`` in OUT.json names it).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import quality_model as qm  # noqa: E402
+from torchrec_ftrl.job import dense_precision  # noqa: E402
 from quality_stats import (AUC_MARGIN, ZERO_SHARE_MARGIN, PairedInterval, mean_interval,  # noqa: E402
                            paired_interval, verdict)  # noqa: E402
 from teacher import Teacher, TeacherConfig, log_spaced_sizes, teacher_summary  # noqa: E402
@@ -367,6 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-embeddings", type=int, default=10_000, help="rows per table, sample files")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    dense_precision.add_flag(p)
     p.add_argument("--exclude", nargs="*", default=[], help="variants left out of --variants all")
     p.add_argument("--time-budget-s", type=float, default=None,
                    help="start a seed only if the time so far plus the last seed's time stays within "
@@ -378,14 +384,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def new_result(a, device: torch.device, variants: list, not_run: dict, sets: list) -> dict:
+def new_result(a, device: torch.device, variants: list, not_run: dict, sets: list,
+               cfg: qm.ModelConfig) -> dict:
     """The study's JSON record before any run: flags, machine, versions, the variants (and those
     not run, with the reason), the data sets, and empty run lists."""
     return {"args": vars(a), "machine": platform.platform(), "device": str(device),
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "reference": qm.REFERENCE,
             "interval": "95% paired t-interval over seeds (scipy.stats.ttest_rel)",
-            "model": vars(qm.ModelConfig()),
+            "model": vars(cfg),
             "variants": {v.name: {"optimizer": v.optimizer, "knobs": v.knobs,
                                   "state_dtypes": v.state_dtypes, "layout": v.layout,
                                   "description": v.description} for v in variants},
@@ -437,8 +444,11 @@ def write_outputs(a, result: dict) -> None:
 
 
 def main(argv=None) -> int:
-    a = build_parser().parse_args(argv)
+    parser = build_parser()
+    a = parser.parse_args(argv)
     device = torch.device(a.device)
+    precision = dense_precision.resolve_for_script(parser, a.dense_precision, device)
+    cfg = qm.ModelConfig(dense_precision=precision)
     if a.threads:
         torch.set_num_threads(a.threads)
     names = a.variants if a.variants == ["all"] else [qm.REFERENCE] + [n for n in a.variants
@@ -448,9 +458,8 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     sets = [teacher_dataset(a.teacher, device, train_rows=a.train_rows) if d == "teacher"
             else sample_dataset(d, device, a.num_embeddings, a.epochs) for d in a.datasets]
-    result = new_result(a, device, variants, not_run, sets)
+    result = new_result(a, device, variants, not_run, sets, cfg)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    cfg = qm.ModelConfig()
     last_seed_s = 0.0
     for seed in a.seeds:
         elapsed = time.perf_counter() - t_start

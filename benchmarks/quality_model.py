@@ -163,13 +163,18 @@ def build_tbe(variant: Variant, sizes: list[int], dim: int, batch_size: int,
 class SparseDLRM(nn.Module):
     """DLRM over a TBE: ``forward(dense [B, num_dense] f32, indices, offsets) -> logits [B] f32``
     (``num_dense == 0``: a constant ``ones [B, 1]`` input, as ``torchrec_ftrl.job.model.CTRTrain``).
-    ``indices``/``offsets``: FBGEMM's feature-major layout, one id per example and feature."""
+    ``indices``/``offsets``: FBGEMM's feature-major layout, one id per example and feature.
+    ``dense_precision``: the arithmetic of the MLPs and the interaction, through the CTR job's
+    ``torchrec_ftrl.job.dense_precision.dlrm_logits`` (bf16: autocast around them, the TBE lookup
+    and the logits fp32)."""
 
     def __init__(self, tbe: nn.Module, num_features: int, dim: int, num_dense: int,
-                 dense_arch: list[int], over_arch: list[int], device: torch.device) -> None:
+                 dense_arch: list[int], over_arch: list[int], device: torch.device,
+                 dense_precision: str = "fp32") -> None:
         from torchrec.models.dlrm import DenseArch, InteractionArch, OverArch
         super().__init__()
         self.tbe, self.num_features, self.dim = tbe, num_features, dim
+        self.dense_precision, self.device_type = dense_precision, torch.device(device).type
         self.dense_arch = DenseArch(max(num_dense, 1), [*dense_arch, dim], device=device)
         self.inter_arch = InteractionArch(num_sparse_features=num_features)
         over_in = dim + num_features * (num_features + 1) // 2
@@ -179,8 +184,10 @@ class SparseDLRM(nn.Module):
         b = dense.shape[0]
         if dense.shape[1] == 0:   # no dense features: a constant input (the bottom MLP learns a bias)
             dense = torch.ones((b, 1), dtype=torch.float32, device=dense.device)
-        emb = self.tbe(indices, offsets).view(b, self.num_features, self.dim)
-        return self.over_arch(self.inter_arch(self.dense_arch(dense), emb)).squeeze(-1)
+        from torchrec_ftrl.job.dense_precision import dlrm_logits
+
+        return dlrm_logits(self, dense, lambda: self.tbe(indices, offsets).view(b, self.num_features, self.dim),
+                           self.dense_precision, self.device_type)
 
     def dense_parameters(self):
         return [p for n, p in self.named_parameters() if not n.startswith("tbe.")]
@@ -278,6 +285,7 @@ class ModelConfig:
     over_arch: tuple = (64, 32)
     dense_lr: float = 0.05          # torch.optim.Adagrad on the MLPs, as the CTR job's default
     eval_batch: int = 65536
+    dense_precision: str = "fp32"   # the MLPs' and interaction's arithmetic (--dense-precision)
 
 
 def train_order(n: int, batch_size: int, epochs: int, seed: int, shuffle: bool,
@@ -306,7 +314,7 @@ def train(variant: Variant, examples: Examples, sizes: list[int], batch_size: in
     init_weights(tbe, sizes, seed, device, zero=variant.zero_init)
     torch.manual_seed(seed)
     model = SparseDLRM(tbe, len(sizes), cfg.dim, examples.dense.shape[1], list(cfg.dense_arch),
-                       list(cfg.over_arch), device)
+                       list(cfg.over_arch), device, cfg.dense_precision)
     opt = torch.optim.Adagrad(model.dense_parameters(), lr=cfg.dense_lr)
     steps = order.numel() // batch_size
     model.train()

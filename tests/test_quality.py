@@ -211,6 +211,30 @@ def test_two_seed_study_writes_paired_results(tmp_path):
     assert verdicts["rowwise_adagrad"]["zero_share"] == "worse"
 
 
+def test_dense_precision_is_the_jobs_flag(tmp_path, capsys):
+    """``--dense-precision bf16`` trains the MLPs under autocast (AUC near fp32's, not equal); the
+    run records it; tf32 on the CPU is one argparse error naming the flag and the value."""
+    def study(precision):
+        out = str(tmp_path / precision)
+        assert quality.main(["--teacher", "tiny", "--train-rows", "2048", "--batches", "512", "--seeds", "0",
+                             "--variants", "ftrl", "--threads", "1", "--dense-precision", precision,
+                             "--out", out]) == 0
+        with open(out + ".json") as f:
+            return json.load(f)
+
+    fp32, bf16 = study("fp32"), study("bf16")
+    assert (fp32["model"]["dense_precision"], bf16["model"]["dense_precision"]) == ("fp32", "bf16")
+    a, b = fp32["runs"][0]["auc"], bf16["runs"][0]["auc"]
+    assert a != b and abs(a - b) < 0.02
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        quality.main(["--dense-precision", "tf32", "--out", str(tmp_path / "x")])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        "error: --dense-precision tf32 needs a CUDA device (TF32 is a CUDA tensor-core format); this run "
+        "is on the CPU: use fp32 or bf16")
+
+
 def test_prune_to_keeps_the_largest_magnitudes_of_touched_rows():
     tbe = qm.build_tbe(qm.VARIANTS["rowwise_adagrad"], [3, 2], 4, 8, CPU)
     w0, w1 = tbe.split_embedding_weights()

@@ -7,7 +7,7 @@ import math
 import os
 from typing import Any, Optional, Sequence
 
-from . import presets
+from . import dense_precision, presets
 from .errors import PROG, exit_with_error
 from .pipeline import PIPELINES
 
@@ -146,6 +146,7 @@ def _add_optimization_flags(p: argparse.ArgumentParser) -> None:
     o.add_argument("--adagrad-eps", type=float, default=1e-8, help="eps of row-wise Adagrad")
     o.add_argument("--dense-optimizer", choices=("adagrad", "adam", "sgd"), default="adagrad")
     o.add_argument("--dense-lr", type=float, default=0.05)
+    dense_precision.add_flag(o)
     o.add_argument("--seed", type=int, default=0)
 
 
@@ -227,6 +228,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error(f"--num-embeddings entries must be >= 1, got {a.num_embeddings!r}")
     if a.sparse_lr is None:
         a.sparse_lr = 0.05
+    a.dense_precision = dense_precision.resolve(a.dense_precision, "cuda" if cuda_run(a.device) else "cpu")
     if a.zch and a.sparse_optimizer == "rowwise_adagrad" and not cuda_run(a.device):
         p.error("--zch with --sparse-optimizer rowwise_adagrad needs --device cuda: FBGEMM resets "
                 "evicted rows with a CUDA-only op (fbgemm::reset_weight_momentum)")

@@ -11,20 +11,25 @@ import torch.nn.functional as F
 from torch import nn
 from torchrec.models.dlrm import DLRM, DLRM_DCN
 
+from .dense_precision import dlrm_logits
+
 GIB = 2 ** 30
 
 
 class _CTRForward:
     """The train-pipeline forward of :class:`CTRTrain` and :class:`CTRTrainDCN` (documented there)."""
 
-    def __init__(self, num_dense: int, **dlrm_kwargs) -> None:
+    def __init__(self, num_dense: int, dense_precision: str = "fp32", **dlrm_kwargs) -> None:
         super().__init__(**dlrm_kwargs)
         self.num_dense = int(num_dense)
+        self.dense_precision = dense_precision
+        self.dense_device_type = torch.device(dlrm_kwargs.get("dense_device") or "cpu").type
 
     def forward(self, batch):  # documented on CTRTrain
         dense = (batch.dense_features if self.num_dense > 0
                  else torch.ones_like(batch.labels).unsqueeze(1))
-        logits = super().forward(dense, batch.sparse_features).squeeze(-1)
+        logits = dlrm_logits(self, dense, lambda: self.sparse_arch(batch.sparse_features),
+                             self.dense_precision, self.dense_device_type)
         loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
         return loss, (loss.detach(), logits.detach(), batch.labels)
 
@@ -35,6 +40,9 @@ class CTRTrain(_CTRForward, DLRM):
     ``torchrec.datasets.utils.Batch`` (``dense_features [B, num_dense]`` float32, KJT
     ``sparse_features``, ``labels [B]`` float32). ``loss`` is the 0-d float32 batch-mean binary
     cross-entropy of the logits; ``logits`` ``[B]`` float32 (detached); ``labels`` the batch's.
+    ``dense_precision`` (``dense_precision.DENSE_PRECISIONS``) is the arithmetic of the bottom MLP,
+    the interaction and the top MLP (``dense_precision.dlrm_logits``): under ``bf16`` they run in
+    bf16 autocast, the embedding lookup stays fp32 and the logits are cast to fp32 before the loss.
 
     Unlike ``DLRMTrain``, which holds the DLRM as ``.model``, it *is* the DLRM: parameter and
     state_dict names are DLRM's (``sparse_arch.embedding_bag_collection.embedding_bags.t_C1.weight``,
@@ -52,7 +60,7 @@ class CTRTrainDCN(_CTRForward, DLRM_DCN):
 def build_dlrm(feature_names: Sequence[str], num_embeddings: Sequence[int], embedding_dim: int,
                num_dense: int, dense_arch: Sequence[int], over_arch: Sequence[int],
                dense_device: torch.device, dcn: Optional[tuple[int, int]] = None,
-               zero_init: bool = False) -> nn.Module:
+               zero_init: bool = False, dense_precision: str = "fp32") -> nn.Module:
     """Unsharded ``CTRTrain`` (a TorchRec ``DLRM``), or with ``dcn = (num_layers, low_rank_dim)``
     ``CTRTrainDCN`` (TorchRec's ``DLRM_DCN``): ``EmbeddingBagCollection`` on the meta device
     (DMP materialises it), one sum-pooled table ``t_{feature}`` per feature, bottom MLP
@@ -60,7 +68,7 @@ def build_dlrm(feature_names: Sequence[str], num_embeddings: Sequence[int], embe
     Forward: ``Batch -> (loss 0-d, (loss, logits [B], labels [B]))`` (see ``CTRTrain``).
     ``dense_device`` ``meta`` builds the whole model without memory (for planning only).
     ``zero_init``: the tables' ``init_fn`` is ``torch.nn.init.zeros_`` (else TorchRec's default
-    uniform initialisation).
+    uniform initialisation). ``dense_precision``: the dense part's arithmetic (``CTRTrain``).
 
     Raises:
         ValueError: ``feature_names`` and ``num_embeddings`` of different lengths.
@@ -77,7 +85,8 @@ def build_dlrm(feature_names: Sequence[str], num_embeddings: Sequence[int], embe
     ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
     common = dict(embedding_bag_collection=ebc, dense_in_features=max(num_dense, 1),
                   dense_arch_layer_sizes=[*dense_arch, embedding_dim],
-                  over_arch_layer_sizes=[*over_arch, 1], dense_device=dense_device)
+                  over_arch_layer_sizes=[*over_arch, 1], dense_device=dense_device,
+                  dense_precision=dense_precision)
     if dcn is None:
         return CTRTrain(num_dense, **common)
     return CTRTrainDCN(num_dense, dcn_num_layers=dcn[0], dcn_low_rank_dim=dcn[1], **common)
@@ -169,16 +178,41 @@ def plan_summary(plan: Any) -> dict:
     return out
 
 
-def build_optimizer(dmp: nn.Module, name: str, lr: float):
+# The job's dense optimizers: name -> (torch.optim class, the ATen op of its fused implementation).
+DENSE_OPTIMIZERS = {"adagrad": (torch.optim.Adagrad, "aten::_fused_adagrad_"),
+                    "adam": (torch.optim.Adam, "aten::_fused_adam_"),
+                    "sgd": (torch.optim.SGD, "aten::_fused_sgd_")}
+
+
+def has_fused_kernel(op: str, device_type: str) -> bool:
+    """Whether this torch build registers a kernel of ATen ``op`` for ``device_type`` (``"cuda"``:
+    the CUDA dispatch key; a CPU-only build has none)."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(op, device_type.upper())
+
+
+def dense_optimizer_options(name: str, device_type: str, fused_kernel=has_fused_kernel) -> dict:
+    """The implementation keyword of the dense optimizer ``name`` (a key of
+    :data:`DENSE_OPTIMIZERS`) on ``device_type``: on CUDA ``{"fused": True}`` (one multi-tensor
+    kernel for all MLP parameters) when ``fused_kernel(op, "cuda")`` says this torch has the fused
+    kernel, else ``{"foreach": True}``; on the CPU ``{"foreach": True}``, bitwise the updates of
+    torch's per-parameter loop (``tests/test_job_dense.py``)."""
+    op = DENSE_OPTIMIZERS[name][1]
+    if device_type == "cuda" and fused_kernel(op, "cuda"):
+        return {"fused": True}
+    return {"foreach": True}
+
+
+def build_optimizer(dmp: nn.Module, name: str, lr: float, device_type: str = "cpu"):
     """``CombinedOptimizer([dmp.fused_optimizer, dense])``; the dense part (MLPs) uses ``name``
-    (adagrad / adam / sgd) through ``KeyedOptimizerWrapper``; embedding tables are updated in backward
-    by the fused optimizer."""
+    (adagrad / adam / sgd) with :func:`dense_optimizer_options` for ``device_type`` through
+    ``KeyedOptimizerWrapper``; embedding tables are updated in backward by the fused optimizer."""
     from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-    cls = {"adagrad": torch.optim.Adagrad, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}[name]
+    cls = DENSE_OPTIMIZERS[name][0]
+    options = dense_optimizer_options(name, device_type)
     dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
-                                  lambda params: cls(params, lr=lr))
+                                  lambda params: cls(params, lr=lr, **options))
     return CombinedOptimizer([dmp.fused_optimizer, dense])
 
 

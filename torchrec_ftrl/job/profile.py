@@ -10,8 +10,8 @@ Phases (:data:`PHASES`):
 * ``dense``: the rest of the forward (bottom / top MLP, interaction, loss) and of the backward
   (including the data-parallel gradient all-reduce of the MLPs);
 * ``optimizer``: ``zero_grad`` and the dense optimizer step;
-* ``metrics``: loss readback (on a GPU it waits for the step's device work), the loss history, the
-  progress bar and the touched-row tracker.
+* ``metrics``: the loss window (``loss_log.LossLog``: its sum, cross-rank mean and asynchronous copy to
+  the host), the loss history, the progress bar and the touched-row tracker.
 
 Host time (CPU wall) is read from the profiling thread's ranges: TorchRec's pipeline labels, the same
 labels in the plain loop (``pipeline.PlainLoop``), TorchRec's all-to-all labels, the job's own

@@ -19,6 +19,8 @@ chrome trace ``<run-name>_trace.json``).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import logging
 import os
 import threading
@@ -30,8 +32,10 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
-from . import (atomic_checkpoint, cli, dist_env, evaluate, faults, layout_flags, model as model_lib, pipeline,
-               plan_only, profile as profile_lib, report, sparsity, validate, warmup as kernel_warmup, zch)
+from . import (atomic_checkpoint, cli, dense_precision, dist_env, evaluate, faults, layout_flags,
+               model as model_lib, pipeline, plan_only, profile as profile_lib, report, sparsity, validate,
+               warmup as kernel_warmup, zch)
+from .loss_log import LossLog
 from .errors import JobConfigError, exit_with_error
 from .source import make_source, steps_for_epochs
 from torchrec_ftrl.data import train_loader
@@ -48,10 +52,6 @@ def _sum_over_ranks(x: float, device: torch.device) -> float:
     if dist.get_world_size() > 1:
         dist.all_reduce(t)
     return float(t)
-
-
-def _mean_over_ranks(x: float, device: torch.device) -> float:
-    return _sum_over_ranks(x, device) / dist.get_world_size()
 
 
 def _quiet() -> None:
@@ -90,6 +90,7 @@ def run(argv=None) -> dict:
     env = dist_env.init(args.device)
     if env.device.type == "cpu" and args.cpu_threads > 0:
         torch.set_num_threads(args.cpu_threads)
+    dense_precision.set_matmul_precision(args.dense_precision, env.device.type)
     rank0 = env.rank == 0
     try:
         summary = _run(args, env, fused_params, source, data_desc, rank0)
@@ -221,7 +222,8 @@ def _build_model(job: _Job) -> _Model:
     net = model_lib.build_dlrm(job.features, job.sizes, args.embedding_dim, len(job.source.dense_names),
                                args.dense_arch_list, args.over_arch_list, env.device,
                                dcn=(args.dcn_layers, args.dcn_rank) if args.dcn_layers else None,
-                               zero_init=layout_flags.derives_weights(args))
+                               zero_init=layout_flags.derives_weights(args),
+                               dense_precision=args.dense_precision)
     if args.compile_dense:
         model_lib.compile_dense(net)
     sharders = torchrec_ftrl.sharders(job.fused_params)
@@ -240,7 +242,7 @@ def _build_model(job: _Job) -> _Model:
             net, tables, sharders, env.device, args.sharding_types.split(","), env.world_size,
             local_world, args.batch_size, hbm, ddr,
             no_fit_message=lambda: plan_only.no_fit_message(args, job.sizes, env.world_size, hbm, ddr))
-    opt = model_lib.build_optimizer(dmp, args.dense_optimizer, args.dense_lr)
+    opt = model_lib.build_optimizer(dmp, args.dense_optimizer, args.dense_lr, env.device.type)
     return _Model(dmp, opt, plan, evictions)
 
 
@@ -300,14 +302,16 @@ def _kernel_warmup(job: _Job, dmp) -> Tuple[Optional[float], int]:
 
 def _print_start(job: _Job, start_step: int, workers: int) -> None:
     """The line that opens a run: ranks, device, data, tables, optimizers (FTRL's with its state dtype
-    and row layout, ``layout={weights}-{accumulator}``), steps and batch."""
+    and row layout, ``layout={weights}-{accumulator}``; the dense one with ``--dense-precision``),
+    steps and batch."""
     args, env = job.args, job.env
     opt_name = args.sparse_optimizer
     if opt_name == "ftrl":
         opt_name += f" (state {args.ftrl_state_dtype}) layout={args.ftrl_weights}-{args.ftrl_accumulator}"
     print(f"train_ctr: {env.world_size} rank(s), {env.device} ({env.backend}), data={job.data_desc['kind']}, "
           f"{len(job.features)} tables x {args.embedding_dim} dims, sparse={opt_name} "
-          f"lr={args.sparse_lr}, dense={args.dense_optimizer} lr={args.dense_lr}, "
+          f"lr={args.sparse_lr}, dense={args.dense_optimizer} lr={args.dense_lr} "
+          f"precision={args.dense_precision}, "
           f"steps {start_step}->{job.steps}, batch {args.batch_size}/rank, {workers} data "
           f"worker(s)/rank", flush=True)
 
@@ -317,8 +321,9 @@ class _Training:
     window, validation every --eval-every steps and at the end, checkpoints every
     --checkpoint-every steps and at the end, the tqdm bar and the step profile (rank 0 prints).
 
-    The window's loss sum stays on the device (float64, the step losses in order) and is read back
-    every --log-every steps, so the host does not wait for each step's kernels.
+    The loss goes to a :class:`~.loss_log.LossLog`: the window's sum stays on the device and its
+    cross-rank mean is copied back without a host wait, so the loop launches step after step without
+    waiting for the device (it waits at validation, checkpoints and the steady-state timer's start).
     """
 
     def __init__(self, job: _Job, model: _Model, tracker: sparsity.TouchTracker, val_batches: list,
@@ -327,8 +332,7 @@ class _Training:
         self.start_step = start.step
         self.loss_history, self.val_history = start.loss_history, start.val_history
         self.resumed_window = start.loss_window
-        self.window_loss, self.window_n = None, 0
-        self.shown = {}     # the bar's postfix: the last logged loss
+        self.losses = LossLog(job.env.device, self.loss_history)
         self.loop = self.prof = None
         self.bar = None
         if job.rank0 and not job.args.no_progress:
@@ -344,23 +348,25 @@ class _Training:
         self.loop = pipeline.make(job.args.pipeline, dmp, self.model.opt, env.device, train_iter, todo,
                                   (lambda kjt: None) if job.args.zch else self.tracker.update)
         self.prof = self._profiler(todo)
-        t0 = time.perf_counter()
         self._restore_window()
         # Steady-state throughput: timed from the end of the first STEADY_AFTER steps of this run (one
         # device sync there), so one-off costs (kernel compiles, first allocations) are left out.
         steady_from = self.start_step + STEADY_AFTER if todo > 2 * STEADY_AFTER else None
         t_steady = None
-        for step in range(self.start_step + 1, job.steps + 1):
-            if step - 1 == steady_from:
-                _synchronize(env.device)
-                t_steady = time.perf_counter()
-            loss = self.loop.step()
-            faults.maybe_fail(env.rank, step, "step")
-            with record_function(profile_lib.METRICS_LABEL):
-                self._record_loss(step, loss, t0)
-            self._after_step(step)
-        _synchronize(env.device)   # the last steps' kernels belong to the training time
-        train_time = time.perf_counter() - t0
+        with _setup_heap_frozen():
+            t0 = time.perf_counter()
+            for step in range(self.start_step + 1, job.steps + 1):
+                if step - 1 == steady_from:
+                    _synchronize(env.device)
+                    t_steady = time.perf_counter()
+                loss = self.loop.step()
+                faults.maybe_fail(env.rank, step, "step")
+                with record_function(profile_lib.METRICS_LABEL):
+                    self._record_loss(step, loss, t0)
+                self._after_step(step)
+            _synchronize(env.device)   # the last steps' kernels belong to the training time
+            train_time = time.perf_counter() - t0
+        self.losses.flush()
         if self.prof is not None:
             self.prof.close()
         if self.bar is not None:
@@ -389,25 +395,22 @@ class _Training:
         """Reopen the checkpoint's --log-every window when it has this rank's sum."""
         env, resumed = self.job.env, self.resumed_window
         if resumed and resumed.get("n") and len(resumed.get("sums", ())) == env.world_size:
-            self.window_n = int(resumed["n"])
-            self.window_loss = torch.tensor(resumed["sums"][env.rank], dtype=torch.float64,
-                                            device=env.device)
+            self.losses.restore(resumed["n"], resumed["sums"][env.rank])
 
     def _record_loss(self, step: int, loss: torch.Tensor, t0: float) -> None:
-        """Add the step's loss to the window; log the window every --log-every steps and at the end;
-        advance the bar."""
+        """Add the step's loss to the window; close the window every --log-every steps and at the
+        end; advance the bar (its loss: the last mean read back)."""
         args, env = self.job.args, self.job.env
-        self.window_loss = loss.double() if self.window_loss is None else self.window_loss + loss.double()
-        self.window_n += 1
+        self.losses.add(loss)
         if step % args.log_every == 0 or step == self.job.steps:
-            self.loss_history.append([step, _mean_over_ranks(float(self.window_loss) / self.window_n,
-                                                             env.device)])
-            self.window_loss, self.window_n = None, 0
-            self.shown = {"loss": f"{self.loss_history[-1][1]:.4f}"}
+            self.losses.close_window(step)
+        else:
+            self.losses.poll()
         if self.bar is not None:
             rate = (step - self.start_step) * args.batch_size * env.world_size / (time.perf_counter() - t0)
+            shown = {"loss": f"{self.loss_history[-1][1]:.4f}"} if self.loss_history else {}
             self.bar.update(1)
-            self.bar.set_postfix(**self.shown, ex_s=f"{rate:.0f}", refresh=False)
+            self.bar.set_postfix(**shown, ex_s=f"{rate:.0f}", refresh=False)
 
     def _after_step(self, step: int) -> None:
         """Validation and checkpoint when their schedules fall on ``step`` (not the last step:
@@ -436,11 +439,12 @@ class _Training:
     def save_checkpoint(self, step: int) -> None:
         """Save the model, optimizer, histories and touched rows at ``step`` (a collective)."""
         args, env, tracker = self.job.args, self.job.env, self.tracker
+        self.losses.flush()
         # The open --log-every window (each rank's loss sum so far): a resumed run logs the same means.
         sums = [None] * env.world_size
-        dist.all_gather_object(sums, float(self.window_loss) if self.window_loss is not None else 0.0)
+        dist.all_gather_object(sums, self.losses.open_sum())
         meta = {"loss_history": self.loss_history, "val_history": self.val_history, "args": vars(args),
-                "loss_window": {"n": self.window_n, "sums": sums}}
+                "loss_window": {"n": self.losses.window_n, "sums": sums}}
         with record_function(f"{profile_lib.EXCLUDED_PREFIX} checkpoint ##"):
             tracker.reduce(env.device)
             path = atomic_checkpoint.save(args.checkpoint_dir, step, self.model.dmp, self.model.opt, meta,
@@ -451,6 +455,22 @@ class _Training:
         """Rank 0: print ``msg`` (through the bar when there is one)."""
         if self.job.rank0:
             (self.bar.write(msg) if self.bar else print(msg, flush=True))
+
+
+@contextlib.contextmanager
+def _setup_heap_frozen():
+    """The training loop's garbage-collection setting: one full collection, then ``gc.freeze()``
+    moves every object alive after set-up (modules, plan, traced graphs, data, tens of thousands of
+    objects) to the collector's permanent generation, so a full collection during the loop traverses
+    only the objects the loop made and its pauses do not grow with the set-up's heap. Collection
+    stays on (reference cycles made per step are still freed). ``gc.unfreeze()`` on exit, so a
+    process that runs the job again can free this run's objects."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _synchronize(device: torch.device) -> None:
@@ -477,6 +497,8 @@ def _summary(job: _Job, model: _Model, training: _Training, timing: _Timing, sp:
         "fused_params": summary_fused_params(job.fused_params),
         "ftrl_state_dtype": args.ftrl_state_dtype if args.sparse_optimizer == "ftrl" else None,
         "ftrl_registered": cli_ftrl_registered(),
+        "dense_precision": args.dense_precision,
+        "dense_optimizer_options": model_lib.dense_optimizer_options(args.dense_optimizer, env.device.type),
         "steps": steps, "start_step": start_step, "batch_size_per_rank": args.batch_size,
         "examples_per_s": done * examples_per_step / train_time if done else None,
         "train_time_s": train_time,

@@ -104,6 +104,22 @@ def check_device(args: argparse.Namespace) -> None:
                              "torch " + torch.__version__ + ")")
 
 
+def check_dense_precision(args: argparse.Namespace) -> None:
+    """``--dense-precision`` (resolved by ``cli.parse_args``) on the run's device: tf32 needs CUDA,
+    bf16 on CUDA needs bf16 support on this rank's GPU (``LOCAL_RANK``). ``--plan-only`` plans for
+    GPUs without one and computes nothing dense: any value passes."""
+    from .cli import cuda_run
+    from .dense_precision import unsupported_reason
+
+    if args.plan_only:
+        return
+
+    device = f"cuda:{os.environ.get('LOCAL_RANK') or 0}" if cuda_run(args.device) else "cpu"
+    reason = unsupported_reason(args.dense_precision, device)
+    if reason is not None:
+        raise JobConfigError(reason)
+
+
 def check_split(args: argparse.Namespace) -> None:
     """``--split`` parses (also when it does not apply, so a typo is never silent)."""
     from torchrec_ftrl.data import Split
@@ -156,7 +172,7 @@ def check_outputs(args: argparse.Namespace) -> None:
 
 FLAG_CHECKS: Sequence[Callable[[argparse.Namespace], None]] = (
     check_numbers, check_split, check_data_format, check_applicable, check_sharding_types,
-    check_device, check_outputs)
+    check_device, check_dense_precision, check_outputs)
 
 
 def check_flags(args: argparse.Namespace) -> None:

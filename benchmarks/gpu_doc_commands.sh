@@ -78,7 +78,7 @@ run_block 'docs/main-job.md:625 (bash long)' "$OUT/doc_08.log" <<'DOCEOF'
 python -m torchrec_ftrl.job --zch --data ../shared/data/criteo/criteo_dac_combined.tsv --epochs 5 --num-embeddings 1000
 DOCEOF
 
-run_block 'docs/main-job.md:761 (bash long)' "$OUT/doc_09.log" <<'DOCEOF'
+run_block 'docs/main-job.md:786 (bash long)' "$OUT/doc_09.log" <<'DOCEOF'
 python benchmarks/sweep_l1.py --sets synthetic criteo --l1 0 0.01 0.03 0.1 0.3 1 3 10 --adagrad-reference
 DOCEOF
 

@@ -208,16 +208,15 @@ def test_backward_fallback_runs_again_for_a_retained_graph(monkeypatch):
     calls = []
     monkeypatch.setattr(tb, "_backward_update_eager", lambda *a: calls.append(a))
     token, offsets, fixed = torch.empty(0), torch.tensor([0, 1]), torch.tensor([0, 2])
-    raw, version = True, torch.zeros(1, dtype=torch.int64)
+    raw = True
     saved_knobs, now_knobs = (torch.zeros(3), False, False), (torch.ones(3), True, True)
     tb._fallbacks[token] = ((None,) * 12 + (offsets,) + (None,) * 5 + saved_knobs + (None, None, raw)
-                            + (version, 0, lambda: now_knobs))
+                            + (lambda: now_knobs,))
     for _ in range(2):
-        tb._backward_fallback(token, torch.ones(2), *(torch.empty(0),) * 4, fixed)
+        tb._backward_fallback(token, torch.ones(2), *(torch.empty(0),) * 4, fixed, False)
     assert len(calls) == 2 and all(a[12] is fixed and a[24] is True for a in calls)
     assert all(a[19:22] == saved_knobs for a in calls)     # knobs unchanged since the forward
-    version.add_(1)                                        # the TBE's knobs changed (e.g. its lr)
-    tb._backward_fallback(token, torch.ones(2), *(torch.empty(0),) * 4, fixed)
+    tb._backward_fallback(token, torch.ones(2), *(torch.empty(0),) * 4, fixed, True)   # changed
     assert calls[-1][19:22] == now_knobs
     del token
     gc.collect()

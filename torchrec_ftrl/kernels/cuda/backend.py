@@ -556,11 +556,11 @@ def train_lookup(weights, accum, linear, rowwise, table_w_offset, table_dim, tab
     the forward of :func:`train_forward`; its backward :func:`_backward_update_eager`'s C++ call and
     ``iteration += 1``, with no Python in the backward; where ``hp_version`` (CPU int64 ``[1]``)
     changed since the forward, the backward runs through Python with ``knobs_now()`` (the knob
-    arguments of backward time), as the TBE's Python path reads them. Returns the output (its ``grad_fn`` that
-    node), or None where the step is to run through Python (the host path off or not ready, a
+    arguments of backward time), as the TBE's Python path reads them. Returns the output (its
+    ``grad_fn`` that node), or None where the step is to run through Python (the host path off or not ready, a
     forward variant not registered yet): nothing was launched then."""
-    if not (_COMPILED and host.LOOKUP_OP and indices.numel() > 0 and offsets.numel() > 1 and out_numel > 0
-            and host.ready(linear.device)):
+    if not (_COMPILED and host.LOOKUP_OP and indices.numel() > 0 and offsets.numel() > 1
+            and out_numel > 0 and host.ready(linear.device)):
         return None
     has_psw = per_sample_weights is not None and pooling_mode != POOL_NONE
     fplan = _host_plan("fwd", weights, accum, linear, rowwise, pooling_mode, max_D, table_dims,
@@ -570,8 +570,8 @@ def train_lookup(weights, accum, linear, rowwise, table_w_offset, table_dim, tab
     sort = bplan.fbgemm_sort and _fbgemm_sort(indices.numel(), "cuda")
     token = torch.empty(0)
     out = host.load().train_lookup(
-        placeholder, token, hp_version, fplan.id, bplan.id, weights, accum, linear, table_w_offset, table_dim,
-        table_rows, table_row_base, feature_table, bag_feature, bag_out_offset, indices, offsets,
+        placeholder, token, hp_version, fplan.id, bplan.id, weights, accum, linear, table_w_offset,
+        table_dim, table_rows, table_row_base, feature_table, bag_feature, bag_out_offset, indices, offsets,
         per_sample_weights if has_psw else None, knobs, warn, max_D, total_rows, out_numel, out_dtype,
         fplan.padded, fplan.has_scale, fplan.lin_bags, fplan.fwd_bags, nonfinite_rows, step, iteration,
         [bplan.seg, bplan.block, bplan.block_d, bplan.update_g, bplan.combine_cp, int(sort)])
@@ -581,19 +581,19 @@ def train_lookup(weights, accum, linear, rowwise, table_w_offset, table_dim, tab
     _fallbacks[token] = (weights, accum, linear, rowwise, table_w_offset, table_dim, table_rows,
                          table_row_base, feature_table, bag_feature, bag_out_offset, indices, offsets,
                          per_sample_weights, pooling_mode, max_D, table_dims, total_rows, knobs, pow_half,
-                         has_shrink, nonfinite_rows, step, warn is not None, hp_version,
-                         int(hp_version[0]), knobs_now)
+                         has_shrink, nonfinite_rows, step, warn is not None, knobs_now)
     return out
 
 
-def _backward_fallback(token, grad_out, key, gofs, scale, tid, fixed) -> None:
+def _backward_fallback(token, grad_out, key, gofs, scale, tid, fixed, knobs_changed) -> None:
     """``torchrec_ftrl_host_py::backward_fallback``: a C++ training lookup's backward whose
-    variants are not all registered, through :func:`_backward_update_eager` (the Python path, which
-    registers them); the forward's repaired offsets ``fixed`` stand in for a raw batch's."""
+    variants are not all registered, or whose knobs changed since its forward (``knobs_changed``:
+    it takes the knobs of now), through :func:`_backward_update_eager` (the Python path, which
+    registers the variants); the forward's repaired offsets ``fixed`` stand in for a raw batch's."""
     (weights, accum, linear, rowwise, table_w_offset, table_dim, table_rows, table_row_base, feature_table,
      bag_feature, bag_out_offset, indices, offsets, psw, pooling_mode, max_D, table_dims, total_rows, knobs,
-     pow_half, has_shrink, nonfinite_rows, step, raw, hp_version, version_seen, knobs_now) = _fallbacks[token]
-    if int(hp_version[0]) != version_seen:   # the knobs changed after the forward
+     pow_half, has_shrink, nonfinite_rows, step, raw, knobs_now) = _fallbacks[token]
+    if knobs_changed:   # since the forward: the update takes the knobs of now
         knobs, pow_half, has_shrink = knobs_now()
     _backward_update_eager(weights, accum, linear, rowwise, table_w_offset, table_dim, table_rows,
                            table_row_base, feature_table, bag_feature, bag_out_offset, indices,
@@ -609,7 +609,7 @@ def _define_backward_fallback() -> Optional[torch.library.Library]:
         return None
     lib = torch.library.Library("torchrec_ftrl_host_py", "DEF")
     lib.define("backward_fallback(Tensor token, Tensor grad_out, Tensor key, Tensor gofs, Tensor scale, "
-               "Tensor tid, Tensor fixed) -> ()")
+               "Tensor tid, Tensor fixed, bool knobs_changed) -> ()")
     lib.impl("backward_fallback", lambda *args: sys.modules[__name__]._backward_fallback(*args), "CUDA")
     return lib
 

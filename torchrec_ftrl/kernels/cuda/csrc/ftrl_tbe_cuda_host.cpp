@@ -415,9 +415,10 @@ struct TrainLookup : public torch::autograd::Function<TrainLookup> {
       static const auto fallback = c10::Dispatcher::singleton()
           .findSchemaOrThrow("torchrec_ftrl_host_py::backward_fallback", "")
           .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                      const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
+                      const at::Tensor&, const at::Tensor&, const at::Tensor&, bool)>();
       at::AutoDispatchBelowADInplaceOrView below_autograd;
-      fallback.call(d["token"].toTensor(), grad, key, gofs, scale, tid, d["fixed"].toTensor());
+      fallback.call(d["token"].toTensor(), grad, key, gofs, scale, tid, d["fixed"].toTensor(),
+                    !knobs_current);
     }
     d["iter"].toTensor().add_(1);
     return {at::Tensor(), at::Tensor()};

@@ -432,7 +432,8 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         if self.cache is not None:
             batch, cache_keys, release = self._cached_batch(batch, bsfpr, train)
         out = None
-        if (train and cache_keys is None and not torch.is_inference_mode_enabled()
+        if (train and cache_keys is None and not torch.compiler.is_compiling()
+                and not torch.is_inference_mode_enabled()
                 and not (per_sample_weights is not None and per_sample_weights.requires_grad)):
             out = calls.train_lookup(self._backend, self.table_arrays, batch, self._output_torch_dtype,
                                      self._hp, self.placeholder_autograd_tensor, self.nonfinite_grad_rows,

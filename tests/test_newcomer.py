@@ -244,12 +244,14 @@ def test_start_line_names_the_layout(capsys, weights, accumulator):
     from torchrec_ftrl.job import train
     args = types.SimpleNamespace(sparse_optimizer="ftrl", ftrl_state_dtype="bf16", ftrl_weights=weights,
                                  ftrl_accumulator=accumulator, embedding_dim=16, sparse_lr=0.05,
-                                 dense_optimizer="adagrad", dense_lr=0.05, batch_size=256)
+                                 dense_optimizer="adagrad", dense_lr=0.05, batch_size=256,
+                                 dense_precision="bf16")
     env = types.SimpleNamespace(world_size=2, device="cpu", backend="gloo")
     job = types.SimpleNamespace(args=args, env=env, data_desc={"kind": "synthetic"}, features=["a", "b"], steps=200)
     train._print_start(job, 0, 0)
     line = capsys.readouterr().out
     assert f"sparse=ftrl (state bf16) layout={weights}-{accumulator} lr=0.05" in line
+    assert "dense=adagrad lr=0.05 precision=bf16," in line
     doc = (ROOT / "docs" / "main-job.md").read_text()
     example = next(ln for ln in doc.splitlines() if ln.startswith("train_ctr: 2 rank(s)"))
     assert "sparse=ftrl (state fp32) layout=stored-elementwise lr=0.05" in example

@@ -33,6 +33,12 @@ then recorded as skipped; ``--skip 1,2,3,4`` runs the rest in a second call):
    picks the layouts: default derived weights with bf16 z and n, 512 B a row, and derived weights
    with a row-wise fp32 n, 516 B).
 
+``--dense-precision`` is passed to every job run (default: the job's own default for the device)
+and recorded; TorchRec's ``dlrm_main.py`` has no precision flag, so at ``tf32`` it runs with
+``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1`` (cuBLAS TF32 from outside) and at ``bf16`` it is recorded as
+not run. ``--repeats N`` runs each of step 8's job runs N times in a row (``_r1`` .. ``_rN``); the
+report then gives, per run, the steady rate's mean and its spread ((max - min) / mean).
+
 Every job run: ``--steps`` (300) steps, synthetic multi-hot input drawn on the GPU, no validation
 until the end (one batch), ``--no-progress``. Recorded per run: ``examples_per_s`` (every step),
 ``steady_examples_per_s`` (after step 10), the ratio of the two, ``peak_gpu_memory_bytes``
@@ -68,6 +74,7 @@ class Bench:
         self.args, self.t0, self.rows = args, time.monotonic(), []
         self.result = {"what": "torchrec_ftrl job at the MLPerf DLRM-DCNv2 preset, one GPU",
                        "command": " ".join(sys.argv), "steps": args.steps, "scale": args.scale,
+                       "dense_precision": args.dense_precision or "job default", "repeats": args.repeats,
                        "runs": self.rows, "versions": _versions()}
         os.makedirs(args.out, exist_ok=True)
 
@@ -100,6 +107,8 @@ class Bench:
         cmd = [sys.executable, "-m", "torchrec_ftrl.job", "--preset", "mlperf-dcnv2", "--batch-size",
                str(batch), "--steps", str(steps or self.args.steps), "--eval-every", "1000000",
                "--val-batches", "1", "--no-progress", "--output-dir", out, "--run-name", name, *flags]
+        if self.args.dense_precision:
+            cmd += ["--dense-precision", self.args.dense_precision]
 
         def parse(p):
             path = os.path.join(out, f"{name}_summary.json")
@@ -112,6 +121,7 @@ class Bench:
                     "whole_over_steady": (ex / st) if ex and st else None,
                     "peak_gpu_memory_bytes": s.get("peak_gpu_memory_bytes"),
                     "kernels": sorted({v.split(" ")[0] for v in s.get("plan", {}).values()}),
+                    "dense_precision": s.get("dense_precision"),
                     "step_profile": s.get("step_profile")}
         return self.run(name, cmd, env=env, parse=parse)
 
@@ -130,6 +140,7 @@ class Bench:
             lines.append(f"| {r['name']} | {r['status']} | {f('batch')} | {f('examples_per_s')} | "
                          f"{f('steady_examples_per_s')} | {f('whole_over_steady', '{:.2f}')} | "
                          f"{peak / 1e9 if peak else '-'} | {f('wall_s', '{:.0f}')} |")
+        lines += spread_lines(self.rows)
         lines += ["", "Plans, refusals, profiles and the tail of every run: bench_preset.json."]
         with open(os.path.join(self.args.out, "bench_preset.md"), "w") as f:
             f.write("\n".join(lines) + "\n")
@@ -156,7 +167,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--scale", type=float, default=0.25, help="--rows-scale of the scaled runs")
     ap.add_argument("--budget-s", type=float, default=320.0,
                     help="seconds: no run starts later, and a run is cut at this point")
-    ap.add_argument("--batches", default="8192,65536")
+    ap.add_argument("--batches", default="8192,65536",
+                    help="comma list; its first is the small batch, its last the large one")
+    ap.add_argument("--dense-precision", choices=("fp32", "tf32", "bf16"), default=None,
+                    help="every job run's --dense-precision (default: the job's default)")
+    ap.add_argument("--repeats", type=int, default=1, help="runs of each of step 8's job runs")
     ap.add_argument("--skip", default="", help="comma list of step numbers (1-9) to leave out")
     ap.add_argument("--lean", default="ftrl_derived_bf16,ftrl_derived_rowwise",
                     help=f"steps 8 and 9's layouts, from {sorted(LEAN)}")
@@ -181,7 +196,8 @@ class PresetSteps:
 
     def __init__(self, b, a):
         self.b, self.a = b, a
-        self.small, self.big = (int(x) for x in a.batches.split(","))
+        self.batches = [int(x) for x in a.batches.split(",") if x]
+        self.small, self.big = self.batches[0], self.batches[-1]
         self.scaled = ["--rows-scale", str(a.scale)]
         self.lean = [x for x in a.lean.split(",") if x]   # steps 8 and 9
         self.plans = {}
@@ -264,12 +280,16 @@ class PresetSteps:
         step 4 ran it), each ``--lean`` layout and TorchRec's ``dlrm_main.py``; then the first layout
         profiled at the large batch."""
         b, scaled = self.b, self.scaled
-        for batch in (self.small, self.big):
-            if not any(r["name"] == f"scaled_rowwise_adagrad_{batch}" for r in b.rows):   # step 4's
-                b.job(f"scaled_rowwise_adagrad_{batch}", [*scaled, *RWA], batch)
-            for name in self.lean:
-                b.job(f"scaled_{name}_{batch}", [*scaled, *LEAN[name]], batch)
-            if os.path.exists(ANCHOR):
+        for batch in self.batches:
+            for r in range(1, self.a.repeats + 1):
+                tag = f"_r{r}" if self.a.repeats > 1 else ""
+                if tag or not any(x["name"] == f"scaled_rowwise_adagrad_{batch}" for x in b.rows):
+                    b.job(f"scaled_rowwise_adagrad_{batch}{tag}", [*scaled, *RWA], batch)
+                for name in self.lean:
+                    b.job(f"scaled_{name}_{batch}{tag}", [*scaled, *LEAN[name]], batch)
+            if self.a.dense_precision == "bf16":
+                self.not_run(f"dlrm_main.py {batch}", "dlrm_main.py has no bf16 dense precision")
+            elif os.path.exists(ANCHOR):
                 _dlrm_main(b, self.a, batch)
             else:
                 self.not_run(f"dlrm_main.py {batch}", f"{ANCHOR} absent (bench_torchrec_dlrm.py --extract)")
@@ -316,8 +336,27 @@ def _dlrm_main(b, a, batch):
            "--embedding-dim", "128", "--dense-arch", "512,256", "--over-arch", "1024,1024,512,256",
            "--out", out, f"--example-args=--interaction_type=dcn --dcn_num_layers=3 "
            f"--dcn_low_rank_dim=512 --multi_hot_sizes={hot} --multi_hot_distribution_type=uniform"],
+          env={"TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": "1"} if a.dense_precision == "tf32" else None,
           parse=lambda p: _dlrm_main_row(batch, _read_json(os.path.join(out, "bench_torchrec_dlrm.json"))
                                          if p.returncode == 0 else None))
+
+
+def spread_lines(rows):
+    """The report's lines on repeated runs (names ending ``_rN``): per run name, the repeats' steady
+    examples/s, their mean and their spread (max - min) / mean; no lines when nothing repeats."""
+    groups = {}
+    for r in rows:
+        base, _, rep = r["name"].rpartition("_r")
+        if base and rep.isdigit() and isinstance(r.get("steady_examples_per_s"), (int, float)):
+            groups.setdefault(base, []).append(r["steady_examples_per_s"])
+    if not groups:
+        return []
+    out = ["", "| run (repeats) | steady examples/s of each | mean | spread |", "| --- | --- | ---: | ---: |"]
+    for base, v in groups.items():
+        mean = sum(v) / len(v)
+        out.append(f"| {base} ({len(v)}) | {', '.join(f'{x:,.0f}' for x in v)} | {mean:,.0f} | "
+                   f"{100 * (max(v) - min(v)) / mean:.1f}% |")
+    return out
 
 
 def _dlrm_main_row(batch, res):

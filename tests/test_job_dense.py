@@ -190,7 +190,7 @@ def _train(cls, steps=25, **options):
 def test_the_cpu_dense_optimizer_is_bitwise_torchs_loop(name):
     from torchrec_ftrl.job.model import DENSE_OPTIMIZERS, dense_optimizer_options
 
-    cls = DENSE_OPTIMIZERS[name][0]
+    cls = DENSE_OPTIMIZERS[name]
     options = dense_optimizer_options(name, "cpu")
     assert options == {"foreach": True}
     for got, plain in zip(_train(cls, **options), _train(cls, foreach=False)):
@@ -217,16 +217,46 @@ def test_adagrad_options_match_a_float64_transcription():
 
 
 @pytest.mark.parametrize("name", ["adagrad", "adam", "sgd"])
-def test_cuda_takes_the_fused_kernel_when_torch_has_it(name):
-    from torchrec_ftrl.job.model import DENSE_OPTIMIZERS, dense_optimizer_options, has_fused_kernel
+def test_cuda_takes_the_fused_kernel_when_torch_steps_it(name):
+    from torchrec_ftrl.job.model import DENSE_OPTIMIZERS, dense_optimizer_options, fused_step_runs
 
-    cls, op = DENSE_OPTIMIZERS[name]
-    assert dense_optimizer_options(name, "cuda", fused_kernel=lambda o, d: o == op) == {"fused": True}
-    assert dense_optimizer_options(name, "cuda", fused_kernel=lambda o, d: False) == {"foreach": True}
-    assert has_fused_kernel(op, "cpu")   # torch >= 2.4 has every one of them on the CPU
+    cls = DENSE_OPTIMIZERS[name]
+    assert dense_optimizer_options(name, "cuda", fused_runs=lambda c, d: c is cls) == {"fused": True}
+    assert dense_optimizer_options(name, "cuda", fused_runs=lambda c, d: False) == {"foreach": True}
+    assert fused_step_runs(cls, "cpu")   # torch >= 2.4 steps every one of them fused on the CPU
     # the fused implementation the CUDA choice names: its CPU kernel agrees with torch's loop
     for got, plain in zip(_train(cls, fused=True), _train(cls, foreach=False)):
         torch.testing.assert_close(got, plain, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_probe_says_no_where_torch_refuses_fused():
+    """torch refuses ``fused=True`` in the step for a device its fused kernel does not take (its
+    Adagrad on CUDA): the probe then says no, and the CUDA choice is foreach."""
+    from torchrec_ftrl.job.model import dense_optimizer_options, fused_step_runs
+
+    class RefusesFused(torch.optim.SGD):
+        def step(self, closure=None):
+            raise RuntimeError("`fused=True` requires all the params to be floating point Tensors of "
+                               "supported devices")
+
+    assert not fused_step_runs(RefusesFused, "cpu")
+    assert dense_optimizer_options("sgd", "cuda", fused_runs=lambda c, d: fused_step_runs(RefusesFused, "cpu")) \
+        == {"foreach": True}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["adagrad", "adam", "sgd"])
+def test_the_cuda_choice_steps(name):
+    """The options chosen for CUDA construct and step on a CUDA parameter."""
+    from torchrec_ftrl.job.model import DENSE_OPTIMIZERS, dense_optimizer_options
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    cls = DENSE_OPTIMIZERS[name]
+    p = torch.nn.Parameter(torch.ones(8, device="cuda"))
+    p.grad = torch.full_like(p, 0.5)
+    cls([p], lr=0.1, **dense_optimizer_options(name, "cuda")).step()
+    assert torch.all(p.detach() < 1.0)
 
 
 # ------------------------------------------------------------------------------------ loss log

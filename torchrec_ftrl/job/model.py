@@ -3,6 +3,7 @@ its forward takes a batch and returns ``(loss, output)`` (what TorchRec's train 
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional, Sequence
 
 import torch
@@ -178,26 +179,33 @@ def plan_summary(plan: Any) -> dict:
     return out
 
 
-# The job's dense optimizers: name -> (torch.optim class, the ATen op of its fused implementation).
-DENSE_OPTIMIZERS = {"adagrad": (torch.optim.Adagrad, "aten::_fused_adagrad_"),
-                    "adam": (torch.optim.Adam, "aten::_fused_adam_"),
-                    "sgd": (torch.optim.SGD, "aten::_fused_sgd_")}
+# The job's dense optimizers: name -> torch.optim class.
+DENSE_OPTIMIZERS = {"adagrad": torch.optim.Adagrad, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
 
 
-def has_fused_kernel(op: str, device_type: str) -> bool:
-    """Whether this torch build registers a kernel of ATen ``op`` for ``device_type`` (``"cuda"``:
-    the CUDA dispatch key; a CPU-only build has none)."""
-    return torch._C._dispatch_has_kernel_for_dispatch_key(op, device_type.upper())
+@functools.lru_cache(maxsize=None)
+def fused_step_runs(cls: type, device_type: str) -> bool:
+    """Whether torch optimizer ``cls`` steps with ``fused=True`` on ``device_type``: one step of a
+    one-element fp32 parameter there with a zero gradient. torch decides per optimizer and device in
+    its step (its fused Adagrad takes CPU tensors only, though ATen registers a CUDA kernel of
+    ``_fused_adagrad_``), so the step is the test."""
+    p = torch.zeros(1, device=device_type, requires_grad=True)
+    p.grad = torch.zeros_like(p)
+    try:
+        cls([p], lr=0.01, fused=True).step()
+    except (RuntimeError, TypeError, ValueError):   # torch's refusal of fused on this device
+        return False
+    return True
 
 
-def dense_optimizer_options(name: str, device_type: str, fused_kernel=has_fused_kernel) -> dict:
+def dense_optimizer_options(name: str, device_type: str, fused_runs=fused_step_runs) -> dict:
     """The implementation keyword of the dense optimizer ``name`` (a key of
     :data:`DENSE_OPTIMIZERS`) on ``device_type``: on CUDA ``{"fused": True}`` (one multi-tensor
-    kernel for all MLP parameters) when ``fused_kernel(op, "cuda")`` says this torch has the fused
-    kernel, else ``{"foreach": True}``; on the CPU ``{"foreach": True}``, bitwise the updates of
+    kernel for all MLP parameters) when ``fused_runs(cls, "cuda")`` says torch steps it fused
+    there, else ``{"foreach": True}``; on the CPU ``{"foreach": True}``, bitwise the updates of
     torch's per-parameter loop (``tests/test_job_dense.py``)."""
-    op = DENSE_OPTIMIZERS[name][1]
-    if device_type == "cuda" and fused_kernel(op, "cuda"):
+    cls = DENSE_OPTIMIZERS[name]
+    if device_type == "cuda" and fused_runs(cls, "cuda"):
         return {"fused": True}
     return {"foreach": True}
 
@@ -209,7 +217,7 @@ def build_optimizer(dmp: nn.Module, name: str, lr: float, device_type: str = "cp
     from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-    cls = DENSE_OPTIMIZERS[name][0]
+    cls = DENSE_OPTIMIZERS[name]
     options = dense_optimizer_options(name, device_type)
     dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
                                   lambda params: cls(params, lr=lr, **options))

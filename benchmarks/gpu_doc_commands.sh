@@ -22,7 +22,7 @@ run_block() {  # NAME LOG: runs stdin under bash from the repository root
   echo "| $name | $rc | $((SECONDS - t0)) | $(tail -n 3 "$log" | tr '\n|' '  ' | cut -c1-300) |" >> "$REPORT"
 }
 
-run_block 'docs/performance.md:426 (python gpu)' "$OUT/doc_01.log" <<'DOCEOF'
+run_block 'docs/performance.md:451 (python gpu)' "$OUT/doc_01.log" <<'DOCEOF'
 python - <<'PYEOF'
 import torch, torchrec_ftrl
 
@@ -89,7 +89,7 @@ python benchmarks/zch_vs_modulo.py --data ../shared/data/criteo/criteo_dac_combi
     --epochs 5 --sizes 1000 10000 --seeds 0 1 2 --out zch_criteo_cpu
 DOCEOF
 
-run_block 'docs/performance.md:555 (bash long)' "$OUT/doc_11.log" <<'DOCEOF'
+run_block 'docs/performance.md:580 (bash long)' "$OUT/doc_11.log" <<'DOCEOF'
 python benchmarks/bench_tbe_cpu.py --threads 2 --iters 20
 DOCEOF
 

@@ -138,6 +138,37 @@ def test_bench_tbe_cuda_methods_flag_refuses_unknown():
         assert p.returncode == 2 and "--methods" in p.stderr, p.stderr[-2000:]
 
 
+# ------------------------------------------------------------------------- bench_preset.py
+
+
+def test_bench_preset_spread_of_repeats_by_hand():
+    """Repeats 100k, 110k, 105k: mean 105k, spread (110k - 100k) / 105k = 9.5%; an unrepeated
+    run or a failed repeat (no rate) is left out."""
+    import bench_preset
+    rows = [{"name": "scaled_rowwise_adagrad_8192_r1", "steady_examples_per_s": 100_000.0},
+            {"name": "scaled_rowwise_adagrad_8192_r2", "steady_examples_per_s": 110_000.0},
+            {"name": "scaled_rowwise_adagrad_8192_r3", "steady_examples_per_s": 105_000.0},
+            {"name": "scaled_ftrl_derived_rowwise_8192_r1", "status": "exit 1"},
+            {"name": "dlrm_main.py (DCN, scaled, 8192)", "steady_examples_per_s": 300_000.0}]
+    lines = bench_preset.spread_lines(rows)
+    assert lines[-1] == "| scaled_rowwise_adagrad_8192 (3) | 100,000, 110,000, 105,000 | 105,000 | 9.5% |"
+    assert len(lines) == 4
+    assert bench_preset.spread_lines(rows[3:]) == []
+
+
+def test_bench_preset_passes_the_dense_precision_to_every_job_run(tmp_path, monkeypatch):
+    import bench_preset
+    a = bench_preset.build_parser().parse_args(["--out", str(tmp_path), "--dense-precision", "bf16",
+                                                "--batches", "8192"])
+    b = bench_preset.Bench(a)
+    seen = []
+    monkeypatch.setattr(b, "run", lambda name, cmd, **kw: seen.append(cmd) or {})
+    b.job("x", ["--rows-scale", "0.25"], 8192)
+    assert seen[0][-2:] == ["--dense-precision", "bf16"]
+    steps = bench_preset.PresetSteps(b, a)
+    assert (steps.small, steps.big) == (8192, 8192)
+
+
 @pytest.mark.parametrize("script", ["bench_dmp.py", "bench_uvm_caching.py"])
 def test_bench_gpu_scripts_help(script):
     p = subprocess.run([sys.executable, os.path.join(BENCH, script), "--help"],

@@ -244,14 +244,13 @@ def test_fused_probe_says_no_where_torch_refuses_fused():
         == {"foreach": True}
 
 
-@pytest.mark.cuda
+@cuda
+@needs_cuda
 @pytest.mark.parametrize("name", ["adagrad", "adam", "sgd"])
 def test_the_cuda_choice_steps(name):
     """The options chosen for CUDA construct and step on a CUDA parameter."""
     from torchrec_ftrl.job.model import DENSE_OPTIMIZERS, dense_optimizer_options
 
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     cls = DENSE_OPTIMIZERS[name]
     p = torch.nn.Parameter(torch.ones(8, device="cuda"))
     p.grad = torch.full_like(p, 0.5)
@@ -309,3 +308,40 @@ def test_loss_log_on_cuda_reads_back_without_waiting():
     history, _ = _log_steps(torch.device("cuda"), losses, (4, 8, 10))
     cpu_history, _ = _log_steps(torch.device("cpu"), losses, (4, 8, 10))
     assert history == cpu_history
+
+
+# ------------------------------------------------------------------- kernel events, steady window
+
+
+def test_steady_kernel_events_are_cuda_only(default_run):
+    from torchrec_ftrl.job.train import _kernel_events
+
+    assert _kernel_events(torch.device("cpu")) is None
+    _, summary = default_run
+    assert "steady_kernel_events" in summary and summary["steady_kernel_events"] is None
+
+
+def test_variant_count_counts_every_launchers_specialisations(monkeypatch):
+    pytest.importorskip("triton")
+    from torchrec_ftrl.kernels.cuda import launch
+
+    class Held:   # a launcher holding n compiled specialisations
+        def __init__(self, n):
+            self._compiled = {i: None for i in range(n)}
+
+    monkeypatch.setattr(launch, "_launchers", {"a": Held(2), "b": Held(0), "c": Held(3)})
+    assert launch.variant_count() == 5
+    monkeypatch.setattr(launch, "_launchers", {})
+    assert launch.variant_count() == 0
+
+
+@cuda
+@needs_cuda
+def test_steady_kernel_events_on_cuda(tmp_path):
+    """A CUDA run with the kernel warm-up compiles nothing inside its steady window."""
+    p = run_job(["--device", "cuda", "--num-embeddings", "2000", "--no-progress", "--batch-size", "64",
+                 "--steps", "30", "--eval-every", "1000000", "--val-batches", "1", "--output-dir", str(tmp_path)])
+    assert p.returncode == 0, p.stderr[-3000:]
+    with open(os.path.join(tmp_path, "train_ctr_summary.json")) as f:
+        events = json.load(f)["steady_kernel_events"]
+    assert events["kernel_variants"] == 0 and events.get("python_forward", 0) == 0, events

@@ -19,6 +19,7 @@ chrome trace ``<run-name>_trace.json``).
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import gc
 import logging
@@ -152,6 +153,7 @@ class _Timing(NamedTuple):
     train_time: float             # from t0 to the end of the last step's kernels
     steady_from: Optional[int]    # the step after which steady-state timing starts (None: not timed)
     t_steady: Optional[float]     # when step steady_from + 1 started (None: not timed)
+    steady_kernel_events: Optional[dict] = None   # _kernel_events over the steady window
 
 
 def _run(args, env, fused_params, source, data_desc, rank0) -> dict:
@@ -352,13 +354,14 @@ class _Training:
         # Steady-state throughput: timed from the end of the first STEADY_AFTER steps of this run (one
         # device sync there), so one-off costs (kernel compiles, first allocations) are left out.
         steady_from = self.start_step + STEADY_AFTER if todo > 2 * STEADY_AFTER else None
-        t_steady = None
+        t_steady = events0 = None
         with _setup_heap_frozen():
             t0 = time.perf_counter()
             for step in range(self.start_step + 1, job.steps + 1):
                 if step - 1 == steady_from:
                     _synchronize(env.device)
                     t_steady = time.perf_counter()
+                    events0 = _kernel_events(env.device)
                 loss = self.loop.step()
                 faults.maybe_fail(env.rank, step, "step")
                 with record_function(profile_lib.METRICS_LABEL):
@@ -371,7 +374,11 @@ class _Training:
             self.prof.close()
         if self.bar is not None:
             self.bar.close()
-        return _Timing(t0, train_time, steady_from, t_steady)
+        events = None
+        if t_steady is not None and events0 is not None:
+            events1 = _kernel_events(env.device)
+            events = {k: events1[k] - events0.get(k, 0) for k in sorted(events1)}
+        return _Timing(t0, train_time, steady_from, t_steady, events)
 
     def finish(self) -> None:
         """Validate at the last step (unless done there) and, with --checkpoint-dir, save it."""
@@ -473,6 +480,22 @@ def _setup_heap_frozen():
         gc.unfreeze()
 
 
+def _kernel_events(device: torch.device) -> Optional[collections.Counter]:
+    """On CUDA, the Triton TBE's counts so far in this process: ``kernel_variants``
+    (:func:`torchrec_ftrl.kernels.cuda.launch.variant_count`) and the training lookups by path
+    (``python_forward`` ... ``cpp_backward``: :func:`torchrec_ftrl.kernels.cuda.host.stats`); None
+    on other devices or without Triton."""
+    if device.type != "cuda":
+        return None
+    try:
+        from torchrec_ftrl.kernels.cuda import host, launch
+    except ImportError:
+        return None
+    out = host.stats()
+    out["kernel_variants"] = launch.variant_count()
+    return out
+
+
 def _synchronize(device: torch.device) -> None:
     """Wait for the device's kernels (CUDA; nothing to wait for on the CPU)."""
     if device.type == "cuda":
@@ -488,7 +511,7 @@ def _summary(job: _Job, model: _Model, training: _Training, timing: _Timing, sp:
     loss_history, val_history = training.loss_history, training.val_history
     done = steps - start_step
     examples_per_step = args.batch_size * env.world_size
-    t0, train_time, steady_from, t_steady = timing
+    t0, train_time, steady_from, t_steady, steady_events = timing
     return {
         "run_name": args.run_name,
         "world_size": env.world_size, "device": str(env.device), "backend": env.backend,
@@ -516,6 +539,7 @@ def _summary(job: _Job, model: _Model, training: _Training, timing: _Timing, sp:
                  "reset_slots": int(_sum_over_ranks(model.evictions.evicted, env.device))}
                 if args.zch else None),
         "step_profile": training.prof.result if training.prof is not None else None,
+        "steady_kernel_events": steady_events,
         "kernel_warmup_s": warmup_s, "kernel_warmup_tbes": warmed,
         "peak_gpu_memory_bytes": (torch.cuda.max_memory_allocated(env.device)
                                   if env.device.type == "cuda" else None),

@@ -102,6 +102,13 @@ _recording = threading.local()   # .records: this thread's list while recording(
 ENABLED = True   # False: every launch goes through JITFunction.run (benchmarks compare the two)
 
 
+def variant_count() -> int:
+    """The compiled kernel variants the direct launchers hold: one per specialisation launched so
+    far in this process (each was found or compiled by ``JITFunction.run``), so a count that grows
+    between two steps of one configuration means a launch met a specialisation new to it."""
+    return sum(len(launcher._compiled) for launcher in _launchers.values())
+
+
 def direct(kernel: Any) -> Any:
     """The :class:`DirectLauncher` of a ``JITFunction`` (one per kernel); anything else (an
     interpreted kernel) unchanged, and every kernel unchanged while

@@ -230,6 +230,31 @@ def test_interp_cached_tbe_trains_reads_writes_and_resets_like_uncached(interp, 
     _assert_tbes_bitwise(cached, plain, f"{weights}/{accumulator}/{state_dtype}")
 
 
+@pytest.mark.parametrize("weights", ["stored", "derived"])
+def test_interp_kernel_warm_up_restores_a_cached_tbe_bitwise(interp, monkeypatch, weights):
+    """The job's kernel warm-up (``job.warmup``: snapshot, a training step, restore) on a cached TBE
+    whose cache holds written rows: afterwards its weights, states and step counter are bit for bit
+    those of the same TBE without the warm-up (every row of EMU_SPECS is below WARMUP_ROWS)."""
+    import cache_ops_emulation
+    from torchrec_ftrl.job import warmup
+    cache_ops_emulation.install(monkeypatch)
+    plain, cached = _emulated_pair(weights, "rowwise", torch.float32)
+    assert max(r for r, _ in EMU_SPECS) <= warmup.WARMUP_ROWS
+    for m in (cached, plain):
+        _emu_step(m, np.random.default_rng(3), 0)
+    snap = warmup._snapshot(cached)
+    _emu_step(cached, np.random.default_rng(9), 1)      # the warm-up's step: rows written in the cache
+    assert cached.cache.written
+    warmup._restore(cached, snap)
+    assert torch.equal(cached.iter, plain.iter)
+    for a, b in zip(cached.split_embedding_weights(), plain.split_embedding_weights()):
+        assert torch.equal(bits(a[:]), bits(b[:])), "weights"
+    _assert_tbes_bitwise(cached, plain, weights)
+    for m in (cached, plain):                           # and they train on alike
+        out = _emu_step(m, np.random.default_rng(4), 2)
+    _assert_tbes_bitwise(cached, plain, f"{weights}, one step later")
+
+
 @pytest.mark.parametrize("weights,accumulator", LAYOUTS)
 def test_per_sample_weight_gradient_reads_cached_rows(weights, accumulator):
     """The gradient of trainable per-sample weights (``index_rows.per_sample_weight_grad``, PyTorch

@@ -52,13 +52,17 @@ def _snapshot(tbe) -> list:
 
 @torch.no_grad()
 def _restore(tbe, snap: list) -> None:
+    """Put back what :func:`_snapshot` copied. An HBM cache holds warmed-up rows: both views flush
+    it (each flush writes every cached row back), then it is emptied, and only then are the
+    originals written, so no later flush can write a warmed-up row over them."""
     weights, states, step = snap
-    for w, saved in zip(tbe.split_embedding_weights(), weights):   # flushes the cache first
+    views = tbe.split_embedding_weights(), tbe.split_optimizer_states()
+    tbe.reset_cache_states()
+    for w, saved in zip(views[0], weights):
         w[:saved.shape[0]].copy_(saved)
-    for (a, z), (sa, sz) in zip(tbe.split_optimizer_states(), states):
+    for (a, z), (sa, sz) in zip(views[1], states):
         a[:sa.shape[0]].copy_(sa)
         z[:sz.shape[0]].copy_(sz)
-    tbe.reset_cache_states()   # the cache held warmed-up rows; unified memory now has the originals
     tbe.iter.copy_(step)
 
 

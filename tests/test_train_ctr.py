@@ -143,6 +143,23 @@ def test_resume_inside_a_log_window_logs_the_same_losses(tmp_path):
         assert _summary(out)["loss_history"] == full["loss_history"], step
 
 
+def test_resume_with_adam_keeps_its_moments(tmp_path):
+    """``--dense-optimizer adam`` (whose state torch creates at its first step): a run resumed from
+    step 3 logs the uninterrupted run's losses exactly, and its checkpoint at step 6 holds the
+    uninterrupted run's Adam step counts (6.0), not a restarted count."""
+    args = [*SMALL, "--dense-optimizer", "adam", "--steps", "6", "--log-every", "1", "--eval-every", "100",
+            "--checkpoint-every", "3", "--keep-checkpoints", "2"]
+    _run([*args, "--checkpoint-dir", str(tmp_path / "full"), "--output-dir", str(tmp_path / "full")])
+    out = tmp_path / "resumed"
+    _run([*args, "--checkpoint-dir", str(out), "--output-dir", str(out),
+          "--resume", str(tmp_path / "full" / "step_00000003")])
+    assert _summary(out)["loss_history"] == _summary(tmp_path / "full")["loss_history"]
+    flat = flat_checkpoint(out / "step_00000006", tmp_path)
+    steps = {k: float(v) for k, v in flat.items() if k.startswith("optim.") and k.endswith(".step")
+             and "dense_arch" in k}
+    assert steps and set(steps.values()) == {6.0}, steps
+
+
 def test_resume_past_the_last_step_fails_in_one_line(synthetic_run, tmp_path):
     d, _, _ = synthetic_run
     p = run_job([*SMALL, "--steps", "5", "--resume", str(d / "ckpt" / "step_00000010"),

@@ -224,6 +224,18 @@ def build_optimizer(dmp: nn.Module, name: str, lr: float, device_type: str = "cp
     return CombinedOptimizer([dmp.fused_optimizer, dense])
 
 
+def init_dense_state(opt, fused_optimizer) -> None:
+    """Create the lazy state of the dense optimizers of ``opt`` (a ``CombinedOptimizer``; all but
+    ``fused_optimizer``) by TorchRec's ``KeyedOptimizer.init_state``: one step with zero gradients,
+    which moves no parameter of the job's optimizers (no weight decay). Torch's Adam creates its
+    moments and step at its first step, so without this a resumed run's fresh optimizer has no keys
+    for the checkpoint's Adam state to load into (DCP loads the keys the live state has) and restarts
+    it silently. For a resume only: a fresh run's first step creates the state as torch does."""
+    for _, keyed in opt.optimizers:
+        if keyed is not fused_optimizer:
+            keyed.init_state()
+
+
 def compile_dense(model: nn.Module) -> None:
     """``nn.Module.compile()`` (in place, same parameter names) on the DLRM's ``dense_arch``,
     ``inter_arch`` and ``over_arch``; the sharded embedding module stays eager (TorchRec's train

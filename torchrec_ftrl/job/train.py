@@ -255,6 +255,7 @@ def _resume(job: _Job, path: str, model: _Model, tracker: sparsity.TouchTracker)
         CheckpointError: the checkpoint cannot be loaded, or its step is past the run's last step.
     """
     extra = tracker.state_dict()
+    model_lib.init_dense_state(model.opt, model.dmp.fused_optimizer)   # keys for Adam's state
     meta = atomic_checkpoint.load(path, model.dmp, model.opt, extra=extra)
     tracker.load_state_dict(extra)
     start_step = int(meta["step"])

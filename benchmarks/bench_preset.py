@@ -172,12 +172,20 @@ def build_parser() -> argparse.ArgumentParser:
                     help="comma list; its first is the small batch, its last the large one")
     ap.add_argument("--dense-precision", choices=("fp32", "tf32", "bf16"), default=None,
                     help="every job run's --dense-precision (default: the job's default)")
-    ap.add_argument("--repeats", type=int, default=1, help="runs of each of step 8's job runs")
+    ap.add_argument("--repeats", type=_at_least_one, default=1, help="runs of each of step 8's job runs")
     ap.add_argument("--skip", default="", help="comma list of step numbers (1-9) to leave out")
     ap.add_argument("--lean", default="ftrl_derived_bf16,ftrl_derived_rowwise",
                     help=f"steps 8 and 9's layouts, from {sorted(LEAN)}")
     ap.add_argument("--lean-batches", default=None, help="step 9's batches (default: --batches)")
     return ap
+
+
+def _at_least_one(text: str) -> int:
+    """``--repeats``: an integer >= 1 (argparse reports the value otherwise)."""
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
 
 
 def _plan_json(p):

@@ -167,6 +167,8 @@ def test_bench_preset_passes_the_dense_precision_to_every_job_run(tmp_path, monk
     assert seen[0][-2:] == ["--dense-precision", "bf16"]
     steps = bench_preset.PresetSteps(b, a)
     assert (steps.small, steps.big) == (8192, 8192)
+    with pytest.raises(SystemExit):
+        bench_preset.build_parser().parse_args(["--repeats", "0"])
 
 
 @pytest.mark.parametrize("script", ["bench_dmp.py", "bench_uvm_caching.py"])

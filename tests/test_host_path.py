@@ -197,6 +197,17 @@ def test_clear_makes_plans_anew(monkeypatch):
     assert after is not before and after.update_g != before.update_g
 
 
+def test_plan_ids_are_not_reused_after_clear():
+    """A plan id names one configuration for the whole process: a configuration first seen after
+    :func:`host.clear` gets a number no earlier configuration had (a lookup whose backward was made
+    before the clear must not find another configuration's kernels)."""
+    a = host.plan_id(("test_plan_ids", "a"))
+    assert host.plan_id(("test_plan_ids", "a")) == a
+    host.clear()
+    b = host.plan_id(("test_plan_ids", "b"))
+    assert b != a and host.plan_id(("test_plan_ids", "a")) not in (a, b)
+
+
 def test_backward_fallback_runs_again_for_a_retained_graph(monkeypatch):
     """The Python fallback of a C++ training lookup's backward reads its arguments by the node's
     token and leaves them there: a graph kept by ``retain_graph=True`` runs the backward again

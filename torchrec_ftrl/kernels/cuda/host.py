@@ -34,6 +34,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import hashlib
+import itertools
 import os
 import sys
 import threading
@@ -62,8 +63,9 @@ _I32 = 2 ** 31
 _lock = threading.Lock()
 _ops = None          # torch.ops.torchrec_ftrl_host once loaded; False: unavailable
 _plans: dict = {}    # static configuration -> plan id
+_plan_numbers = itertools.count()   # never reset: a plan id names one configuration for the process
 _generation = 0      # counts clear()s: a plan made before one is stale
-_kept: list = []     # the registered compiled kernels, alive while their CUfunctions are used
+_kept: dict = {}     # id -> each registered compiled kernel, alive while its CUfunction is used
 
 
 def _build() -> None:
@@ -122,11 +124,14 @@ def ready(device: torch.device) -> bool:
 
 def plan_id(key: tuple) -> int:
     """The plan number of a static configuration ``key`` (hashable: everything the kernels'
-    constexprs and launch options depend on)."""
+    constexprs and launch options depend on). Numbers are not reused after :func:`clear`: a
+    training lookup's backward made before it must not find another configuration's kernels."""
     plan = _plans.get(key)
     if plan is None:
         with _lock:
-            plan = _plans.setdefault(key, len(_plans))
+            plan = _plans.get(key)
+            if plan is None:
+                plan = _plans[key] = next(_plan_numbers)
     return plan
 
 
@@ -202,7 +207,7 @@ def _register(plan: int, records: list) -> None:
             ops.register_variant(plan, ROLE_NAMES.index(name), device, sig, 0, 0, 0, "")
             continue
         compiled._init_handles()
-        _kept.append(compiled)
+        _kept[id(compiled)] = compiled   # once, however often it registers
         ops.register_variant(plan, ROLE_NAMES.index(name), device, sig, int(compiled.function),
                              32 * int(compiled.metadata.num_warps), int(compiled.metadata.shared), kinds)
 

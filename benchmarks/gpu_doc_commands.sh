@@ -61,35 +61,39 @@ run_block 'docs/quality.md:230 (bash gpu)' "$OUT/doc_04.log" <<'DOCEOF'
 source .gpu/setup.sh && PYTHONPATH=$PWD:$PYTHONPATH timeout 330 python3 benchmarks/quality.py --device cuda --datasets teacher --teacher large --exclude sgd --batches 8192 65536 --seeds 0 1 2 3 4 5 6 7 --time-budget-s 180 --out $OUT/quality_teacher_large_h200
 DOCEOF
 
-run_block 'docs/uvm-caching.md:128 (bash gpu)' "$OUT/doc_05.log" <<'DOCEOF'
+run_block 'docs/quality.md:275 (bash gpu)' "$OUT/doc_05.log" <<'DOCEOF'
+source .gpu/setup.sh && export TORCHREC_FTRL_DATA=$PWD/.gpu/data && for p in fp32 tf32 bf16; do python3 benchmarks/quality.py --device cuda --datasets teacher --teacher large --variants ftrl --batches 8192 --seeds 0 1 2 3 4 --dense-precision $p --out $OUT/teacher_$p; python3 benchmarks/quality.py --device cuda --datasets criteo --variants ftrl --batches 256 --seeds 0 1 2 3 4 --dense-precision $p --out $OUT/criteo_$p; done
+DOCEOF
+
+run_block 'docs/uvm-caching.md:128 (bash gpu)' "$OUT/doc_06.log" <<'DOCEOF'
 python examples/ftrl_larger_than_hbm.py --hbm-gib 4 --steps 60
 DOCEOF
 
-run_block 'docs/main-job.md:96 (bash long)' "$OUT/doc_06.log" <<'DOCEOF'
+run_block 'docs/main-job.md:96 (bash long)' "$OUT/doc_07.log" <<'DOCEOF'
 torchx run -s local_cwd torchrec_ftrl/components.py:train_ctr --nproc 2 -- \
     --data ../shared/data/criteo/criteo_dac_combined.tsv --epochs 5
 DOCEOF
 
-run_block 'docs/main-job.md:292 (bash long)' "$OUT/doc_07.log" <<'DOCEOF'
+run_block 'docs/main-job.md:292 (bash long)' "$OUT/doc_08.log" <<'DOCEOF'
 python benchmarks/bench_readers.py --json bench_readers.json   # --binary-dense stored: the stored row
 DOCEOF
 
-run_block 'docs/main-job.md:633 (bash long)' "$OUT/doc_08.log" <<'DOCEOF'
+run_block 'docs/main-job.md:633 (bash long)' "$OUT/doc_09.log" <<'DOCEOF'
 python -m torchrec_ftrl.job --zch --data ../shared/data/criteo/criteo_dac_combined.tsv --epochs 5 --num-embeddings 1000
 DOCEOF
 
-run_block 'docs/main-job.md:794 (bash long)' "$OUT/doc_09.log" <<'DOCEOF'
+run_block 'docs/main-job.md:832 (bash long)' "$OUT/doc_10.log" <<'DOCEOF'
 python benchmarks/sweep_l1.py --sets synthetic criteo --l1 0 0.01 0.03 0.1 0.3 1 3 10 --adagrad-reference
 DOCEOF
 
-run_block 'docs/managed-collision.md:82 (bash long)' "$OUT/doc_10.log" <<'DOCEOF'
+run_block 'docs/managed-collision.md:82 (bash long)' "$OUT/doc_11.log" <<'DOCEOF'
 python -m torchrec_ftrl.job --zch --data ../shared/data/criteo/criteo_dac_combined.tsv --epochs 5 \
     --num-embeddings 1000
 python benchmarks/zch_vs_modulo.py --data ../shared/data/criteo/criteo_dac_combined.tsv \
     --epochs 5 --sizes 1000 10000 --seeds 0 1 2 --out zch_criteo_cpu
 DOCEOF
 
-run_block 'docs/performance.md:580 (bash long)' "$OUT/doc_11.log" <<'DOCEOF'
+run_block 'docs/performance.md:580 (bash long)' "$OUT/doc_12.log" <<'DOCEOF'
 python benchmarks/bench_tbe_cpu.py --threads 2 --iters 20
 DOCEOF
 

@@ -171,6 +171,38 @@ def test_bench_preset_passes_the_dense_precision_to_every_job_run(tmp_path, monk
         bench_preset.build_parser().parse_args(["--repeats", "0"])
 
 
+# ------------------------------------------------------------------------- quality_pair.py
+
+
+def test_quality_pair_by_hand(tmp_path):
+    """Seeds 0-2 in both files, seed 3 in one: differences +0.001, +0.003, +0.002 (mean 0.002, sd
+    0.001), so the 95% paired interval is 0.002 +/- t(0.975, 2) * 0.001 / sqrt(3) = 0.002 +/- 0.002484
+    (t = 4.302653); it crosses +0.001, so the verdict is inconclusive."""
+    import quality_pair
+
+    def runs(aucs):
+        return [{"dataset": "teacher", "batch": 8192, "variant": "ftrl", "seed": s, "auc": a}
+                for s, a in aucs.items()]
+    ref = runs({0: 0.780, 1: 0.781, 2: 0.782, 3: 0.9})
+    other = runs({0: 0.781, 1: 0.784, 2: 0.784})
+    (row,) = quality_pair.pair(ref, other)
+    half = 4.302653 * 0.001 / 3 ** 0.5
+    assert row["seeds"] == [0, 1, 2] and row["verdict"] == "inconclusive"
+    assert row["d_auc"]["mean"] == pytest.approx(0.002, abs=1e-12)
+    assert row["d_auc"]["lo"] == pytest.approx(0.002 - half, abs=1e-6)
+    assert row["d_auc"]["hi"] == pytest.approx(0.002 + half, abs=1e-6)
+    paths = []
+    for name, r in (("ref", ref), ("other", other)):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps({"runs": r}))
+    quality_pair.main(["--reference", str(paths[0]), "--other", f"bf16={paths[1]}",
+                       "--out", str(tmp_path / "pair")])
+    md = (tmp_path / "pair.md").read_text()
+    assert "| teacher | 8,192 | ftrl | 3 | 0.7810 | bf16 | 0.7830 | +0.0020 [-0.0005, +0.0045] | inconclusive |" in md
+    with pytest.raises(SystemExit):
+        quality_pair.main(["--reference", str(paths[0]), "--other", str(paths[1]), "--out", "x"])
+
+
 @pytest.mark.parametrize("script", ["bench_dmp.py", "bench_uvm_caching.py"])
 def test_bench_gpu_scripts_help(script):
     p = subprocess.run([sys.executable, os.path.join(BENCH, script), "--help"],

@@ -345,3 +345,42 @@ def test_steady_kernel_events_on_cuda(tmp_path):
     with open(os.path.join(tmp_path, "train_ctr_summary.json")) as f:
         events = json.load(f)["steady_kernel_events"]
     assert events["kernel_variants"] == 0 and events.get("python_forward", 0) == 0, events
+
+
+# ------------------------------------------------------------------- --compile-dense
+
+
+@pytest.mark.parametrize("value, cuda_run, batch, expected", [
+    ("auto", True, 65536, True), ("auto", True, 32768, True), ("auto", True, 32767, False),
+    ("auto", True, 8192, False), ("auto", False, 65536, False),
+    ("on", False, 64, True), ("on", True, 8192, True), ("off", True, 65536, False)])
+def test_compile_dense_auto_is_on_for_large_cuda_batches_only(value, cuda_run, batch, expected):
+    from torchrec_ftrl.job.cli import resolve_compile_dense
+
+    assert resolve_compile_dense(value, cuda_run, batch) is expected
+
+
+def test_compile_dense_flag_values(default_run, tmp_path):
+    from torchrec_ftrl.job.cli import parse_args
+
+    assert parse_args([*SMALL, "--compile-dense"]).compile_dense is True      # the bare flag: on
+    assert parse_args([*SMALL, "--compile-dense", "off"]).compile_dense is False
+    _, s = default_run                                                        # auto on the CPU: off
+    assert s["compile_dense"] is False and s["dense_warmup_s"] is None
+    p = run_job([*SMALL, "--compile-dense", "maybe", "--output-dir", str(tmp_path)])
+    assert p.returncode == 2 and "--compile-dense" in p.stderr and "'maybe'" in p.stderr
+
+
+def test_compile_dense_compiles_before_the_first_step(tmp_path):
+    """The dense warm-up compiles the training graphs before the loop: no frame is compiled inside
+    it (without the warm-up, the first step compiles the three dense parts), the start line says so,
+    and the run trains what the eager run trains, to float32 rounding."""
+    args = ["--steps", "6", "--eval-every", "1000000", "--log-every", "2", "--val-batches", "1"]
+    stdout, s = _run(["--compile-dense", *args], tmp_path / "compiled")
+    assert s["compile_dense"] is True and s["dense_warmup_s"] > 0
+    assert s["compiled_frames_in_loop"] == 0
+    assert "precision=fp32 compiled, " in _start_line(stdout)
+    _, eager = _run(args, tmp_path / "eager")
+    assert eager["compiled_frames_in_loop"] == 0 and eager["dense_warmup_s"] is None
+    assert [v for _, v in s["loss_history"]] == pytest.approx([v for _, v in eager["loss_history"]],
+                                                             rel=1e-4)

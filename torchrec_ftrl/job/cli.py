@@ -14,6 +14,9 @@ from .pipeline import PIPELINES
 SPARSE_OPTIMIZERS = ("ftrl", "rowwise_adagrad")
 FTRL_REG_SCALES = ("per_example", "raw")
 FTRL_STATE_DTYPES = ("fp32", "bf16")
+COMPILE_DENSE = ("auto", "on", "off")
+# --compile-dense auto compiles at this per-rank batch and above, on CUDA (docs/main-job.md).
+COMPILE_DENSE_MIN_CUDA_BATCH = 32_768
 # Per-example FTRL defaults of the job (scaled by the global batch size, see sparse_fused_params).
 DEFAULT_FTRL_L1 = 0.1
 DEFAULT_FTRL_L2 = 0.0
@@ -169,11 +172,12 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     r.add_argument("--cpu-threads", type=int, default=1,
                    help="torch intra-op threads per process on CPU (1 avoids oversubscription when "
                         "several ranks share few cores)")
-    r.add_argument("--compile-dense", action="store_true",
+    r.add_argument("--compile-dense", nargs="?", const="on", default="auto", choices=COMPILE_DENSE,
                    help="torch.compile the dense part (bottom MLP, interaction, top MLP; "
-                        "nn.Module.compile, so checkpoint keys stay the same): fewer kernel launches per "
-                        "step for a one-off compile at the first steps; results match the eager model "
-                        "to float32 rounding, not bitwise")
+                        "nn.Module.compile, so checkpoint keys stay the same): fewer kernel launches and "
+                        "fused elementwise work per step for a one-off compile at the first steps; results "
+                        "match the eager model to float32 rounding, not bitwise. auto: on for a CUDA run "
+                        f"whose --batch-size is at least {COMPILE_DENSE_MIN_CUDA_BATCH:,}; the bare flag: on")
     r.add_argument("--data-workers", default="auto", metavar="N",
                    help="DataLoader worker processes per rank that read, parse and assemble the "
                         "training batches off the training thread (0: on it; a text --data uses one); "
@@ -229,12 +233,23 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if a.sparse_lr is None:
         a.sparse_lr = 0.05
     a.dense_precision = dense_precision.resolve(a.dense_precision, "cuda" if cuda_run(a.device) else "cpu")
+    a.compile_dense = resolve_compile_dense(a.compile_dense, cuda_run(a.device), a.batch_size)
     if a.zch and a.sparse_optimizer == "rowwise_adagrad" and not cuda_run(a.device):
         p.error("--zch with --sparse-optimizer rowwise_adagrad needs --device cuda: FBGEMM resets "
                 "evicted rows with a CUDA-only op (fbgemm::reset_weight_momentum)")
     _check_optimizer_flags(p, a)
     presets.check(p, a)
     return a
+
+
+def resolve_compile_dense(value: str, cuda: bool, batch_size: int) -> bool:
+    """Whether the run compiles its dense part: ``value`` ``"on"`` / ``"off"`` as given; ``"auto"``:
+    on for a CUDA run (``cuda``) whose per-rank ``batch_size`` is at least
+    :data:`COMPILE_DENSE_MIN_CUDA_BATCH`, where the compiled dense part's fused elementwise work pays
+    for its host cost, off otherwise."""
+    if value == "auto":
+        return cuda and batch_size >= COMPILE_DENSE_MIN_CUDA_BATCH
+    return value == "on"
 
 
 def cuda_run(device: str) -> bool:

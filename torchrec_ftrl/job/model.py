@@ -236,9 +236,42 @@ def init_dense_state(opt, fused_optimizer) -> None:
             keyed.init_state()
 
 
+DENSE_PARTS = ("dense_arch", "inter_arch", "over_arch")
+
+
 def compile_dense(model: nn.Module) -> None:
     """``nn.Module.compile()`` (in place, same parameter names) on the DLRM's ``dense_arch``,
     ``inter_arch`` and ``over_arch``; the sharded embedding module stays eager (TorchRec's train
     pipelines rewrite its forward)."""
-    for name in ("dense_arch", "inter_arch", "over_arch"):
+    for name in DENSE_PARTS:
         getattr(model, name).compile(dynamic=False)
+
+
+def warm_up_dense(model: nn.Module, batch_size: int) -> None:
+    """Compile the dense part of ``model`` (a ``CTRTrain`` / ``CTRTrainDCN`` after
+    :func:`compile_dense`) before the first training step, for the training shapes: one forward and
+    backward of the bottom MLP, the interaction and the top MLP (``dense_precision.dlrm_logits``, the
+    model's precision) on zero inputs, dense ``[batch_size, max(num_dense, 1)]`` float32 and pooled
+    embeddings ``[batch_size, F, D]`` float32 that require grad, as the sparse arch returns them. The
+    gradients it leaves on the dense parameters are dropped (set to None): parameters and optimizer
+    state are untouched. Call it before sharding, while no parameter holds a gradient."""
+    device = next(model.dense_arch.parameters()).device
+    dense = torch.zeros(batch_size, max(model.num_dense, 1), device=device)
+    pooled = torch.zeros(batch_size, model.sparse_arch.F, model.sparse_arch.D, device=device,
+                         requires_grad=True)
+    dlrm_logits(model, dense, lambda: pooled, model.dense_precision, model.dense_device_type).sum().backward()
+    for name in DENSE_PARTS:
+        for p in getattr(model, name).parameters():
+            p.grad = None
+
+
+def compiled_frames() -> int:
+    """Frames ``torch.compile`` (dynamo) has compiled so far in this process, recompiles included
+    (``torch._dynamo.utils.counters["frames"]["ok"]``); 0 when dynamo was never imported."""
+    import sys
+
+    if "torch._dynamo" not in sys.modules:
+        return 0
+    from torch._dynamo.utils import counters
+
+    return int(counters["frames"]["ok"])

@@ -137,6 +137,7 @@ class _Model(NamedTuple):
     opt: Any             # CombinedOptimizer: the fused sparse optimizer and the dense one
     plan: Any            # the ShardingPlan
     evictions: Any       # --zch: the zch.EvictionCounter of dmp; else None
+    dense_warmup_s: Optional[float]   # seconds of model.warm_up_dense (None: dense part eager)
 
 
 class _Start(NamedTuple):
@@ -154,6 +155,7 @@ class _Timing(NamedTuple):
     steady_from: Optional[int]    # the step after which steady-state timing starts (None: not timed)
     t_steady: Optional[float]     # when step steady_from + 1 started (None: not timed)
     steady_kernel_events: Optional[dict] = None   # _kernel_events over the steady window
+    compiled_frames: int = 0      # frames torch.compile compiled from t0 to the end of the last step
 
 
 def _run(args, env, fused_params, source, data_desc, rank0) -> dict:
@@ -226,8 +228,12 @@ def _build_model(job: _Job) -> _Model:
                                dcn=(args.dcn_layers, args.dcn_rank) if args.dcn_layers else None,
                                zero_init=layout_flags.derives_weights(args),
                                dense_precision=args.dense_precision)
+    dense_warmup_s = None
     if args.compile_dense:
         model_lib.compile_dense(net)
+        t = time.perf_counter()
+        model_lib.warm_up_dense(net, args.batch_size)
+        dense_warmup_s = time.perf_counter() - t
     sharders = torchrec_ftrl.sharders(job.fused_params)
     local_world = job.local_world
     tables = [f"t_{f}" for f in job.features]
@@ -245,7 +251,7 @@ def _build_model(job: _Job) -> _Model:
             local_world, args.batch_size, hbm, ddr,
             no_fit_message=lambda: plan_only.no_fit_message(args, job.sizes, env.world_size, hbm, ddr))
     opt = model_lib.build_optimizer(dmp, args.dense_optimizer, args.dense_lr, env.device.type)
-    return _Model(dmp, opt, plan, evictions)
+    return _Model(dmp, opt, plan, evictions, dense_warmup_s)
 
 
 def _resume(job: _Job, path: str, model: _Model, tracker: sparsity.TouchTracker) -> _Start:
@@ -314,7 +320,7 @@ def _print_start(job: _Job, start_step: int, workers: int) -> None:
     print(f"train_ctr: {env.world_size} rank(s), {env.device} ({env.backend}), data={job.data_desc['kind']}, "
           f"{len(job.features)} tables x {args.embedding_dim} dims, sparse={opt_name} "
           f"lr={args.sparse_lr}, dense={args.dense_optimizer} lr={args.dense_lr} "
-          f"precision={args.dense_precision}, "
+          f"precision={args.dense_precision}{' compiled' if args.compile_dense else ''}, "
           f"steps {start_step}->{job.steps}, batch {args.batch_size}/rank, {workers} data "
           f"worker(s)/rank", flush=True)
 
@@ -356,6 +362,7 @@ class _Training:
         # device sync there), so one-off costs (kernel compiles, first allocations) are left out.
         steady_from = self.start_step + STEADY_AFTER if todo > 2 * STEADY_AFTER else None
         t_steady = events0 = None
+        frames0 = model_lib.compiled_frames()
         with _setup_heap_frozen():
             t0 = time.perf_counter()
             for step in range(self.start_step + 1, job.steps + 1):
@@ -379,7 +386,8 @@ class _Training:
         if t_steady is not None and events0 is not None:
             events1 = _kernel_events(env.device)
             events = {k: events1[k] - events0.get(k, 0) for k in sorted(events1)}
-        return _Timing(t0, train_time, steady_from, t_steady, events)
+        return _Timing(t0, train_time, steady_from, t_steady, events,
+                       model_lib.compiled_frames() - frames0)
 
     def finish(self) -> None:
         """Validate at the last step (unless done there) and, with --checkpoint-dir, save it."""
@@ -512,7 +520,7 @@ def _summary(job: _Job, model: _Model, training: _Training, timing: _Timing, sp:
     loss_history, val_history = training.loss_history, training.val_history
     done = steps - start_step
     examples_per_step = args.batch_size * env.world_size
-    t0, train_time, steady_from, t_steady, steady_events = timing
+    t0, train_time, steady_from, t_steady, steady_events, frames = timing
     return {
         "run_name": args.run_name,
         "world_size": env.world_size, "device": str(env.device), "backend": env.backend,
@@ -522,6 +530,8 @@ def _summary(job: _Job, model: _Model, training: _Training, timing: _Timing, sp:
         "ftrl_state_dtype": args.ftrl_state_dtype if args.sparse_optimizer == "ftrl" else None,
         "ftrl_registered": cli_ftrl_registered(),
         "dense_precision": args.dense_precision,
+        "compile_dense": args.compile_dense, "dense_warmup_s": model.dense_warmup_s,
+        "compiled_frames_in_loop": frames,
         "dense_optimizer_options": model_lib.dense_optimizer_options(args.dense_optimizer, env.device.type),
         "steps": steps, "start_step": start_step, "batch_size_per_rank": args.batch_size,
         "examples_per_s": done * examples_per_step / train_time if done else None,

@@ -91,6 +91,23 @@ def test_bf16_on_a_cuda_device_without_bf16_is_one_line(tmp_path, capsys, monkey
                      "(torch.cuda.is_bf16_supported() is False): use fp32 or tf32"]
 
 
+def test_cuda_default_on_a_gpu_without_bf16_is_fp32(monkeypatch):
+    """The CUDA default (bf16) on a GPU without bf16 runs fp32; the same value given is refused
+    (above)."""
+    from torchrec_ftrl.job import cli, dense_precision, validate
+
+    monkeypatch.setattr(dense_precision, "cuda_bf16_supported", lambda device: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100-SXM2-16GB")
+    args = cli.parse_args(["--device", "cuda"])
+    assert args.dense_precision == "bf16" and args.dense_precision_given is False
+    validate.check_dense_precision(args)
+    assert args.dense_precision == "fp32"
+    monkeypatch.setattr(dense_precision, "cuda_bf16_supported", lambda device: True)
+    args = cli.parse_args(["--device", "cuda"])
+    validate.check_dense_precision(args)
+    assert args.dense_precision == "bf16"
+
+
 def test_plan_only_takes_any_precision_without_a_gpu(capsys):
     """``--plan-only`` plans a GPU run on any machine: a GPU command line with tf32 plans on the CPU."""
     from torchrec_ftrl.job import train
@@ -384,3 +401,17 @@ def test_compile_dense_compiles_before_the_first_step(tmp_path):
     assert eager["compiled_frames_in_loop"] == 0 and eager["dense_warmup_s"] is None
     assert [v for _, v in s["loss_history"]] == pytest.approx([v for _, v in eager["loss_history"]],
                                                              rel=1e-4)
+
+
+@cuda
+@needs_cuda
+def test_compile_dense_on_cuda_compiles_before_the_first_step(tmp_path):
+    """On CUDA (default precision bf16), the dense warm-up compiles the graphs the steps run."""
+    p = run_job(["--device", "cuda", "--num-embeddings", "2000", "--no-progress", "--batch-size", "64",
+                 "--steps", "8", "--eval-every", "1000000", "--val-batches", "1", "--compile-dense",
+                 "--output-dir", str(tmp_path)])
+    assert p.returncode == 0, p.stderr[-3000:]
+    with open(os.path.join(tmp_path, "train_ctr_summary.json")) as f:
+        s = json.load(f)
+    assert s["dense_precision"] == "bf16" and s["compile_dense"] is True
+    assert s["compiled_frames_in_loop"] == 0 and s["dense_warmup_s"] > 0

@@ -232,6 +232,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error(f"--num-embeddings entries must be >= 1, got {a.num_embeddings!r}")
     if a.sparse_lr is None:
         a.sparse_lr = 0.05
+    a.dense_precision_given = a.dense_precision is not None
     a.dense_precision = dense_precision.resolve(a.dense_precision, "cuda" if cuda_run(a.device) else "cpu")
     a.compile_dense = resolve_compile_dense(a.compile_dense, cuda_run(a.device), a.batch_size)
     if a.zch and a.sparse_optimizer == "rowwise_adagrad" and not cuda_run(a.device):

@@ -415,3 +415,22 @@ def test_compile_dense_on_cuda_compiles_before_the_first_step(tmp_path):
         s = json.load(f)
     assert s["dense_precision"] == "bf16" and s["compile_dense"] is True
     assert s["compiled_frames_in_loop"] == 0 and s["dense_warmup_s"] > 0
+
+
+# ------------------------------------------------------------------- data parallelism of one rank
+
+
+def test_one_rank_leaves_the_dense_part_unwrapped(one_process):
+    """At world size 1 the job's DMP holds the DLRM itself (no DDP: its per-step hooks and
+    all-reduces would average each gradient over one rank); at 2 ranks TorchRec's default DDP
+    wrapper stays."""
+    import torchrec_ftrl
+    from torch.nn.parallel import DistributedDataParallel
+    from torchrec_ftrl.job import model as model_lib
+
+    net = model_lib.build_dlrm(["a", "b"], [50, 60], 8, 3, [16], [16], torch.device("cpu"))
+    dmp, _ = model_lib.shard(net, ["t_a", "t_b"], torchrec_ftrl.sharders(), torch.device("cpu"),
+                             ["table_wise"], 1, 1, 32)
+    assert dmp._dmp_wrapped_module is net
+    assert not any(isinstance(m, DistributedDataParallel) for m in dmp.modules())
+    assert model_lib.data_parallel_wrapper(2) is None   # DMP's default: DDP

@@ -166,8 +166,26 @@ def shard(model: nn.Module, table_names: Sequence[str], sharders: list, device: 
         if kind not in ("insufficient_storage", "partition"):
             raise
         raise PlanDoesNotFitError(no_fit_message() if no_fit_message else str(e)) from None
-    dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=sharders)
+    dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=sharders,
+                                   data_parallel_wrapper=data_parallel_wrapper(world_size))
     return dmp, plan
+
+
+def data_parallel_wrapper(world_size: int):
+    """DMP's ``data_parallel_wrapper`` for a run of ``world_size`` ranks: TorchRec's default (DDP
+    around the dense part) for several ranks; for one rank, a wrapper that leaves the dense part
+    unwrapped. DDP on one rank averages each gradient over that rank alone, an identity, at the
+    price of its autograd hooks, bucket copies and an all-reduce per bucket every step. The state
+    dict's keys do not change (DMP's name the unwrapped module's)."""
+    if world_size > 1:
+        return None
+    from torchrec.distributed.model_parallel import DataParallelWrapper
+
+    class _Unwrapped(DataParallelWrapper):
+        def wrap(self, dmp, env, device) -> None:   # noqa: ARG002 (TorchRec's signature)
+            return None
+
+    return _Unwrapped()
 
 
 def plan_summary(plan: Any) -> dict:
@@ -248,8 +266,10 @@ def compile_dense(model: nn.Module) -> None:
 
 
 def warm_up_dense(model: nn.Module, batch_size: int) -> None:
-    """Compile the dense part of ``model`` (a ``CTRTrain`` / ``CTRTrainDCN`` after
-    :func:`compile_dense`) before the first training step, for the training shapes: one forward and
+    """Run the dense part of ``model`` (a ``CTRTrain`` / ``CTRTrainDCN``) once before the first
+    training step, so that its one-off costs fall outside the timed steps: the compile after
+    :func:`compile_dense` (for the training shapes), and on CUDA the first calls' set-up of cuBLAS and
+    of the allocator's pools. One forward and
     backward of the bottom MLP, the interaction and the top MLP (``dense_precision.dlrm_logits``, the
     model's precision) on zero inputs, dense ``[batch_size, max(num_dense, 1)]`` float32 and pooled
     embeddings ``[batch_size, F, D]`` float32 that require grad, as the sparse arch returns them. The

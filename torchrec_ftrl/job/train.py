@@ -228,9 +228,10 @@ def _build_model(job: _Job) -> _Model:
                                dcn=(args.dcn_layers, args.dcn_rank) if args.dcn_layers else None,
                                zero_init=layout_flags.derives_weights(args),
                                dense_precision=args.dense_precision)
-    dense_warmup_s = None
     if args.compile_dense:
         model_lib.compile_dense(net)
+    dense_warmup_s = None
+    if args.compile_dense or env.device.type == "cuda":   # compiles; on CUDA also the libraries' first calls
         t = time.perf_counter()
         model_lib.warm_up_dense(net, args.batch_size)
         dense_warmup_s = time.perf_counter() - t

@@ -104,6 +104,8 @@ def shard(model: nn.Module, table_names: Sequence[str], sharders: list, device: 
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
     from torchrec.distributed.types import ShardingPlan
 
+    from .model import data_parallel_wrapper
+
     ebc_sharders = [s for s in sharders if isinstance(s, EmbeddingBagCollectionSharder)]
     if not ebc_sharders:
         raise ValueError(f"sharders must hold an EmbeddingBagCollectionSharder, got {sharders!r}")
@@ -114,7 +116,8 @@ def shard(model: nn.Module, table_names: Sequence[str], sharders: list, device: 
         sharder=mc_sharder, local_size=local_world_size, world_size=world_size,
         device_type=device.type)
     plan = ShardingPlan({MC_EBC_PATH: module_plan})
-    dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=[mc_sharder, *sharders])
+    dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=[mc_sharder, *sharders],
+                                   data_parallel_wrapper=data_parallel_wrapper(world_size))
     return dmp, plan
 
 

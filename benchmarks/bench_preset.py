@@ -33,8 +33,8 @@ then recorded as skipped; ``--skip 1,2,3,4`` runs the rest in a second call):
    picks the layouts: default derived weights with bf16 z and n, 512 B a row, and derived weights
    with a row-wise fp32 n, 516 B).
 
-``--dense-precision`` is passed to every job run (default: the job's own default for the device)
-and recorded; TorchRec's ``dlrm_main.py`` has no precision flag, so at ``tf32`` it runs with
+``--dense-precision`` is passed to every job run (default: the job's CUDA default,
+``CUDA_DEFAULT_DENSE_PRECISION``, bf16) and recorded; TorchRec's ``dlrm_main.py`` has no precision flag, so at ``tf32`` it runs with
 ``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1`` (cuBLAS TF32 from outside) and at ``bf16`` it is recorded as
 not run. ``--repeats N`` runs each of step 8's job runs N times in a row (``_r1`` .. ``_rN``); the
 report then gives, per run, the steady rate's mean and its spread ((max - min) / mean).
@@ -60,6 +60,8 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ANCHOR = os.path.join(REPO, ".anchor", "torchrec_dlrm", "dlrm_main.py")
+sys.path.insert(0, REPO)
+from torchrec_ftrl.job.dense_precision import CUDA_DEFAULT_DENSE_PRECISION, DENSE_PRECISIONS  # noqa: E402
 
 
 def _env(extra=None):
@@ -74,7 +76,7 @@ class Bench:
         self.args, self.t0, self.rows = args, time.monotonic(), []
         self.result = {"what": "torchrec_ftrl job at the MLPerf DLRM-DCNv2 preset, one GPU",
                        "command": " ".join(sys.argv), "steps": args.steps, "scale": args.scale,
-                       "dense_precision": args.dense_precision or "job default", "repeats": args.repeats,
+                       "dense_precision": args.dense_precision, "repeats": args.repeats,
                        "runs": self.rows, "versions": _versions()}
         os.makedirs(args.out, exist_ok=True)
 
@@ -170,8 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds: no run starts later, and a run is cut at this point")
     ap.add_argument("--batches", default="8192,65536",
                     help="comma list; its first is the small batch, its last the large one")
-    ap.add_argument("--dense-precision", choices=("fp32", "tf32", "bf16"), default=None,
-                    help="every job run's --dense-precision (default: the job's default)")
+    ap.add_argument("--dense-precision", choices=DENSE_PRECISIONS, default=None,
+                    help=f"every job run's --dense-precision (default: the job's CUDA default, "
+                         f"{CUDA_DEFAULT_DENSE_PRECISION})")
     ap.add_argument("--repeats", type=_at_least_one, default=1, help="runs of each of step 8's job runs")
     ap.add_argument("--skip", default="", help="comma list of step numbers (1-9) to leave out")
     ap.add_argument("--lean", default="ftrl_derived_bf16,ftrl_derived_rowwise",
@@ -322,6 +325,8 @@ class PresetSteps:
 
 def main(argv=None):
     a = build_parser().parse_args(argv)
+    # Every run on CUDA at one named precision: the job's CUDA default unless given.
+    a.dense_precision = a.dense_precision or CUDA_DEFAULT_DENSE_PRECISION
     b = Bench(a)
     skip = {int(x) for x in a.skip.split(",") if x}
     steps = PresetSteps(b, a)

@@ -58,7 +58,7 @@ python3 benchmarks/bench_tbe_cuda.py --warmup 10 --profile --out bench_tbe_cuda_
 DOCEOF
 
 run_block 'docs/quality.md:230 (bash gpu)' "$OUT/doc_04.log" <<'DOCEOF'
-source .gpu/setup.sh && PYTHONPATH=$PWD:$PYTHONPATH timeout 330 python3 benchmarks/quality.py --device cuda --datasets teacher --teacher large --exclude sgd --batches 8192 65536 --seeds 0 1 2 3 4 5 6 7 --time-budget-s 180 --out $OUT/quality_teacher_large_h200
+source .gpu/setup.sh && PYTHONPATH=$PWD:$PYTHONPATH timeout 330 python3 benchmarks/quality.py --device cuda --dense-precision fp32 --datasets teacher --teacher large --exclude sgd --batches 8192 65536 --seeds 0 1 2 3 4 5 6 7 --time-budget-s 180 --out $OUT/quality_teacher_large_h200
 DOCEOF
 
 run_block 'docs/quality.md:275 (bash gpu)' "$OUT/doc_05.log" <<'DOCEOF'
@@ -82,7 +82,7 @@ run_block 'docs/main-job.md:633 (bash long)' "$OUT/doc_09.log" <<'DOCEOF'
 python -m torchrec_ftrl.job --zch --data ../shared/data/criteo/criteo_dac_combined.tsv --epochs 5 --num-embeddings 1000
 DOCEOF
 
-run_block 'docs/main-job.md:839 (bash long)' "$OUT/doc_10.log" <<'DOCEOF'
+run_block 'docs/main-job.md:840 (bash long)' "$OUT/doc_10.log" <<'DOCEOF'
 python benchmarks/sweep_l1.py --sets synthetic criteo --l1 0 0.01 0.03 0.1 0.3 1 3 10 --adagrad-reference
 DOCEOF
 

@@ -17,7 +17,7 @@ difference against non-zero weights, with the intervals).
 
     python benchmarks/quality.py --datasets criteo avazu --batches 256 1024 --seeds 0 1 2 3 4 5 6 7 \\
         --out benchmarks/results/quality_samples_cpu
-    python3 benchmarks/quality.py --device cuda --datasets teacher --teacher large --exclude sgd \\
+    python3 benchmarks/quality.py --device cuda --dense-precision fp32 --datasets teacher --teacher large --exclude sgd \\
         --batches 8192 65536 --seeds 0 1 2 3 4 5 6 7 --time-budget-s 180 --out DIR/quality_teacher_large_h200
 
 ``--dense-precision {fp32,tf32,bf16}`` is the CTR job's flag (``torchrec_ftrl.job.dense_precision``, the

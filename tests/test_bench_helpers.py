@@ -169,6 +169,11 @@ def test_bench_preset_passes_the_dense_precision_to_every_job_run(tmp_path, monk
     assert (steps.small, steps.big) == (8192, 8192)
     with pytest.raises(SystemExit):
         bench_preset.build_parser().parse_args(["--repeats", "0"])
+    # no --dense-precision: every run at the job's CUDA default, named (dlrm_main.py then runs only
+    # where it can run that precision)
+    bench_preset.main(["--out", str(tmp_path / "default"), "--skip", "1,2,3,4,5,6,7,8,9"])
+    with open(tmp_path / "default" / "bench_preset.json") as f:
+        assert json.load(f)["dense_precision"] == "bf16"
 
 
 # ------------------------------------------------------------------------- quality_pair.py

@@ -8,6 +8,7 @@ float64 transcription of its update; the loss log's means are recomputed in floa
 losses.
 """
 
+import contextlib
 import json
 import math
 import os
@@ -91,21 +92,37 @@ def test_bf16_on_a_cuda_device_without_bf16_is_one_line(tmp_path, capsys, monkey
                      "(torch.cuda.is_bf16_supported() is False): use fp32 or tf32"]
 
 
-def test_cuda_default_on_a_gpu_without_bf16_is_fp32(monkeypatch):
-    """The CUDA default (bf16) on a GPU without bf16 runs fp32; the same value given is refused
-    (above)."""
-    from torchrec_ftrl.job import cli, dense_precision, validate
+@pytest.mark.parametrize("native, emulated, given, expected", [
+    (True, True, None, "bf16"),     # an A100 / H100: the default
+    (False, True, None, "fp32"),    # a V100 / T4: torch emulates bf16, slower than fp32
+    (False, False, None, "fp32"),
+    (False, True, "bf16", "bf16"),  # given: run as asked where torch can
+])
+def test_cuda_default_needs_native_bf16(monkeypatch, native, emulated, given, expected):
+    """The CUDA default (bf16) needs bf16 in hardware (``is_bf16_supported(including_emulation=
+    False)``); elsewhere it is fp32. A given bf16 runs where torch runs it, emulated or not, and is
+    refused where it cannot (above)."""
+    from torchrec_ftrl.job import cli, validate
 
-    monkeypatch.setattr(dense_precision, "cuda_bf16_supported", lambda device: False)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100-SXM2-16GB")
-    args = cli.parse_args(["--device", "cuda"])
-    assert args.dense_precision == "bf16" and args.dense_precision_given is False
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported",
+                        lambda including_emulation=True: native or (including_emulation and emulated))
+    args = cli.parse_args(["--device", "cuda", *(["--dense-precision", given] if given else [])])
+    assert args.dense_precision_given is (given is not None)
     validate.check_dense_precision(args)
-    assert args.dense_precision == "fp32"
-    monkeypatch.setattr(dense_precision, "cuda_bf16_supported", lambda device: True)
-    args = cli.parse_args(["--device", "cuda"])
-    validate.check_dense_precision(args)
-    assert args.dense_precision == "bf16"
+    assert args.dense_precision == expected
+    assert _precision_for_script(given) == expected
+
+
+def _precision_for_script(given):
+    import argparse
+
+    from torchrec_ftrl.job import dense_precision
+
+    parser, device = argparse.ArgumentParser(), torch.device("cuda")
+    with pytest.MonkeyPatch.context() as m:   # no process-wide TF32 switch set from a test
+        m.setattr(dense_precision, "set_matmul_precision", lambda precision, device_type: None)
+        return dense_precision.resolve_for_script(parser, given, device)
 
 
 def test_plan_only_takes_any_precision_without_a_gpu(capsys):

@@ -175,7 +175,7 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     r.add_argument("--compile-dense", nargs="?", const="on", default="auto", choices=COMPILE_DENSE,
                    help="torch.compile the dense part (bottom MLP, interaction, top MLP; "
                         "nn.Module.compile, so checkpoint keys stay the same): fewer kernel launches and "
-                        "fused elementwise work per step for a one-off compile at the first steps; results "
+                        "fused elementwise work per step, for a one-off compile before the first step; results "
                         "match the eager model to float32 rounding, not bitwise. auto: on for a CUDA run "
                         f"whose --batch-size is at least {COMPILE_DENSE_MIN_CUDA_BATCH:,}; the bare flag: on")
     r.add_argument("--data-workers", default="auto", metavar="N",

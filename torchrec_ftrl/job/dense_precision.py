@@ -68,10 +68,25 @@ def unsupported_reason(precision: str, device: torch.device) -> Optional[str]:
     return None
 
 
-def cuda_bf16_supported(device: torch.device) -> bool:
-    """``torch.cuda.is_bf16_supported()`` of the CUDA ``device`` (its index, else the current one)."""
+def cuda_bf16_supported(device: torch.device, native: bool = False) -> bool:
+    """``torch.cuda.is_bf16_supported()`` of the CUDA ``device`` (its index, else the current one);
+    ``native``: bf16 in hardware only (``including_emulation=False``: compute capability 8.0 and
+    later), not the emulation torch otherwise counts."""
     with torch.cuda.device(device):
-        return torch.cuda.is_bf16_supported()
+        return torch.cuda.is_bf16_supported(including_emulation=not native)
+
+
+def resolve_on_device(flag_value: Optional[str], device: torch.device) -> str:
+    """:func:`resolve` for a run on ``device``: ``flag_value`` as given; for None the device's
+    default, where on CUDA :data:`CUDA_DEFAULT_DENSE_PRECISION` (bf16) needs native bf16
+    (:func:`cuda_bf16_supported` ``native``) and a GPU without it defaults to fp32 (emulated bf16
+    runs slower than fp32)."""
+    device = torch.device(device)
+    precision = resolve(flag_value, device.type)
+    if (flag_value is None and precision == "bf16" and device.type == "cuda"
+            and not cuda_bf16_supported(device, native=True)):
+        return "fp32"
+    return precision
 
 
 def set_matmul_precision(precision: str, device_type: str) -> None:
@@ -121,7 +136,7 @@ def resolve_for_script(parser: argparse.ArgumentParser, flag_value: Optional[str
     ``device``: the precision, after :func:`set_matmul_precision`. A precision the device cannot run
     is ``parser.error`` (one line naming the flag and the value, exit status 2)."""
     device = torch.device(device)
-    precision = resolve(flag_value, device.type)
+    precision = resolve_on_device(flag_value, device)
     reason = unsupported_reason(precision, device)
     if reason is not None:
         parser.error(reason)

@@ -107,20 +107,21 @@ def check_device(args: argparse.Namespace) -> None:
 def check_dense_precision(args: argparse.Namespace) -> None:
     """``--dense-precision`` (resolved by ``cli.parse_args``) on the run's device: tf32 needs CUDA,
     bf16 on CUDA needs bf16 support on this rank's GPU (``LOCAL_RANK``). A value given on the command
-    line that the device cannot run is refused; the CUDA default (bf16) on a GPU without bf16 becomes
-    fp32 (``args.dense_precision``, which the start line and the summary report). ``--plan-only``
-    plans for GPUs without one and computes nothing dense: any value passes."""
+    line that the device cannot run is refused; without one, ``args.dense_precision`` becomes the
+    device's default (``dense_precision.resolve_on_device``: fp32 on a GPU without native bf16),
+    which the start line and the summary report. ``--plan-only`` plans for GPUs without one and
+    computes nothing dense: any value passes."""
     from .cli import cuda_run
-    from .dense_precision import unsupported_reason
+    from .dense_precision import resolve_on_device, unsupported_reason
 
     if args.plan_only:
         return
 
     device = f"cuda:{os.environ.get('LOCAL_RANK') or 0}" if cuda_run(args.device) else "cpu"
+    if not getattr(args, "dense_precision_given", True):
+        args.dense_precision = resolve_on_device(None, device)
     reason = unsupported_reason(args.dense_precision, device)
-    if reason is not None and not getattr(args, "dense_precision_given", True):
-        args.dense_precision = "fp32"
-    elif reason is not None:
+    if reason is not None:
         raise JobConfigError(reason)
 
 

@@ -182,7 +182,7 @@ def data_parallel_wrapper(world_size: int):
     from torchrec.distributed.model_parallel import DataParallelWrapper
 
     class _Unwrapped(DataParallelWrapper):
-        def wrap(self, dmp, env, device) -> None:   # noqa: ARG002 (TorchRec's signature)
+        def wrap(self, dmp, env, device) -> None:
             return None
 
     return _Unwrapped()
@@ -269,9 +269,8 @@ def warm_up_dense(model: nn.Module, batch_size: int) -> None:
     """Run the dense part of ``model`` (a ``CTRTrain`` / ``CTRTrainDCN``) once before the first
     training step, so that its one-off costs fall outside the timed steps: the compile after
     :func:`compile_dense` (for the training shapes), and on CUDA the first calls' set-up of cuBLAS and
-    of the allocator's pools. One forward and
-    backward of the bottom MLP, the interaction and the top MLP (``dense_precision.dlrm_logits``, the
-    model's precision) on zero inputs, dense ``[batch_size, max(num_dense, 1)]`` float32 and pooled
+    of the allocator's pools. One forward and backward of the bottom MLP, the interaction and the top
+    MLP (``dense_precision.dlrm_logits``, the model's precision) on zero inputs, dense ``[batch_size, max(num_dense, 1)]`` float32 and pooled
     embeddings ``[batch_size, F, D]`` float32 that require grad, as the sparse arch returns them. The
     gradients it leaves on the dense parameters are dropped (set to None): parameters and optimizer
     state are untouched. Call it before sharding, while no parameter holds a gradient."""

@@ -137,7 +137,7 @@ class _Model(NamedTuple):
     opt: Any             # CombinedOptimizer: the fused sparse optimizer and the dense one
     plan: Any            # the ShardingPlan
     evictions: Any       # --zch: the zch.EvictionCounter of dmp; else None
-    dense_warmup_s: Optional[float]   # seconds of model.warm_up_dense (None: dense part eager)
+    dense_warmup_s: Optional[float]   # seconds of model.warm_up_dense (None: it did not run)
 
 
 class _Start(NamedTuple):

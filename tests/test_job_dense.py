@@ -369,15 +369,20 @@ def test_variant_count_counts_every_launchers_specialisations(monkeypatch):
     assert launch.variant_count() == 0
 
 
+def _cuda_summary(out_dir, *args):
+    """The summary of a small job run on CUDA (no validation before the end) with ``args``."""
+    p = run_job(["--device", "cuda", "--num-embeddings", "2000", "--no-progress", "--batch-size", "64",
+                 "--eval-every", "1000000", "--val-batches", "1", *args, "--output-dir", str(out_dir)])
+    assert p.returncode == 0, p.stderr[-3000:]
+    with open(os.path.join(out_dir, "train_ctr_summary.json")) as f:
+        return json.load(f)
+
+
 @cuda
 @needs_cuda
 def test_steady_kernel_events_on_cuda(tmp_path):
     """A CUDA run with the kernel warm-up compiles nothing inside its steady window."""
-    p = run_job(["--device", "cuda", "--num-embeddings", "2000", "--no-progress", "--batch-size", "64",
-                 "--steps", "30", "--eval-every", "1000000", "--val-batches", "1", "--output-dir", str(tmp_path)])
-    assert p.returncode == 0, p.stderr[-3000:]
-    with open(os.path.join(tmp_path, "train_ctr_summary.json")) as f:
-        events = json.load(f)["steady_kernel_events"]
+    events = _cuda_summary(tmp_path, "--steps", "30")["steady_kernel_events"]
     assert events["kernel_variants"] == 0 and events.get("python_forward", 0) == 0, events
 
 
@@ -424,12 +429,7 @@ def test_compile_dense_compiles_before_the_first_step(tmp_path):
 @needs_cuda
 def test_compile_dense_on_cuda_compiles_before_the_first_step(tmp_path):
     """On CUDA (default precision bf16), the dense warm-up compiles the graphs the steps run."""
-    p = run_job(["--device", "cuda", "--num-embeddings", "2000", "--no-progress", "--batch-size", "64",
-                 "--steps", "8", "--eval-every", "1000000", "--val-batches", "1", "--compile-dense",
-                 "--output-dir", str(tmp_path)])
-    assert p.returncode == 0, p.stderr[-3000:]
-    with open(os.path.join(tmp_path, "train_ctr_summary.json")) as f:
-        s = json.load(f)
+    s = _cuda_summary(tmp_path, "--steps", "8", "--compile-dense")
     assert s["dense_precision"] == "bf16" and s["compile_dense"] is True
     assert s["compiled_frames_in_loop"] == 0 and s["dense_warmup_s"] > 0
 

@@ -270,15 +270,17 @@ def warm_up_dense(model: nn.Module, batch_size: int) -> None:
     training step, so that its one-off costs fall outside the timed steps: the compile after
     :func:`compile_dense` (for the training shapes), and on CUDA the first calls' set-up of cuBLAS and
     of the allocator's pools. One forward and backward of the bottom MLP, the interaction and the top
-    MLP (``dense_precision.dlrm_logits``, the model's precision) on zero inputs, dense ``[batch_size, max(num_dense, 1)]`` float32 and pooled
-    embeddings ``[batch_size, F, D]`` float32 that require grad, as the sparse arch returns them. The
-    gradients it leaves on the dense parameters are dropped (set to None): parameters and optimizer
-    state are untouched. Call it before sharding, while no parameter holds a gradient."""
+    MLP (``dense_precision.dlrm_logits``, the model's precision) on zero inputs: dense
+    ``[batch_size, max(num_dense, 1)]`` float32 and pooled embeddings ``[batch_size, F, D]`` float32
+    that require grad, as the sparse arch returns them. The gradients it leaves on the dense
+    parameters are dropped (set to None): parameters and optimizer state are untouched. Call it
+    before sharding, while no parameter holds a gradient."""
     device = next(model.dense_arch.parameters()).device
     dense = torch.zeros(batch_size, max(model.num_dense, 1), device=device)
     pooled = torch.zeros(batch_size, model.sparse_arch.F, model.sparse_arch.D, device=device,
                          requires_grad=True)
-    dlrm_logits(model, dense, lambda: pooled, model.dense_precision, model.dense_device_type).sum().backward()
+    logits = dlrm_logits(model, dense, lambda: pooled, model.dense_precision, model.dense_device_type)
+    logits.sum().backward()
     for name in DENSE_PARTS:
         for p in getattr(model, name).parameters():
             p.grad = None

@@ -36,8 +36,9 @@ then recorded as skipped; ``--skip 1,2,3,4`` runs the rest in a second call):
 ``--dense-precision`` is passed to every job run (default: the job's CUDA default,
 ``CUDA_DEFAULT_DENSE_PRECISION``, bf16) and recorded; TorchRec's ``dlrm_main.py`` has no precision
 flag, so at ``tf32`` it runs with ``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1`` (cuBLAS TF32 from outside)
-and at ``bf16`` it is recorded as not run. ``--repeats N`` runs each of step 8's job runs N times in a row (``_r1`` .. ``_rN``); the
-report then gives, per run, the steady rate's mean and its spread ((max - min) / mean).
+and at ``bf16`` it is recorded as not run. ``--repeats N`` runs each of step 8's job runs N times in
+a row (``_r1`` .. ``_rN``); the report then gives, per run, the steady rate's mean and its spread
+((max - min) / mean).
 
 Every job run: ``--steps`` (300) steps, synthetic multi-hot input drawn on the GPU, no validation
 until the end (one batch), ``--no-progress``. Recorded per run: ``examples_per_s`` (every step),
@@ -109,8 +110,7 @@ class Bench:
         cmd = [sys.executable, "-m", "torchrec_ftrl.job", "--preset", "mlperf-dcnv2", "--batch-size",
                str(batch), "--steps", str(steps or self.args.steps), "--eval-every", "1000000",
                "--val-batches", "1", "--no-progress", "--output-dir", out, "--run-name", name, *flags]
-        if self.args.dense_precision:
-            cmd += ["--dense-precision", self.args.dense_precision]
+        cmd += ["--dense-precision", self.args.dense_precision]
 
         def parse(p):
             path = os.path.join(out, f"{name}_summary.json")
@@ -172,9 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds: no run starts later, and a run is cut at this point")
     ap.add_argument("--batches", default="8192,65536",
                     help="comma list; its first is the small batch, its last the large one")
-    ap.add_argument("--dense-precision", choices=DENSE_PRECISIONS, default=None,
-                    help=f"every job run's --dense-precision (default: the job's CUDA default, "
-                         f"{CUDA_DEFAULT_DENSE_PRECISION})")
+    ap.add_argument("--dense-precision", choices=DENSE_PRECISIONS, default=CUDA_DEFAULT_DENSE_PRECISION,
+                    help="every job run's --dense-precision (default: the job's CUDA default)")
     ap.add_argument("--repeats", type=_at_least_one, default=1, help="runs of each of step 8's job runs")
     ap.add_argument("--skip", default="", help="comma list of step numbers (1-9) to leave out")
     ap.add_argument("--lean", default="ftrl_derived_bf16,ftrl_derived_rowwise",
@@ -325,8 +324,6 @@ class PresetSteps:
 
 def main(argv=None):
     a = build_parser().parse_args(argv)
-    # Every run on CUDA at one named precision: the job's CUDA default unless given.
-    a.dense_precision = a.dense_precision or CUDA_DEFAULT_DENSE_PRECISION
     b = Bench(a)
     skip = {int(x) for x in a.skip.split(",") if x}
     steps = PresetSteps(b, a)

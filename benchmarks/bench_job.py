@@ -47,6 +47,7 @@ import time
 
 import numpy as np
 
+from torchrec_ftrl.job.cli import compile_words
 from torchrec_ftrl.job.profile import PHASES   # the job's step-profile phases, in its order
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -393,7 +394,7 @@ def timed_run(args, row, name, folder, inline, log) -> None:
         row["step_profile"] = read_profile(summary)
     msg = (f"[{optimizer} / {source}] {row['examples_per_s'] or 0:,.0f} examples/s, steady "
            f"{row['steady_examples_per_s'] or 0:,.0f} "
-           f"(dense {row['dense_precision']}{' compiled' if row['compile_dense'] else ''}, "
+           f"(dense {row['dense_precision']}{compile_words(row['compile_dense'])}, "
            f"train time {row['train_time_s'] or 0:.2f} s, run {wall:.1f} s)")
     if row.get("step_profile"):
         msg += "; step profile host ms " + json.dumps(

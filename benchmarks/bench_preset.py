@@ -124,6 +124,7 @@ class Bench:
                     "peak_gpu_memory_bytes": s.get("peak_gpu_memory_bytes"),
                     "kernels": sorted({v.split(" ")[0] for v in s.get("plan", {}).values()}),
                     "dense_precision": s.get("dense_precision"),
+                    "compile_dense": s.get("compile_dense"),
                     "steady_kernel_events": s.get("steady_kernel_events"),
                     "step_profile": s.get("step_profile")}
         return self.run(name, cmd, env=env, parse=parse)

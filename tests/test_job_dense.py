@@ -250,6 +250,33 @@ def test_adagrad_options_match_a_float64_transcription():
             torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
 
 
+def test_the_dense_optimizer_frees_gradients_between_steps():
+    """``CombinedOptimizer.zero_grad()`` (TorchRec passes ``set_to_none=False``) leaves the job's dense
+    gradients None, and steps through backward train the float64 Adagrad transcription of one
+    gradient a step (a gradient kept and added to would double it at the second step)."""
+    from torchrec.optim.keyed import CombinedOptimizer
+    from torchrec_ftrl.job.model import DenseOptimizer
+
+    torch.manual_seed(0)
+    params = {"w": torch.nn.Parameter(torch.randn(7, 5)), "b": torch.nn.Parameter(torch.randn(5))}
+    coef = {k: torch.randn(p.shape) for k, p in params.items()}
+    opt = CombinedOptimizer([DenseOptimizer(params, lambda ps: torch.optim.Adagrad(ps, lr=0.05,
+                                                                                 foreach=True))])
+    ref = {k: p.detach().double().clone() for k, p in params.items()}
+    acc = {k: torch.zeros_like(w) for k, w in ref.items()}
+    for _ in range(3):
+        opt.zero_grad()
+        assert all(p.grad is None for p in params.values())
+        sum((p * coef[k]).sum() for k, p in params.items()).backward()   # gradient: coef
+        opt.step()
+        for k, w in ref.items():
+            g = coef[k].double()
+            acc[k] += g * g
+            w -= 0.05 * g / (acc[k].sqrt() + 1e-10)
+    for k, p in params.items():
+        torch.testing.assert_close(p.detach().double(), ref[k], rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("name", ["adagrad", "adam", "sgd"])
 def test_cuda_takes_the_fused_kernel_when_torch_steps_it(name):
     from torchrec_ftrl.job.model import DENSE_OPTIMIZERS, dense_optimizer_options, fused_step_runs
@@ -389,34 +416,37 @@ def test_steady_kernel_events_on_cuda(tmp_path):
 # ------------------------------------------------------------------- --compile-dense
 
 
-@pytest.mark.parametrize("value, cuda_run, batch, expected", [
-    ("auto", True, 65536, True), ("auto", True, 32768, True), ("auto", True, 32767, False),
-    ("auto", True, 8192, False), ("auto", False, 65536, False),
-    ("on", False, 64, True), ("on", True, 8192, True), ("off", True, 65536, False)])
-def test_compile_dense_auto_is_on_for_large_cuda_batches_only(value, cuda_run, batch, expected):
+@pytest.mark.parametrize("value, cuda_run, expected", [
+    ("auto", True, "reduce-overhead"), ("auto", False, None), ("on", False, "default"),
+    ("on", True, "default"), ("reduce-overhead", True, "reduce-overhead"), ("off", True, None),
+    ("off", False, None)])
+def test_compile_dense_values_resolve_to_torch_compile_modes(value, cuda_run, expected):
     from torchrec_ftrl.job.cli import resolve_compile_dense
 
-    assert resolve_compile_dense(value, cuda_run, batch) is expected
+    assert resolve_compile_dense(value, cuda_run) == expected
 
 
 def test_compile_dense_flag_values(default_run, tmp_path):
     from torchrec_ftrl.job.cli import parse_args
 
-    assert parse_args([*SMALL, "--compile-dense"]).compile_dense is True      # the bare flag: on
-    assert parse_args([*SMALL, "--compile-dense", "off"]).compile_dense is False
+    assert parse_args([*SMALL, "--compile-dense"]).compile_dense == "default"   # the bare flag: on
+    assert parse_args([*SMALL, "--compile-dense", "off"]).compile_dense is None
     _, s = default_run                                                        # auto on the CPU: off
-    assert s["compile_dense"] is False and s["dense_warmup_s"] is None
+    assert s["compile_dense"] is None and s["dense_warmup_s"] is None
     p = run_job([*SMALL, "--compile-dense", "maybe", "--output-dir", str(tmp_path)])
     assert p.returncode == 2 and "--compile-dense" in p.stderr and "'maybe'" in p.stderr
+    p = run_job([*SMALL, "--compile-dense", "reduce-overhead", "--output-dir", str(tmp_path)])
+    assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
+    assert "--compile-dense reduce-overhead needs a CUDA device" in p.stderr
 
 
 def test_compile_dense_compiles_before_the_first_step(tmp_path):
     """The dense warm-up compiles the training graphs before the loop: no frame is compiled inside
-    it (without the warm-up, the first step compiles the three dense parts), the start line says so,
-    and the run trains what the eager run trains, to float32 rounding."""
+    it (without the warm-up, the first step compiles the dense part), the start line says so, and
+    the run trains what the eager run trains, to float32 rounding."""
     args = ["--steps", "6", "--eval-every", "1000000", "--log-every", "2", "--val-batches", "1"]
     stdout, s = _run(["--compile-dense", *args], tmp_path / "compiled")
-    assert s["compile_dense"] is True and s["dense_warmup_s"] > 0
+    assert s["compile_dense"] == "default" and s["dense_warmup_s"] > 0
     assert s["compiled_frames_in_loop"] == 0
     assert "precision=fp32 compiled, " in _start_line(stdout)
     _, eager = _run(args, tmp_path / "eager")
@@ -427,11 +457,17 @@ def test_compile_dense_compiles_before_the_first_step(tmp_path):
 
 @cuda
 @needs_cuda
-def test_compile_dense_on_cuda_compiles_before_the_first_step(tmp_path):
-    """On CUDA (default precision bf16), the dense warm-up compiles the graphs the steps run."""
-    s = _cuda_summary(tmp_path, "--steps", "8", "--compile-dense")
-    assert s["dense_precision"] == "bf16" and s["compile_dense"] is True
+@pytest.mark.parametrize("flag, mode", [("on", "default"), ("auto", "reduce-overhead")])
+def test_compile_dense_on_cuda_compiles_before_the_first_step(tmp_path, flag, mode):
+    """On CUDA (default precision bf16), the dense warm-up compiles the graphs the steps run (and
+    for reduce-overhead records their CUDA graphs), and the run trains what the eager run trains."""
+    args = ["--steps", "8", "--log-every", "2"]
+    s = _cuda_summary(tmp_path / flag, *args, "--compile-dense", flag)
+    assert s["dense_precision"] == "bf16" and s["compile_dense"] == mode
     assert s["compiled_frames_in_loop"] == 0 and s["dense_warmup_s"] > 0
+    eager = _cuda_summary(tmp_path / "eager", *args, "--compile-dense", "off")
+    assert [v for _, v in s["loss_history"]] == pytest.approx(
+        [v for _, v in eager["loss_history"]], rel=5e-3)
 
 
 # ------------------------------------------------------------------- data parallelism of one rank

@@ -14,9 +14,10 @@ from .pipeline import PIPELINES
 SPARSE_OPTIMIZERS = ("ftrl", "rowwise_adagrad")
 FTRL_REG_SCALES = ("per_example", "raw")
 FTRL_STATE_DTYPES = ("fp32", "bf16")
-COMPILE_DENSE = ("auto", "on", "off")
-# --compile-dense auto compiles at this per-rank batch and above, on CUDA (docs/main-job.md).
-COMPILE_DENSE_MIN_CUDA_BATCH = 32_768
+# --compile-dense values: "on" is torch.compile's default mode, "reduce-overhead" adds CUDA graphs.
+COMPILE_DENSE = ("auto", "on", "reduce-overhead", "off")
+# What --compile-dense auto runs on CUDA (docs/main-job.md); on the CPU it is off.
+CUDA_AUTO_COMPILE_MODE = "reduce-overhead"
 # Per-example FTRL defaults of the job (scaled by the global batch size, see sparse_fused_params).
 DEFAULT_FTRL_L1 = 0.1
 DEFAULT_FTRL_L2 = 0.0
@@ -173,11 +174,12 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
                    help="torch intra-op threads per process on CPU (1 avoids oversubscription when "
                         "several ranks share few cores)")
     r.add_argument("--compile-dense", nargs="?", const="on", default="auto", choices=COMPILE_DENSE,
-                   help="torch.compile the dense part (bottom MLP, interaction, top MLP; "
-                        "nn.Module.compile, so checkpoint keys stay the same): fewer kernel launches and "
-                        "fused elementwise work per step, for a one-off compile before the first step; results "
-                        "match the eager model to float32 rounding, not bitwise. auto: on for a CUDA run "
-                        f"whose --batch-size is at least {COMPILE_DENSE_MIN_CUDA_BATCH:,}; the bare flag: on")
+                   help="torch.compile the training dense part (bottom MLP, interaction, top MLP) as one "
+                        "graph, compiled before the first step; parameter and checkpoint names stay the "
+                        "same, and results match the eager model to float32 rounding, not bitwise. on "
+                        "(the bare flag): inductor's fused kernels; reduce-overhead: the same replayed as "
+                        "CUDA graphs, one host call a step (CUDA only); auto: "
+                        f"{CUDA_AUTO_COMPILE_MODE} on CUDA, off on the CPU")
     r.add_argument("--data-workers", default="auto", metavar="N",
                    help="DataLoader worker processes per rank that read, parse and assemble the "
                         "training batches off the training thread (0: on it; a text --data uses one); "
@@ -234,7 +236,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         a.sparse_lr = 0.05
     a.dense_precision_given = a.dense_precision is not None
     a.dense_precision = dense_precision.resolve(a.dense_precision, "cuda" if cuda_run(a.device) else "cpu")
-    a.compile_dense = resolve_compile_dense(a.compile_dense, cuda_run(a.device), a.batch_size)
+    if a.compile_dense == "reduce-overhead" and not cuda_run(a.device):
+        p.error("--compile-dense reduce-overhead needs a CUDA device (it replays CUDA graphs); this "
+                "run is on the CPU: use on or off")
+    a.compile_dense = resolve_compile_dense(a.compile_dense, cuda_run(a.device))
     if a.zch and a.sparse_optimizer == "rowwise_adagrad" and not cuda_run(a.device):
         p.error("--zch with --sparse-optimizer rowwise_adagrad needs --device cuda: FBGEMM resets "
                 "evicted rows with a CUDA-only op (fbgemm::reset_weight_momentum)")
@@ -243,14 +248,19 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return a
 
 
-def resolve_compile_dense(value: str, cuda: bool, batch_size: int) -> bool:
-    """Whether the run compiles its dense part: ``value`` ``"on"`` / ``"off"`` as given; ``"auto"``:
-    on for a CUDA run (``cuda``) whose per-rank ``batch_size`` is at least
-    :data:`COMPILE_DENSE_MIN_CUDA_BATCH`, where the compiled dense part's fused elementwise work pays
-    for its host cost, off otherwise."""
+def resolve_compile_dense(value: str, cuda: bool) -> Optional[str]:
+    """The ``torch.compile`` mode of the run's dense part (``job.model.COMPILE_MODES``), or None for
+    eager: ``value`` ``"on"``: ``"default"``; ``"reduce-overhead"`` as given; ``"off"``: None;
+    ``"auto"``: :data:`CUDA_AUTO_COMPILE_MODE` for a CUDA run (``cuda``), None on the CPU."""
     if value == "auto":
-        return cuda and batch_size >= COMPILE_DENSE_MIN_CUDA_BATCH
-    return value == "on"
+        return CUDA_AUTO_COMPILE_MODE if cuda else None
+    return {"on": "default", "reduce-overhead": "reduce-overhead", "off": None}[value]
+
+
+def compile_words(mode: Optional[str]) -> str:
+    """Words for the start line and reports after the precision: ``""`` for an eager dense part
+    (None), ``" compiled"`` for mode ``"default"``, else ``" compiled (<mode>)"``."""
+    return "" if not mode else " compiled" if mode == "default" else f" compiled ({mode})"
 
 
 def cuda_run(device: str) -> bool:

@@ -112,19 +112,26 @@ def dlrm_logits(dlrm: torch.nn.Module, dense: torch.Tensor, embed, precision: st
                 device_type: str) -> torch.Tensor:
     """The logits of a DLRM-shaped module (``dense_arch``, ``inter_arch(dense_features=,
     sparse_features=)``, ``over_arch``: TorchRec's ``DLRM`` / ``DLRM_DCN`` and the quality study's
-    ``SparseDLRM``), in TorchRec ``DLRM.forward``'s order: bottom MLP, ``embed()`` (the embedding
-    lookup, outside autocast: its pooled outputs stay fp32), interaction, top MLP. The dense part runs
-    under :func:`dense_autocast` for ``device_type`` (given, not read from ``dense``: TorchRec's train
-    pipelines trace this forward with proxies).
+    ``SparseDLRM``): ``embed()`` (the embedding lookup, outside autocast: its pooled outputs stay
+    fp32), then :func:`dense_logits`. ``device_type`` is given, not read from ``dense``: TorchRec's
+    train pipelines trace this forward with proxies.
 
     ``dense``: ``[B, dense_in]`` float32; ``embed``: a callable returning the pooled embeddings
-    (``KeyedTensor`` or ``[B, F, D]``, whatever ``inter_arch`` takes). Returns ``[B]`` float32 (bf16
-    logits are cast to float32, so the loss is computed in float32).
+    (``KeyedTensor`` or ``[B, F, D]``, whatever ``inter_arch`` takes). Returns ``[B]`` float32.
+    """
+    return dense_logits(dlrm, dense, embed(), precision, device_type)
+
+
+def dense_logits(dlrm: torch.nn.Module, dense: torch.Tensor, embedded_sparse, precision: str,
+                 device_type: str) -> torch.Tensor:
+    """The dense part of a DLRM-shaped module (see :func:`dlrm_logits`) in TorchRec ``DLRM.forward``'s
+    arithmetic: bottom MLP on ``dense`` (``[B, dense_in]`` float32), interaction with the pooled
+    embeddings ``embedded_sparse``, top MLP, all under :func:`dense_autocast`. Returns ``[B]``
+    float32 (bf16 logits are cast to float32, so the loss is computed in float32). A function of its
+    arguments alone, so that ``torch.compile`` can capture it whole (``job.model.compile_dense``).
     """
     with dense_autocast(precision, device_type):
         embedded_dense = dlrm.dense_arch(dense)
-    embedded_sparse = embed()
-    with dense_autocast(precision, device_type):
         logits = dlrm.over_arch(dlrm.inter_arch(dense_features=embedded_dense,
                                                 sparse_features=embedded_sparse))
     return logits.squeeze(-1).float()

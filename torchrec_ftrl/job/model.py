@@ -11,8 +11,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torchrec.models.dlrm import DLRM, DLRM_DCN
+from torchrec.optim.keyed import KeyedOptimizerWrapper
 
-from .dense_precision import dlrm_logits
+from .dense_precision import dense_logits
 
 GIB = 2 ** 30
 
@@ -25,24 +26,38 @@ class _CTRForward:
         self.num_dense = int(num_dense)
         self.dense_precision = dense_precision
         self.dense_device_type = torch.device(dlrm_kwargs.get("dense_device") or "cpu").type
+        self.dense_compile_mode: Optional[str] = None    # set by compile_dense
+        self.compiled_dense_logits = None                 # a plain attribute: no state_dict key
 
     def forward(self, batch):  # documented on CTRTrain
         dense = (batch.dense_features if self.num_dense > 0
                  else torch.ones_like(batch.labels).unsqueeze(1))
-        logits = dlrm_logits(self, dense, lambda: self.sparse_arch(batch.sparse_features),
-                             self.dense_precision, self.dense_device_type)
+        logits = self.dense_logits(dense, self.sparse_arch(batch.sparse_features))
         loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
         return loss, (loss.detach(), logits.detach(), batch.labels)
+
+    def dense_logits(self, dense: torch.Tensor, embedded_sparse: torch.Tensor) -> torch.Tensor:
+        """``dense_precision.dense_logits`` of this model: the compiled function of
+        :func:`compile_dense` in training (``self.training`` and grad mode), else eager (evaluation,
+        and TorchRec's train pipelines tracing the forward with ``torch.fx``, which cannot trace a
+        compiled function). ``dense`` ``[B, num_dense or 1]`` float32, ``embedded_sparse``
+        ``[B, F, D]`` float32; returns ``[B]`` float32 logits."""
+        fn = dense_logits
+        if (self.compiled_dense_logits is not None and self.training and torch.is_grad_enabled()
+                and not torch.fx._symbolic_trace.is_fx_tracing()):
+            fn = self.compiled_dense_logits
+        return fn(self, dense, embedded_sparse, self.dense_precision, self.dense_device_type)
 
 
 class CTRTrain(_CTRForward, DLRM):
     """TorchRec's ``DLRM`` with the forward a train pipeline calls: ``forward(batch) -> (loss,
-    (loss, logits, labels))``, as ``torchrec.models.dlrm.DLRMTrain`` returns it, for a
+    (loss, logits, labels))``, as ``torchrec.models.dlrm.DLRMTrain`` returns it: the sparse arch,
+    then the dense part (:meth:`dense_logits`), for a
     ``torchrec.datasets.utils.Batch`` (``dense_features [B, num_dense]`` float32, KJT
     ``sparse_features``, ``labels [B]`` float32). ``loss`` is the 0-d float32 batch-mean binary
     cross-entropy of the logits; ``logits`` ``[B]`` float32 (detached); ``labels`` the batch's.
     ``dense_precision`` (``dense_precision.DENSE_PRECISIONS``) is the arithmetic of the bottom MLP,
-    the interaction and the top MLP (``dense_precision.dlrm_logits``): under ``bf16`` they run in
+    the interaction and the top MLP (``dense_precision.dense_logits``): under ``bf16`` they run in
     bf16 autocast, the embedding lookup stays fp32 and the logits are cast to fp32 before the loss.
 
     Unlike ``DLRMTrain``, which holds the DLRM as ``.model``, it *is* the DLRM: parameter and
@@ -228,17 +243,29 @@ def dense_optimizer_options(name: str, device_type: str, fused_runs=fused_step_r
     return {"foreach": True}
 
 
+class DenseOptimizer(KeyedOptimizerWrapper):
+    """TorchRec's ``KeyedOptimizerWrapper`` whose ``zero_grad`` always frees the gradients
+    (``set_to_none=True``, torch's default; ``CombinedOptimizer.zero_grad`` passes False). The next
+    backward then hands each parameter its new gradient tensor instead of adding it into a zeroed
+    one: one add kernel a parameter fewer, the same values. A compiled dense part that replays CUDA
+    graphs (``--compile-dense reduce-overhead``) needs it: its gradients live in the graphs' memory,
+    which the next replay overwrites, so no gradient may outlive its step."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:   # noqa: ARG002 (always frees)
+        super().zero_grad(set_to_none=True)
+
+
 def build_optimizer(dmp: nn.Module, name: str, lr: float, device_type: str = "cpu"):
     """``CombinedOptimizer([dmp.fused_optimizer, dense])``; the dense part (MLPs) uses ``name``
     (adagrad / adam / sgd) with :func:`dense_optimizer_options` for ``device_type`` through
-    ``KeyedOptimizerWrapper``; embedding tables are updated in backward by the fused optimizer."""
-    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+    :class:`DenseOptimizer`; embedding tables are updated in backward by the fused optimizer."""
+    from torchrec.optim.keyed import CombinedOptimizer
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
     cls = DENSE_OPTIMIZERS[name]
     options = dense_optimizer_options(name, device_type)
-    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
-                                  lambda params: cls(params, lr=lr, **options))
+    dense = DenseOptimizer(dict(in_backward_optimizer_filter(dmp.named_parameters())),
+                           lambda params: cls(params, lr=lr, **options))
     return CombinedOptimizer([dmp.fused_optimizer, dense])
 
 
@@ -255,32 +282,47 @@ def init_dense_state(opt, fused_optimizer) -> None:
 
 
 DENSE_PARTS = ("dense_arch", "inter_arch", "over_arch")
+# torch.compile modes of the dense part: "default" (inductor: fused elementwise kernels, one host
+# call a graph) and "reduce-overhead" (the same kernels replayed as CUDA graphs; CUDA only).
+COMPILE_MODES = ("default", "reduce-overhead")
+# Training calls that record the CUDA graphs of mode "reduce-overhead" (torch's CUDA-graph trees run
+# a graph's first call eagerly and record at the second), so the third call replays.
+_CUDA_GRAPH_RECORD_CALLS = 3
 
 
-def compile_dense(model: nn.Module) -> None:
-    """``nn.Module.compile()`` (in place, same parameter names) on the DLRM's ``dense_arch``,
-    ``inter_arch`` and ``over_arch``; the sharded embedding module stays eager (TorchRec's train
-    pipelines rewrite its forward)."""
-    for name in DENSE_PARTS:
-        getattr(model, name).compile(dynamic=False)
+def compile_dense(model: nn.Module, mode: str = "default") -> None:
+    """``torch.compile(dense_precision.dense_logits, mode=mode, dynamic=False)`` as ``model``'s
+    (a ``CTRTrain`` / ``CTRTrainDCN``) training dense part: bottom MLP, interaction and top MLP in
+    one graph forward and one backward. Parameters and their names do not change, so checkpoints
+    are the same; the sharded embedding module stays eager (TorchRec's train pipelines rewrite its
+    forward).
+
+    Raises:
+        ValueError: ``mode`` not in :data:`COMPILE_MODES`.
+    """
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile mode must be one of {COMPILE_MODES}, got {mode!r}")
+    model.dense_compile_mode = mode
+    model.compiled_dense_logits = torch.compile(dense_logits, mode=mode, dynamic=False)
 
 
 def warm_up_dense(model: nn.Module, batch_size: int) -> None:
-    """Run the dense part of ``model`` (a ``CTRTrain`` / ``CTRTrainDCN``) once before the first
+    """Run the training dense part of ``model`` (a ``CTRTrain`` / ``CTRTrainDCN``) before the first
     training step, so that its one-off costs fall outside the timed steps: the compile after
-    :func:`compile_dense` (for the training shapes), and on CUDA the first calls' set-up of cuBLAS and
-    of the allocator's pools. One forward and backward of the bottom MLP, the interaction and the top
-    MLP (``dense_precision.dlrm_logits``, the model's precision) on zero inputs: dense
-    ``[batch_size, max(num_dense, 1)]`` float32 and pooled embeddings ``[batch_size, F, D]`` float32
-    that require grad, as the sparse arch returns them. The gradients it leaves on the dense
-    parameters are dropped (set to None): parameters and optimizer state are untouched. Call it
-    before sharding, while no parameter holds a gradient."""
+    :func:`compile_dense` (for the training shapes) and the recording of its CUDA graphs (mode
+    ``reduce-overhead``: three calls), and on CUDA the first calls' set-up of cuBLAS and of the
+    allocator's pools. Each call is one forward and backward of :meth:`CTRTrain.dense_logits` (the
+    model's precision) on zero inputs: dense ``[batch_size, max(num_dense, 1)]`` float32 and pooled
+    embeddings ``[batch_size, F, D]`` float32 that require grad, as the sparse arch returns them.
+    The gradients it leaves on the dense parameters are dropped (set to None): parameters and
+    optimizer state are untouched. Call it before sharding, while no parameter holds a gradient."""
     device = next(model.dense_arch.parameters()).device
     dense = torch.zeros(batch_size, max(model.num_dense, 1), device=device)
-    pooled = torch.zeros(batch_size, model.sparse_arch.F, model.sparse_arch.D, device=device,
-                         requires_grad=True)
-    logits = dlrm_logits(model, dense, lambda: pooled, model.dense_precision, model.dense_device_type)
-    logits.sum().backward()
+    calls = _CUDA_GRAPH_RECORD_CALLS if model.dense_compile_mode == "reduce-overhead" else 1
+    for _ in range(calls):
+        pooled = torch.zeros(batch_size, model.sparse_arch.F, model.sparse_arch.D, device=device,
+                             requires_grad=True)
+        model.dense_logits(dense, pooled).sum().backward()
     for name in DENSE_PARTS:
         for p in getattr(model, name).parameters():
             p.grad = None

@@ -229,7 +229,7 @@ def _build_model(job: _Job) -> _Model:
                                zero_init=layout_flags.derives_weights(args),
                                dense_precision=args.dense_precision)
     if args.compile_dense:
-        model_lib.compile_dense(net)
+        model_lib.compile_dense(net, args.compile_dense)
     dense_warmup_s = None
     if args.compile_dense or env.device.type == "cuda":   # compiles; on CUDA also the libraries' first calls
         t = time.perf_counter()
@@ -321,7 +321,7 @@ def _print_start(job: _Job, start_step: int, workers: int) -> None:
     print(f"train_ctr: {env.world_size} rank(s), {env.device} ({env.backend}), data={job.data_desc['kind']}, "
           f"{len(job.features)} tables x {args.embedding_dim} dims, sparse={opt_name} "
           f"lr={args.sparse_lr}, dense={args.dense_optimizer} lr={args.dense_lr} "
-          f"precision={args.dense_precision}{' compiled' if args.compile_dense else ''}, "
+          f"precision={args.dense_precision}{cli.compile_words(args.compile_dense)}, "
           f"steps {start_step}->{job.steps}, batch {args.batch_size}/rank, {workers} data "
           f"worker(s)/rank", flush=True)
 

@@ -473,6 +473,21 @@ def test_compile_dense_on_cuda_compiles_before_the_first_step(tmp_path, flag, mo
 # ------------------------------------------------------------------- data parallelism of one rank
 
 
+@pytest.mark.parametrize("dcn", [None, (2, 8)])
+def test_the_dense_part_is_built_on_the_dense_device(dcn):
+    """Every parameter and buffer of the bottom MLP, the interaction (TorchRec builds its DCN cross
+    net and its ``triu_indices`` on the CPU) and the top MLP is on ``dense_device`` (here ``meta``,
+    told apart from the CPU), so the warm-up before sharding, and a DMP of one rank that wraps the
+    dense part in no DDP, run on the device; the warm-up then runs there."""
+    from torchrec_ftrl.job import model as model_lib
+
+    net = model_lib.build_dlrm(["a", "b"], [50, 60], 8, 3, [16], [16], torch.device("meta"), dcn=dcn)
+    for name in model_lib.DENSE_PARTS:
+        part = getattr(net, name)
+        assert {t.device.type for t in [*part.parameters(), *part.buffers()]} == {"meta"}, name
+    model_lib.warm_up_dense(net, 4)
+
+
 def test_one_rank_leaves_the_dense_part_unwrapped(one_process):
     """At world size 1 the job's DMP holds the DLRM itself (no DDP: its per-step hooks and
     all-reduces would average each gradient over one rank); at 2 ranks TorchRec's default DDP

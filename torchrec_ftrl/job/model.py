@@ -16,6 +16,8 @@ from torchrec.optim.keyed import KeyedOptimizerWrapper
 from .dense_precision import dense_logits
 
 GIB = 2 ** 30
+# The DLRM submodules that make up its dense part.
+DENSE_PARTS = ("dense_arch", "inter_arch", "over_arch")
 
 
 class _CTRForward:
@@ -82,7 +84,8 @@ def build_dlrm(feature_names: Sequence[str], num_embeddings: Sequence[int], embe
     (DMP materialises it), one sum-pooled table ``t_{feature}`` per feature, bottom MLP
     ``dense_arch + [embedding_dim]`` over ``max(num_dense, 1)`` inputs, top MLP ``over_arch + [1]``.
     Forward: ``Batch -> (loss 0-d, (loss, logits [B], labels [B]))`` (see ``CTRTrain``).
-    ``dense_device`` ``meta`` builds the whole model without memory (for planning only).
+    ``dense_device`` ``meta`` builds the whole model without memory (for planning only). Every
+    parameter and buffer of the dense part is on ``dense_device``.
     ``zero_init``: the tables' ``init_fn`` is ``torch.nn.init.zeros_`` (else TorchRec's default
     uniform initialisation). ``dense_precision``: the dense part's arithmetic (``CTRTrain``).
 
@@ -104,8 +107,12 @@ def build_dlrm(feature_names: Sequence[str], num_embeddings: Sequence[int], embe
                   over_arch_layer_sizes=[*over_arch, 1], dense_device=dense_device,
                   dense_precision=dense_precision)
     if dcn is None:
-        return CTRTrain(num_dense, **common)
-    return CTRTrainDCN(num_dense, dcn_num_layers=dcn[0], dcn_low_rank_dim=dcn[1], **common)
+        model = CTRTrain(num_dense, **common)
+    else:
+        model = CTRTrainDCN(num_dense, dcn_num_layers=dcn[0], dcn_low_rank_dim=dcn[1], **common)
+    for name in DENSE_PARTS:   # TorchRec builds the DCN cross net and triu_indices on the CPU
+        getattr(model, name).to(dense_device)
+    return model
 
 
 class PlanDoesNotFitError(ValueError):
@@ -198,7 +205,7 @@ def data_parallel_wrapper(world_size: int):
 
     class _Unwrapped(DataParallelWrapper):
         def wrap(self, dmp, env, device) -> None:
-            return None
+            dmp._dmp_wrapped_module.to(device)   # what TorchRec's DDP wrapper does before wrapping
 
     return _Unwrapped()
 
@@ -281,7 +288,6 @@ def init_dense_state(opt, fused_optimizer) -> None:
             keyed.init_state()
 
 
-DENSE_PARTS = ("dense_arch", "inter_arch", "over_arch")
 # torch.compile modes of the dense part: "default" (inductor: fused elementwise kernels, one host
 # call a graph) and "reduce-overhead" (the same kernels replayed as CUDA graphs; CUDA only).
 COMPILE_MODES = ("default", "reduce-overhead")

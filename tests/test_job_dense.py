@@ -455,6 +455,18 @@ def test_compile_dense_compiles_before_the_first_step(tmp_path):
                                                              rel=1e-4)
 
 
+def test_cudagraph_skips_counts_a_graph_run_without_cuda_graphs():
+    """On the CPU, inductor runs a reduce-overhead graph without CUDA graphs: the counter the job's
+    refusal reads (``model.cudagraph_skips``) goes up."""
+    from torchrec_ftrl.job import model as model_lib
+
+    before = model_lib.cudagraph_skips()
+    net = model_lib.build_dlrm(["a", "b"], [50, 60], 8, 3, [16], [16], torch.device("cpu"), dcn=(2, 8))
+    model_lib.compile_dense(net, "reduce-overhead")
+    model_lib.warm_up_dense(net, 4)
+    assert model_lib.cudagraph_skips() > before
+
+
 @cuda
 @needs_cuda
 @pytest.mark.parametrize("flag, mode", [("on", "default"), ("auto", "reduce-overhead")])

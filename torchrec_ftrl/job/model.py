@@ -20,6 +20,11 @@ GIB = 2 ** 30
 DENSE_PARTS = ("dense_arch", "inter_arch", "over_arch")
 
 
+# Whether torch.fx is tracing (torch >= 2.9 names the symbolic-trace-only test apart from export's).
+_fx_symbolic_tracing = getattr(torch.fx._symbolic_trace, "is_fx_symbolic_tracing",
+                               torch.fx._symbolic_trace.is_fx_tracing)
+
+
 class _CTRForward:
     """The train-pipeline forward of :class:`CTRTrain` and :class:`CTRTrainDCN` (documented there)."""
 
@@ -46,7 +51,7 @@ class _CTRForward:
         ``[B, F, D]`` float32; returns ``[B]`` float32 logits."""
         fn = dense_logits
         if (self.compiled_dense_logits is not None and self.training and torch.is_grad_enabled()
-                and not torch.fx._symbolic_trace.is_fx_tracing()):
+                and not _fx_symbolic_tracing()):
             fn = self.compiled_dense_logits
         return fn(self, dense, embedded_sparse, self.dense_precision, self.dense_device_type)
 
@@ -332,6 +337,20 @@ def warm_up_dense(model: nn.Module, batch_size: int) -> None:
     for name in DENSE_PARTS:
         for p in getattr(model, name).parameters():
             p.grad = None
+
+
+def cudagraph_skips() -> int:
+    """Compiled graphs inductor has run without the CUDA graphs that ``mode="reduce-overhead"``
+    asked for, in this process (``torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]``;
+    each skip's reason is a warning of torch's ``cudagraphs`` log); 0 when dynamo was never
+    imported."""
+    import sys
+
+    if "torch._dynamo" not in sys.modules:
+        return 0
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["cudagraph_skips"])
 
 
 def compiled_frames() -> int:

@@ -416,14 +416,15 @@ def test_steady_kernel_events_on_cuda(tmp_path):
 # ------------------------------------------------------------------- --compile-dense
 
 
-@pytest.mark.parametrize("value, cuda_run, expected", [
-    ("auto", True, "reduce-overhead"), ("auto", False, None), ("on", False, "default"),
-    ("on", True, "default"), ("reduce-overhead", True, "reduce-overhead"), ("off", True, None),
-    ("off", False, None)])
-def test_compile_dense_values_resolve_to_torch_compile_modes(value, cuda_run, expected):
+@pytest.mark.parametrize("value, cuda_run, batch, expected", [
+    ("auto", True, 65536, "default"), ("auto", True, 32768, "default"), ("auto", True, 32767, None),
+    ("auto", True, 8192, None), ("auto", False, 65536, None), ("on", False, 64, "default"),
+    ("on", True, 8192, "default"), ("reduce-overhead", True, 8192, "reduce-overhead"),
+    ("off", True, 65536, None), ("off", False, 64, None)])
+def test_compile_dense_values_resolve_to_torch_compile_modes(value, cuda_run, batch, expected):
     from torchrec_ftrl.job.cli import resolve_compile_dense
 
-    assert resolve_compile_dense(value, cuda_run) == expected
+    assert resolve_compile_dense(value, cuda_run, batch) == expected
 
 
 def test_compile_dense_flag_values(default_run, tmp_path):
@@ -469,7 +470,7 @@ def test_cudagraph_skips_counts_a_graph_run_without_cuda_graphs():
 
 @cuda
 @needs_cuda
-@pytest.mark.parametrize("flag, mode", [("on", "default"), ("auto", "reduce-overhead")])
+@pytest.mark.parametrize("flag, mode", [("on", "default"), ("reduce-overhead", "reduce-overhead")])
 def test_compile_dense_on_cuda_compiles_before_the_first_step(tmp_path, flag, mode):
     """On CUDA (default precision bf16), the dense warm-up compiles the graphs the steps run (and
     for reduce-overhead records their CUDA graphs), and the run trains what the eager run trains."""

@@ -16,8 +16,10 @@ FTRL_REG_SCALES = ("per_example", "raw")
 FTRL_STATE_DTYPES = ("fp32", "bf16")
 # --compile-dense values: "on" is torch.compile's default mode, "reduce-overhead" adds CUDA graphs.
 COMPILE_DENSE = ("auto", "on", "reduce-overhead", "off")
-# What --compile-dense auto runs on CUDA (docs/main-job.md); on the CPU it is off.
-CUDA_AUTO_COMPILE_MODE = "reduce-overhead"
+# --compile-dense auto on CUDA: this mode at this per-rank batch and above, eager below
+# (docs/main-job.md); on the CPU it is off.
+CUDA_AUTO_COMPILE_MODE = "default"
+COMPILE_DENSE_MIN_CUDA_BATCH = 32_768
 # Per-example FTRL defaults of the job (scaled by the global batch size, see sparse_fused_params).
 DEFAULT_FTRL_L1 = 0.1
 DEFAULT_FTRL_L2 = 0.0
@@ -179,7 +181,8 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
                         "same, and results match the eager model to float32 rounding, not bitwise. on "
                         "(the bare flag): inductor's fused kernels; reduce-overhead: the same replayed as "
                         "CUDA graphs, one host call a step (CUDA only); auto: "
-                        f"{CUDA_AUTO_COMPILE_MODE} on CUDA, off on the CPU")
+                        f"{CUDA_AUTO_COMPILE_MODE} for a CUDA run of --batch-size "
+                        f">= {COMPILE_DENSE_MIN_CUDA_BATCH:,}, else off")
     r.add_argument("--data-workers", default="auto", metavar="N",
                    help="DataLoader worker processes per rank that read, parse and assemble the "
                         "training batches off the training thread (0: on it; a text --data uses one); "
@@ -239,7 +242,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if a.compile_dense == "reduce-overhead" and not cuda_run(a.device):
         p.error("--compile-dense reduce-overhead needs a CUDA device (it replays CUDA graphs); this "
                 "run is on the CPU: use on or off")
-    a.compile_dense = resolve_compile_dense(a.compile_dense, cuda_run(a.device))
+    a.compile_dense = resolve_compile_dense(a.compile_dense, cuda_run(a.device), a.batch_size)
     if a.zch and a.sparse_optimizer == "rowwise_adagrad" and not cuda_run(a.device):
         p.error("--zch with --sparse-optimizer rowwise_adagrad needs --device cuda: FBGEMM resets "
                 "evicted rows with a CUDA-only op (fbgemm::reset_weight_momentum)")
@@ -248,12 +251,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return a
 
 
-def resolve_compile_dense(value: str, cuda: bool) -> Optional[str]:
+def resolve_compile_dense(value: str, cuda: bool, batch_size: int) -> Optional[str]:
     """The ``torch.compile`` mode of the run's dense part (``job.model.COMPILE_MODES``), or None for
     eager: ``value`` ``"on"``: ``"default"``; ``"reduce-overhead"`` as given; ``"off"``: None;
-    ``"auto"``: :data:`CUDA_AUTO_COMPILE_MODE` for a CUDA run (``cuda``), None on the CPU."""
+    ``"auto"``: :data:`CUDA_AUTO_COMPILE_MODE` for a CUDA run (``cuda``) whose per-rank
+    ``batch_size`` is at least :data:`COMPILE_DENSE_MIN_CUDA_BATCH`, else None."""
     if value == "auto":
-        return CUDA_AUTO_COMPILE_MODE if cuda else None
+        return CUDA_AUTO_COMPILE_MODE if cuda and batch_size >= COMPILE_DENSE_MIN_CUDA_BATCH else None
     return {"on": "default", "reduce-overhead": "reduce-overhead", "off": None}[value]
 
 

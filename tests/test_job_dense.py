@@ -490,8 +490,8 @@ def test_compile_dense_on_cuda_compiles_before_the_first_step(tmp_path, flag, mo
 def test_the_dense_part_is_built_on_the_dense_device(dcn):
     """Every parameter and buffer of the bottom MLP, the interaction (TorchRec builds its DCN cross
     net and its ``triu_indices`` on the CPU) and the top MLP is on ``dense_device`` (here ``meta``,
-    told apart from the CPU), so the warm-up before sharding, and a DMP of one rank that wraps the
-    dense part in no DDP, run on the device; the warm-up then runs there."""
+    told apart from the CPU), so the warm-up before sharding and a DMP of one rank (no DDP to move
+    it) run the dense part on that device; the warm-up runs there."""
     from torchrec_ftrl.job import model as model_lib
 
     net = model_lib.build_dlrm(["a", "b"], [50, 60], 8, 3, [16], [16], torch.device("meta"), dcn=dcn)

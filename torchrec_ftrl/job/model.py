@@ -339,10 +339,8 @@ def warm_up_dense(model: nn.Module, batch_size: int) -> None:
             p.grad = None
 
 
-def cudagraph_skips() -> int:
-    """Compiled graphs inductor has run without the CUDA graphs that ``mode="reduce-overhead"``
-    asked for, in this process (``torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]``;
-    each skip's reason is a warning of torch's ``cudagraphs`` log); 0 when dynamo was never
+def _dynamo_counter(group: str, name: str) -> int:
+    """``torch._dynamo.utils.counters[group][name]`` of this process; 0 when dynamo was never
     imported."""
     import sys
 
@@ -350,16 +348,17 @@ def cudagraph_skips() -> int:
         return 0
     from torch._dynamo.utils import counters
 
-    return int(counters["inductor"]["cudagraph_skips"])
+    return int(counters[group][name])
+
+
+def cudagraph_skips() -> int:
+    """Compiled graphs inductor has run without the CUDA graphs that ``mode="reduce-overhead"``
+    asked for, in this process (``counters["inductor"]["cudagraph_skips"]``; each skip's reason is a
+    warning of torch's ``cudagraphs`` log); 0 when dynamo was never imported."""
+    return _dynamo_counter("inductor", "cudagraph_skips")
 
 
 def compiled_frames() -> int:
     """Frames ``torch.compile`` (dynamo) has compiled so far in this process, recompiles included
-    (``torch._dynamo.utils.counters["frames"]["ok"]``); 0 when dynamo was never imported."""
-    import sys
-
-    if "torch._dynamo" not in sys.modules:
-        return 0
-    from torch._dynamo.utils import counters
-
-    return int(counters["frames"]["ok"])
+    (``counters["frames"]["ok"]``); 0 when dynamo was never imported."""
+    return _dynamo_counter("frames", "ok")

@@ -63,6 +63,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ANCHOR = os.path.join(REPO, ".anchor", "torchrec_dlrm", "dlrm_main.py")
 sys.path.insert(0, REPO)
 from torchrec_ftrl.job.dense_precision import CUDA_DEFAULT_DENSE_PRECISION, DENSE_PRECISIONS  # noqa: E402
+from torchrec_ftrl.job.cli import COMPILE_DENSE  # noqa: E402
 
 
 def _env(extra=None):
@@ -77,7 +78,8 @@ class Bench:
         self.args, self.t0, self.rows = args, time.monotonic(), []
         self.result = {"what": "torchrec_ftrl job at the MLPerf DLRM-DCNv2 preset, one GPU",
                        "command": " ".join(sys.argv), "steps": args.steps, "scale": args.scale,
-                       "dense_precision": args.dense_precision, "repeats": args.repeats,
+                       "dense_precision": args.dense_precision, "compile_dense": args.compile_dense,
+                       "repeats": args.repeats,
                        "runs": self.rows, "versions": _versions()}
         os.makedirs(args.out, exist_ok=True)
 
@@ -110,7 +112,7 @@ class Bench:
         cmd = [sys.executable, "-m", "torchrec_ftrl.job", "--preset", "mlperf-dcnv2", "--batch-size",
                str(batch), "--steps", str(steps or self.args.steps), "--eval-every", "1000000",
                "--val-batches", "1", "--no-progress", "--output-dir", out, "--run-name", name, *flags]
-        cmd += ["--dense-precision", self.args.dense_precision]
+        cmd += ["--dense-precision", self.args.dense_precision, "--compile-dense", self.args.compile_dense]
 
         def parse(p):
             path = os.path.join(out, f"{name}_summary.json")
@@ -175,7 +177,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="comma list; its first is the small batch, its last the large one")
     ap.add_argument("--dense-precision", choices=DENSE_PRECISIONS, default=CUDA_DEFAULT_DENSE_PRECISION,
                     help="every job run's --dense-precision (default: the job's CUDA default)")
-    ap.add_argument("--repeats", type=_at_least_one, default=1, help="runs of each of step 8's job runs")
+    ap.add_argument("--compile-dense", choices=COMPILE_DENSE, default="auto",
+                    help="every job run's --compile-dense (default: the job's auto)")
+    ap.add_argument("--repeats", type=_at_least_one, default=1,
+                    help="runs of each of steps 8 and 9's job runs")
     ap.add_argument("--skip", default="", help="comma list of step numbers (1-9) to leave out")
     ap.add_argument("--lean", default="ftrl_derived_bf16,ftrl_derived_rowwise",
                     help=f"steps 8 and 9's layouts, from {sorted(LEAN)}")
@@ -315,12 +320,14 @@ class PresetSteps:
         for name in self.lean:
             self.plan(name)
         for batch in (int(x) for x in (self.a.lean_batches or self.a.batches).split(",")):
-            self.b.job(f"full_rowwise_adagrad_{batch}", RWA, batch)
-            for name in self.lean:
-                if self.fits(name):
-                    self.b.job(f"full_{name}_{batch}", LEAN[name], batch)
-                else:
-                    self.not_run(f"full_{name}_{batch}", "its plan does not fit")
+            for r in range(1, self.a.repeats + 1):
+                tag = f"_r{r}" if self.a.repeats > 1 else ""
+                self.b.job(f"full_rowwise_adagrad_{batch}{tag}", RWA, batch)
+                for name in self.lean:
+                    if self.fits(name):
+                        self.b.job(f"full_{name}_{batch}{tag}", LEAN[name], batch)
+                    else:
+                        self.not_run(f"full_{name}_{batch}{tag}", "its plan does not fit")
 
 
 def main(argv=None):

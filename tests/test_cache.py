@@ -828,3 +828,63 @@ def test_cached_flow_populates_a_vbe_batch_again_and_releases_both():
     assert names == ["linearize", "populate", "unlock", "unlock"]
     assert {m.cache.calls[2][1][0], m.cache.calls[3][1][0]} == {"populate"}
     assert m.cache.calls[2][1] != m.cache.calls[3][1]      # the prefetch's slots, then the forward's
+
+
+def test_a_prefetch_on_its_own_stream_waits_for_the_forwards_cache_work(monkeypatch):
+    """TorchRec's prefetch pipeline issues batch i+1's prefetch (its stream) after batch i's forward
+    (the default stream), and the two may run at once on the GPU. The cache's bookkeeping takes one
+    lookup or populate at a time, so the prefetch's stream first waits for an event recorded on the
+    default stream after the forward's lookup (its populate for a VBE batch), and for nothing later
+    of that forward. Streams and events are stand-ins that log into the fake cache's calls."""
+    ref, m = _cpu_tbes(True)
+    log = m.cache.calls
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            log.append(("wait_stream", self.name, other.name))
+
+        def wait_event(self, event):
+            log.append(("wait_event", self.name, event.recorded_on))
+
+    class Event:
+        def record(self):
+            self.recorded_on = current[0].name
+            log.append(("record", self.recorded_on))
+
+    default, side = Stream("default"), Stream("prefetch")
+    current = [default]
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: current[0])
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+
+    def prefetch(idx, off):
+        current[0] = side
+        m.prefetch(idx, off, forward_stream=default)
+        current[0] = default
+
+    batches = [(torch.tensor([1, 2, 2, 40, 7, 3]), torch.tensor([0, 2, 3, 5, 6])),
+               (torch.tensor([5, 6, 9]), torch.tensor([0, 1, 2, 2, 3]))]
+    g = torch.randn(2, 16, generator=torch.Generator().manual_seed(0))
+    prefetch(*batches[0])
+    log.clear()
+    out = m(*batches[0])
+    prefetch(*batches[1])                 # before batch 0's backward, as the pipeline issues it
+    out.backward(g)
+    want = _step(ref, *batches[0], g)
+    assert torch.equal(out, want)
+    ops = [c[:2] if c[0] in ("linearize", "populate", "lookup") else c for c in log]
+    assert ops[:7] == [("linearize", 6), ("wait_stream", "default", "prefetch"), ("lookup", 6),
+                       ("record", "default"), ("wait_event", "prefetch", "default"),
+                       ("linearize", 3), ("populate", 3)]
+    assert [c for c in ops[7:] if c[0] in ("record", "wait_event")] == []   # the backward: no event
+    for a, b in zip(m.split_embedding_weights(), ref.split_embedding_weights()):
+        assert torch.equal(a, b)
+    log.clear()                           # a VBE forward populates: the event follows its populate
+    out = m(*batches[1], batch_size_per_feature_per_rank=[[3], [1]])
+    prefetch(*batches[0])
+    ops = [c[:2] if c[0] in ("linearize", "populate", "lookup") else c for c in log]
+    assert ops[:6] == [("linearize", 3), ("wait_stream", "default", "prefetch"), ("populate", 3),
+                       ("record", "default"), ("wait_event", "prefetch", "default"), ("linearize", 6)]

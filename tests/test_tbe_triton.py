@@ -821,3 +821,41 @@ def test_cuda_ops_under_torch_compile():
     for name in ("weights_dev", "accum_dev", "linear_dev"):
         assert torch.equal(getattr(mods[0], name), getattr(mods[1], name))
     assert not torch.equal(mods[0].weights_dev, mods[2].weights_dev)   # the step did update
+
+
+def test_tbe_methods_make_the_tables_cuda_device_current(monkeypatch):
+    """``forward``, ``prefetch`` and ``flush`` run with the tables' CUDA device current: Triton and the
+    direct launchers launch on the current device. Stand-ins for the device calls: tables on
+    ``cuda:1`` while ``cuda:0`` is current enter ``torch.cuda.device(cuda:1)``; the current device,
+    the CPU and a compiled trace enter nothing."""
+    import contextlib
+    import types
+    from torchrec_ftrl.tbe.module import on_tables_device
+    entered = []
+
+    @contextlib.contextmanager
+    def device(dev):
+        entered.append(torch.device(dev))
+        yield
+
+    monkeypatch.setattr(torch.cuda, "device", device)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    for name in ("forward", "prefetch", "flush"):
+        method = getattr(FTRLTableBatchedEmbeddingBags, name)
+        assert method.__wrapped__.__name__ == name   # the guard wraps the method itself
+    body = on_tables_device(lambda self, x: (x, len(entered)))
+    tables = lambda dev: types.SimpleNamespace(linear_dev=types.SimpleNamespace(device=torch.device(dev)))
+    assert body(tables("cuda:1"), 7) == (7, 1) and entered == [torch.device("cuda:1")]
+    assert body(tables("cuda:0"), 8) == (8, 1) and body(tables("cpu"), 9) == (9, 1)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert body(tables("cuda:1"), 10) == (10, 1)
+
+
+@cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("seed", [0, 1])
+def test_cuda_tables_on_a_device_that_is_not_current(seed):
+    """Tables on ``cuda:1`` while ``cuda:0`` is current (no ``torch.cuda.set_device``): every output and
+    state matches the float64 reference, as on the current device."""
+    assert torch.cuda.current_device() == 0
+    H.check_case(H.random_case(seed), "triton", device="cuda:1", steps=3)

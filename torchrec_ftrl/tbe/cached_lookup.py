@@ -29,11 +29,15 @@ class CachedLookup:
     Attributes:
         prefetched: ``(keys, slots)`` of each batch :meth:`prefetch` brought in, oldest first.
         prefetch_stream: the stream prefetches overlap the forward on, once one did.
+        forward_cache_work: an event recorded after the latest forward's cache lookup or populate
+            while prefetches run on their own stream (the next prefetch waits for it: the cache's
+            bookkeeping takes one lookup or populate at a time); None otherwise.
     """
 
     def __init__(self) -> None:
         self.prefetched: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.prefetch_stream: Optional[torch.cuda.Stream] = None
+        self.forward_cache_work: Optional[torch.cuda.Event] = None
 
     def batch(self, cache: RowCache, batch: TBEBatch, bsfpr,
               buffers: FlatBuffers) -> tuple[TBEBatch, torch.Tensor, list]:
@@ -57,6 +61,9 @@ class CachedLookup:
         else:
             slots = cache.populate(keys, *buffers)
             locked = [slots]
+        if self.prefetch_stream is not None:
+            self.forward_cache_work = torch.cuda.Event()
+            self.forward_cache_work.record()
         return dataclasses.replace(batch, cache_locations=slots, cache_weights=cache.lxu_cache_weights,
                                    cache_states=cache.lxu_cache_states), keys, locked
 
@@ -103,7 +110,11 @@ class CachedLookup:
     def prefetch(self, cache: RowCache, batch: TBEBatch, bsfpr, buffers: FlatBuffers,
                  forward_stream: Optional[torch.cuda.Stream]) -> None:
         """Bring the rows of ``batch`` into the cache ahead of its forward (see the TBE's
-        :meth:`prefetch`; :meth:`use_stream` first)."""
+        :meth:`prefetch`; :meth:`use_stream` first). On its own stream it first waits for the
+        latest forward's cache work (:attr:`forward_cache_work`), not for the rest of that forward."""
+        if self.forward_cache_work is not None:
+            torch.cuda.current_stream().wait_event(self.forward_cache_work)
+            self.forward_cache_work = None
         keys = cache.linearize(batch.indices, batch.offsets, bags_per_feature(bsfpr))
         slots = cache.populate(keys, *buffers)
         if forward_stream is not None:
@@ -115,6 +126,7 @@ class CachedLookup:
         """Empty the cache without writing it back and forget prefetched batches."""
         cache.reset()
         self.prefetched.clear()
+        self.forward_cache_work = None
 
 
 def release(cache: RowCache, locked: list) -> None:

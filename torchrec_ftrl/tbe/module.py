@@ -14,6 +14,7 @@ The module holds the buffers and the public API; its collaborators, each given w
 
 from __future__ import annotations
 
+import functools
 import uuid as _uuid
 import warnings
 from typing import Any, Optional, Sequence
@@ -38,6 +39,23 @@ from .table_api import COUNTER, FTRLOptimizerState, TableStates, check_loaded
 from .tables import TableTensors
 
 __all__ = ["FTRLTableBatchedEmbeddingBags"]
+
+
+def on_tables_device(method):
+    """Run a TBE method with the tables' CUDA device current, as FBGEMM's ops run under a device
+    guard: Triton launches (and the direct launchers' keys) go to the current device, so tables on
+    ``cuda:1`` in a process whose current device is ``cuda:0`` would launch on the wrong one. A
+    no-op on the CPU, under ``torch.compile`` (Inductor's code guards its own launches) and when the
+    device is already current."""
+    @functools.wraps(method)
+    def on_device(self, *args, **kwargs):
+        dev = self.linear_dev.device
+        if (dev.type != "cuda" or torch.compiler.is_compiling()
+                or dev.index == torch.cuda.current_device()):
+            return method(self, *args, **kwargs)
+        with torch.cuda.device(dev):
+            return method(self, *args, **kwargs)
+    return on_device
 
 
 # FBGEMM TBE attributes TorchRec reaches on some TBEs, with why the FTRL TBE has none (an
@@ -411,6 +429,7 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         return self._hp.learning_rate
 
     # ------------------------------------------------------------------ forward
+    @on_tables_device
     def forward(self, indices: torch.Tensor, offsets: torch.Tensor,
                 per_sample_weights: Optional[torch.Tensor] = None,
                 feature_requires_grad: Optional[torch.Tensor] = None,
@@ -473,6 +492,7 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
         return batch, ((keys, [], generation) if train else None), locked
 
     # ------------------------------------------------------------------ the MANAGED_CACHING placement
+    @on_tables_device
     def prefetch(self, indices: torch.Tensor, offsets: torch.Tensor,
                  forward_stream: Optional[torch.cuda.Stream] = None,
                  batch_size_per_feature_per_rank: Optional[Sequence[Sequence[int]]] = None) -> None:
@@ -516,6 +536,7 @@ class FTRLTableBatchedEmbeddingBags(nn.Module):
             self.cache.uvm_cache_stats.zero_()
             self.cache.local_uvm_cache_stats.zero_()
 
+    @on_tables_device
     def flush(self) -> None:
         """Write the HBM cache's rows (weights and states) back to unified memory; they stay cached.
         A no-op for the other placements."""

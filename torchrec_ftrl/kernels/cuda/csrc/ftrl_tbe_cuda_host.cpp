@@ -85,15 +85,21 @@ void ensure_context(int device) {
   TORCH_CHECK(d.ctx_set(ctx) == 0, "torchrec_ftrl host path: cuCtxSetCurrent failed");
 }
 
-// One positional argument of a kernel launch.
+// One positional argument of a kernel launch. kFresh stands for a buffer not yet allocated, by
+// its dtype and alignment: enough for the registry lookup, which then runs before any allocation.
 struct Arg {
-  enum Kind { kTensor, kInt } kind;
+  enum Kind { kTensor, kInt, kFresh } kind;
   at::Tensor tensor;
   int64_t value = 0;
+  at::ScalarType dtype = at::kFloat;
+  bool aligned = true;
 };
 
-Arg T(const at::Tensor& t) { return Arg{Arg::kTensor, t, 0}; }
+Arg T(const at::Tensor& t) { return Arg{Arg::kTensor, t}; }
 Arg I(int64_t v) { return Arg{Arg::kInt, at::Tensor(), v}; }
+// A buffer the step will allocate: ATen's CUDA allocator returns 512-byte aligned blocks, so a
+// fresh tensor (or a view at a multiple of 16 bytes into one) is aligned.
+Arg F(at::ScalarType dtype, bool aligned = true) { return Arg{Arg::kFresh, at::Tensor(), 0, dtype, aligned}; }
 
 char dtype_code(at::ScalarType s) {
   switch (s) {
@@ -116,6 +122,9 @@ std::string signature_of(const std::vector<Arg>& args) {
     if (a.kind == Arg::kTensor) {
       s.push_back(dtype_code(a.tensor.scalar_type()));
       s.push_back(reinterpret_cast<uintptr_t>(a.tensor.data_ptr()) % 16 == 0 ? 'A' : 'U');
+    } else if (a.kind == Arg::kFresh) {
+      s.push_back(dtype_code(a.dtype));
+      s.push_back(a.aligned ? 'A' : 'U');
     } else {
       const int64_t v = a.value;
       const bool i32 = v >= INT32_MIN && v <= INT32_MAX;
@@ -161,6 +170,7 @@ void launch(const Variant& v, const std::vector<Arg>& args, int64_t grid, void* 
   for (size_t i = 0; i < args.size(); ++i) {
     const char k = v.kinds[i];
     if (k == 'x') continue;
+    TORCH_CHECK(args[i].kind != Arg::kFresh, "torchrec_ftrl host path: argument ", i, " not allocated");
     if (k == 'P') {
       storage[i] = reinterpret_cast<uint64_t>(args[i].tensor.data_ptr());
     } else if (k == 'i') {
@@ -229,36 +239,46 @@ std::tuple<int64_t, std::vector<at::Tensor>> train_forward(
   c10::DeviceGuard guard(dev);
   const int64_t N = indices.numel(), num_bags = offsets.numel() - 1;
   TORCH_CHECK(N > 0 && num_bags > 0 && out_numel > 0, "torchrec_ftrl host path: an empty batch");
-  const bool repair = warn.has_value();
+  const bool repair = warn.has_value(), has_psw = psw.has_value();
   const auto on = [&](at::ScalarType s) { return at::TensorOptions().dtype(s).device(dev); };
-  at::Tensor key = at::empty({N}, on(0 <= total_rows && total_rows < kI32Max ? at::kInt : at::kLong));
-  at::Tensor gofs = at::empty({N}, on(out_numel < kI32Max ? at::kInt : at::kLong));
+  const at::ScalarType key_t = 0 <= total_rows && total_rows < kI32Max ? at::kInt : at::kLong;
+  const at::ScalarType gofs_t = out_numel < kI32Max ? at::kInt : at::kLong;
+  const int64_t tiles = cdiv(num_bags, lin_bags);
+  // The step's buffers: fresh (F) for the registry lookups, then allocated (T) for the launches.
+  struct Buffers { Arg key, gofs, scale, tid, fixed, ws, out; };
+  const auto args_of = [&](const Buffers& b) {
+    const Arg offs = repair ? b.fixed : T(offsets);
+    const Arg w = T(weights.has_value() ? *weights : linear);
+    std::vector<Arg> lin = {T(indices), T(offsets), T(bag_feature), T(bag_out_offset), T(feature_table),
+                            T(row_base), T(table_rows), has_psw ? T(*psw) : b.scale, b.key, b.gofs,
+                            b.scale, b.tid, T(repair ? *warn : offsets), offs, repair ? b.ws : T(offsets),
+                            I(num_bags), I(N), I(max_D)};
+    std::vector<Arg> fwd = {w, b.out, b.key, offs, T(bag_feature), T(bag_out_offset), T(feature_table),
+                            T(table_w_offset), T(table_dim), T(table_rows), T(row_base),
+                            has_psw ? T(*psw) : b.out, T(repair ? *warn : row_base), offs, w, w, T(linear),
+                            T(accum), T(knobs), I(num_bags), I(max_D), I(0)};
+    return std::make_pair(std::move(lin), std::move(fwd));
+  };
+  Variant vl, vf;
+  {
+    const auto fresh = args_of(Buffers{F(key_t), F(gofs_t), F(at::kFloat), F(at::kInt),
+                                       F(offsets.scalar_type()), F(at::kLong), F(out_dtype)});
+    int rc = find(plan, kLinearize, dev.index(), fresh.first, &vl);
+    if (rc == 0) rc = find(plan, kForward, dev.index(), fresh.second, &vf);
+    if (rc != 0) return {rc, {}};
+  }
+  at::Tensor key = at::empty({N}, on(key_t));
+  at::Tensor gofs = at::empty({N}, on(gofs_t));
   at::Tensor scale = at::empty({has_scale ? N : 1}, on(at::kFloat));
   at::Tensor tid = at::empty({N}, on(at::kInt));
   at::Tensor fixed = at::empty({repair ? offsets.numel() : 0}, on(offsets.scalar_type()));
-  const int64_t tiles = cdiv(num_bags, lin_bags);
   at::Tensor ws = repair ? at::zeros({tiles + 1}, on(at::kLong)) : offsets;
-  const bool has_psw = psw.has_value();
-  const at::Tensor& lin_psw = has_psw ? *psw : scale;
-  const at::Tensor& counter = repair ? *warn : offsets;
-  std::vector<Arg> lin = {T(indices), T(offsets), T(bag_feature), T(bag_out_offset), T(feature_table),
-                          T(row_base), T(table_rows), T(lin_psw), T(key), T(gofs), T(scale), T(tid),
-                          T(counter), T(repair ? fixed : offsets), T(ws), I(num_bags), I(N), I(max_D)};
   at::Tensor out = padded ? at::zeros({out_numel}, on(out_dtype)) : at::empty({out_numel}, on(out_dtype));
-  const at::Tensor& offs = repair ? fixed : offsets;
-  const at::Tensor& w = weights.has_value() ? *weights : linear;
-  std::vector<Arg> fwd = {T(w), T(out), T(key), T(offs), T(bag_feature), T(bag_out_offset),
-                          T(feature_table), T(table_w_offset), T(table_dim), T(table_rows), T(row_base),
-                          T(has_psw ? *psw : out), T(repair ? *warn : row_base), T(offs), T(w), T(w),
-                          T(linear), T(accum), T(knobs), I(num_bags), I(max_D), I(0)};
-  Variant vl, vf;
-  int rc = find(plan, kLinearize, dev.index(), lin, &vl);
-  if (rc == 0) rc = find(plan, kForward, dev.index(), fwd, &vf);
-  if (rc != 0) return {rc, {}};
+  const auto args = args_of(Buffers{T(key), T(gofs), T(scale), T(tid), T(fixed), T(ws), T(out)});
   ensure_context(dev.index());
   void* stream = current_stream(dev);
-  launch(vl, lin, tiles, stream);
-  launch(vf, fwd, cdiv(num_bags, fwd_bags), stream);
+  launch(vl, args.first, tiles, stream);
+  launch(vf, args.second, cdiv(num_bags, fwd_bags), stream);
   return {0, {out, key, gofs, scale, tid, fixed}};
 }
 
@@ -294,39 +314,51 @@ int64_t train_backward(
   const int64_t N = key.numel();
   TORCH_CHECK(N > 0, "torchrec_ftrl host path: an empty batch");
   const auto on = [&](at::ScalarType s) { return at::TensorOptions().dtype(s).device(dev); };
-  at::Tensor grad = grad_out.reshape(-1).contiguous();
+  const at::Tensor grad = grad_out.reshape(-1).contiguous();
   const at::Tensor& step_t = step.has_value() ? *step : row_base;
-  at::Tensor perm = sort_positions(key, total_rows, fbgemm_sort);
-  at::Tensor sorted_key = at::empty_like(key), sgofs = at::empty_like(gofs);
-  at::Tensor sscale = at::empty_like(scale), stid = at::empty_like(tid);
-  at::Tensor seg = at::empty({N + 1}, on(N < kI32Max ? at::kInt : at::kLong));
+  const at::ScalarType seg_t = N < kI32Max ? at::kInt : at::kLong;
   const int64_t tiles = cdiv(N, block);
-  at::Tensor ws = at::zeros({tiles + 2}, on(at::kLong));
-  std::vector<Arg> mark = {T(key), T(perm), T(gofs), T(scale), T(tid), T(tid), T(sorted_key), T(sgofs),
-                           T(sscale), T(stid), T(tid), T(seg), T(ws), I(N), I(tiles)};
-  at::Tensor count = ws.narrow(0, tiles + 1, 1);
   const int64_t nmult = cdiv(N, seg_len) - 1;
-  at::Tensor part = at::empty({std::max<int64_t>(1, 2 * (nmult + 1)) * block_d}, on(at::kFloat));
   const int64_t bound = total_rows < 0 ? N : std::min(N, total_rows + N / seg_len);
-  const bool derived = !weights.has_value();
-  const at::Tensor& w = derived ? grad : *weights;
-  std::vector<Arg> update = {T(seg), T(count), T(sorted_key), T(sgofs), T(sscale), T(stid), T(tid),
-                             T(grad), T(w), T(accum), T(linear), T(grad), T(grad), T(grad),
-                             T(table_w_offset), T(table_dim), T(row_base), T(part), T(nonfinite_rows),
-                             T(step_t), T(knobs), I(N), I(0)};
-  std::vector<Arg> combine = {T(sorted_key), T(stid), T(tid), T(part), T(w), T(accum), T(linear),
-                              T(grad), T(grad), T(grad), T(table_w_offset), T(table_dim), T(row_base),
-                              T(nonfinite_rows), T(step_t), T(knobs), I(N), I(0)};
+  const Arg w = T(weights.has_value() ? *weights : grad);   // derived weights: an unused pointer
+  // The step's buffers: fresh (F) for the registry lookups, then allocated (T) for the launches.
+  // count is the int64 at element tiles + 1 of ws.
+  struct Buffers { Arg sorted_key, sgofs, sscale, stid, seg, ws, count, part; };
+  const auto mark_args = [&](const Arg& perm, const Buffers& b) {
+    return std::vector<Arg>{T(key), perm, T(gofs), T(scale), T(tid), T(tid), b.sorted_key, b.sgofs,
+                            b.sscale, b.stid, T(tid), b.seg, b.ws, I(N), I(tiles)};
+  };
+  const auto update_args = [&](const Buffers& b) {
+    return std::vector<Arg>{b.seg, b.count, b.sorted_key, b.sgofs, b.sscale, b.stid, T(tid), T(grad), w,
+                            T(accum), T(linear), T(grad), T(grad), T(grad), T(table_w_offset),
+                            T(table_dim), T(row_base), b.part, T(nonfinite_rows), T(step_t), T(knobs),
+                            I(N), I(0)};
+  };
+  const auto combine_args = [&](const Buffers& b) {
+    return std::vector<Arg>{b.sorted_key, b.stid, T(tid), b.part, w, T(accum), T(linear), T(grad),
+                            T(grad), T(grad), T(table_w_offset), T(table_dim), T(row_base),
+                            T(nonfinite_rows), T(step_t), T(knobs), I(N), I(0)};
+  };
+  const Buffers fresh{F(key.scalar_type()), F(gofs.scalar_type()), F(scale.scalar_type()),
+                      F(tid.scalar_type()), F(seg_t), F(at::kLong), F(at::kLong, (tiles + 1) % 2 == 0),
+                      F(at::kFloat)};
   Variant vm, vu, vc;
-  int rc = find(plan, kMark, dev.index(), mark, &vm);
-  if (rc == 0) rc = find(plan, kUpdate, dev.index(), update, &vu);
-  if (rc == 0 && nmult > 0) rc = find(plan, kCombine, dev.index(), combine, &vc);
+  int rc = find(plan, kUpdate, dev.index(), update_args(fresh), &vu);
+  if (rc == 0 && nmult > 0) rc = find(plan, kCombine, dev.index(), combine_args(fresh), &vc);
   if (rc != 0) return rc;
+  const at::Tensor perm = sort_positions(key, total_rows, fbgemm_sort);   // its dtype: the sort's
+  rc = find(plan, kMark, dev.index(), mark_args(T(perm), fresh), &vm);
+  if (rc != 0) return rc;
+  at::Tensor ws = at::zeros({tiles + 2}, on(at::kLong));
+  at::Tensor part = at::empty({std::max<int64_t>(1, 2 * (nmult + 1)) * block_d}, on(at::kFloat));
+  const Buffers b{T(at::empty_like(key)), T(at::empty_like(gofs)), T(at::empty_like(scale)),
+                  T(at::empty_like(tid)), T(at::empty({N + 1}, on(seg_t))), T(ws),
+                  T(ws.narrow(0, tiles + 1, 1)), T(part)};
   ensure_context(dev.index());
   void* stream = current_stream(dev);
-  launch(vm, mark, tiles, stream);
-  launch(vu, update, cdiv(bound, update_g), stream);
-  if (nmult > 0) launch(vc, combine, cdiv(nmult, combine_cp), stream);
+  launch(vm, mark_args(T(perm), b), tiles, stream);
+  launch(vu, update_args(b), cdiv(bound, update_g), stream);
+  if (nmult > 0) launch(vc, combine_args(b), cdiv(nmult, combine_cp), stream);
   return 0;
 }
 

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import torchrec_ftrl
-from conftest import assert_same_bits, bits, tbe_state
+from conftest import assert_same_bits, bits, cuda, needs_cuda, tbe_state
 
 SPECS = [(10, 4), (6, 8)]
 
@@ -200,17 +200,21 @@ def test_import_shape_error_names_the_row_layout(one_process, tmp_path):
 def test_plain_dcp_resume_with_bf16_linear_is_bitwise(one_process, tmp_path):
     """Plain ``dcp.save`` / ``dcp.load`` of the model and fused optimizer state dicts, no
     ``set_optimizer_step``: the resumed run (stochastic rounding keyed by the step) equals the
-    uninterrupted one bit for bit, and so does one resumed by ``load_dcp``."""
+    uninterrupted one bit for bit, and so does one resumed by ``load_dcp``, staged on the tensors'
+    device or in host memory."""
+    _resume_bitwise(one_process, tmp_path, ("plain", "device", "host"))
+
+
+def _resume_bitwise(sc, tmp_path, hows):
     import torch.distributed.checkpoint as dcp
     from fbgemm_gpu.split_embedding_configs import SparseType
     from torchrec_ftrl.checkpoint import load_dcp
-    sc = one_process
     layout = {"optimizer_state_dtypes": {"linear": SparseType.BF16}}
     full = sc._ck_model(1, "tw", layout)
     sc._ck_train(full, None, 0, 1, range(3))
     dcp.save(sc._ck_state(full), checkpoint_id=str(tmp_path / "ck"))
     sc._ck_train(full, None, 0, 1, range(3, 6))
-    for how in ("plain", "load_dcp"):
+    for how in hows:
         resumed = sc._ck_model(1, "tw", layout)
         if how == "plain":
             state = sc._ck_state(resumed)
@@ -218,10 +222,31 @@ def test_plain_dcp_resume_with_bf16_linear_is_bitwise(one_process, tmp_path):
             resumed.load_state_dict(state["model"])
             resumed.fused_optimizer.load_state_dict(state["optim"])
         else:
-            load_dcp(resumed, resumed.fused_optimizer, str(tmp_path / "ck"))
+            load_dcp(resumed, resumed.fused_optimizer, str(tmp_path / "ck"), stage_on=how)
         assert _steps(resumed) == [3]
         sc._ck_train(resumed, None, 0, 1, range(3, 6))
         assert all(torch.equal(a, b) for a, b in zip(_dmp_bits(full), _dmp_bits(resumed))), how
+
+
+@cuda
+@needs_cuda
+def test_cuda_load_dcp_staged_in_host_memory_resumes_bitwise(monkeypatch, tmp_path):
+    """As above with the tables on the GPU (one NCCL rank): ``load_dcp`` staged in host memory (the
+    ShardedTensors' placements moved to the CPU) and on the device both resume bit for bit."""
+    monkeypatch.setenv("FTRL_TEST_DEVICE", "cuda")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        _resume_bitwise(__import__("dist_scenarios"), tmp_path, ("host", "device"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_load_dcp_refuses_an_unknown_staging_place(one_process, tmp_path):
+    from torchrec_ftrl.checkpoint import load_dcp
+    dmp = one_process._ck_model(1, "tw")
+    with pytest.raises(ValueError, match="stage_on must be one of .*got 'disk'"):
+        load_dcp(dmp, dmp.fused_optimizer, str(tmp_path / "none"), stage_on="disk")
 
 
 @pytest.mark.parametrize("slot,index,value,word", [("accum", (3, 2), -1.0, "-1.0"),

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+from torch.distributed.remote_device import _remote_device
 
 from .state_dtype import STATE_NAMES as SLOTS  # the per-table state files, by FTRL's state names
 from .tbe.derived_weight import DerivedWeight
@@ -256,16 +257,18 @@ def _read(path: str) -> dict[str, np.ndarray]:
 
 # ------------------------------------------------------------------ DCP loads, staged
 def load_dcp(model: torch.nn.Module, optimizer, checkpoint_id: str | os.PathLike,
-             extra: Optional[dict] = None) -> None:
+             extra: Optional[dict] = None, stage_on: Optional[str] = None) -> None:
     """Load the ``torch.distributed.checkpoint`` (DCP) checkpoint at ``checkpoint_id``, saved from
     ``{"model": model.state_dict(), "optim": optimizer.state_dict()}`` (and ``"extra"``: more
     tensors, then loaded into ``extra``'s in place), into ``model`` and ``optimizer``, all or
     nothing.
 
     ``dcp.load`` writes in place into the tensors of the state dict it is given, the tables
-    themselves. Here it loads into a staged copy: every tensor of those state dicts cloned on its
-    device (so during the load the model's and the optimizer's local state is held twice, a
-    derived table's weights as fp32), then every FTRL table's tensors are checked (weights and
+    themselves. Here it loads into a staged copy: every tensor of those state dicts cloned (so
+    during the load the model's and the optimizer's local state is held twice, a derived table's
+    weights as fp32), on its own device, or in host memory when the CUDA tensors of a device would
+    take more than :data:`DEVICE_STAGING_SHARE` of its free memory (``stage_on`` overrides this),
+    then every FTRL table's tensors are checked (weights and
     ``linear`` finite, ``accum`` finite and >= 0, the step counter ``{table}.step`` an integer
     >= 0), with one verdict for all ranks; only then is the staged state copied into the optimizer
     (``load_state_dict``: states and step counters) and the model (``load_state_dict``). A
@@ -276,8 +279,13 @@ def load_dcp(model: torch.nn.Module, optimizer, checkpoint_id: str | os.PathLike
 
     Collective: every rank calls it.
 
+    Args:
+        stage_on: ``"device"`` (each tensor staged on its own device), ``"host"`` (in host memory)
+            or None (by :data:`DEVICE_STAGING_SHARE`).
+
     Raises:
-        ValueError: an FTRL value refused on some rank (naming the rank, the key and the value).
+        ValueError: an FTRL value refused on some rank (naming the rank, the key and the value);
+            a ``stage_on`` other than those above.
         CheckpointException (DCP's): a checkpoint DCP cannot load (missing keys, other shapes, a
             corrupt file). Either way ``model``, ``optimizer`` and ``extra`` are unchanged.
     """
@@ -286,7 +294,7 @@ def load_dcp(model: torch.nn.Module, optimizer, checkpoint_id: str | os.PathLike
     live = {"model": model.state_dict(), "optim": optimizer.state_dict()}
     if extra:
         live["extra"] = extra
-    staged = _staged(live)
+    staged = _staged(live, _staging_device(live, stage_on))
     absent = _absent_steps(staged, checkpoint_id)
     for states, key, _ in absent:     # not asked of DCP; they load the TBEs' own steps back
         del states[key]
@@ -301,20 +309,67 @@ def load_dcp(model: torch.nn.Module, optimizer, checkpoint_id: str | os.PathLike
             _copy_into(extra, staged["extra"])
 
 
-def _staged(obj):
-    """A copy of a (nested) state dict whose tensors are clones on their devices (a ShardedTensor:
-    its local shards, with its metadata)."""
+# load_dcp stages in host memory when the CUDA tensors it would clone on a device take more than
+# this share of the device's free memory (the rest is left to the load's own buffers).
+DEVICE_STAGING_SHARE = 0.5
+STAGE_ON = ("device", "host")
+
+
+def _tensors(obj) -> Iterator[torch.Tensor]:
+    """The tensors of a (nested) state dict (a ShardedTensor's: its local shards)."""
     if isinstance(obj, dict):
-        return {k: _staged(v) for k, v in obj.items()}
+        obj = list(obj.values())
     if isinstance(obj, list):
-        return [_staged(v) for v in obj]
+        for v in obj:
+            yield from _tensors(v)
+    elif isinstance(obj, ShardedTensor):
+        yield from (s.tensor for s in obj.local_shards())
+    elif isinstance(obj, torch.Tensor):
+        yield obj
+
+
+def _staging_device(live, stage_on: Optional[str]) -> Optional[torch.device]:
+    """Where :func:`load_dcp` stages ``live``: None (each tensor on its own device) or the CPU."""
+    if stage_on is not None and stage_on not in STAGE_ON:
+        raise ValueError(f"stage_on must be one of {STAGE_ON} or None, got {stage_on!r}")
+    if stage_on is not None:
+        return torch.device("cpu") if stage_on == "host" else None
+    need: dict = {}
+    for t in _tensors(live):
+        if t.is_cuda:
+            need[t.device] = need.get(t.device, 0) + t.numel() * t.element_size()
+    fits = all(n <= DEVICE_STAGING_SHARE * torch.cuda.mem_get_info(dev)[0] for dev, n in need.items())
+    return None if fits else torch.device("cpu")
+
+
+def _staged(obj, device: Optional[torch.device] = None):
+    """A copy of a (nested) state dict whose tensors are clones, on their devices or on ``device``
+    (a ShardedTensor: its local shards, with its metadata placed there)."""
+    if isinstance(obj, dict):
+        return {k: _staged(v, device) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_staged(v, device) for v in obj]
     if isinstance(obj, ShardedTensor):
-        shards = [Shard(s.tensor.detach().clone(), copy.deepcopy(s.metadata)) for s in obj.local_shards()]
+        shards = [Shard(_clone(s.tensor, device), _placed(s.metadata, device)) for s in obj.local_shards()]
+        metadata = copy.deepcopy(obj.metadata())
+        metadata.shards_metadata = [_placed(m, device) for m in metadata.shards_metadata]
         return ShardedTensor._init_from_local_shards_and_global_metadata(
-            shards, copy.deepcopy(obj.metadata()), process_group=obj._process_group)
+            shards, metadata, process_group=obj._process_group)
     if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
+        return _clone(obj, device)
     return copy.deepcopy(obj)
+
+
+def _clone(t: torch.Tensor, device: Optional[torch.device]) -> torch.Tensor:
+    return t.detach().clone() if device is None else t.detach().to(device, copy=True)
+
+
+def _placed(shard_metadata, device: Optional[torch.device]):
+    """A copy of a shard's metadata, placed on ``device`` of the same rank (unchanged for None)."""
+    out = copy.deepcopy(shard_metadata)
+    if device is not None and out.placement is not None:
+        out.placement = _remote_device(f"rank:{out.placement.rank()}/{device}")
+    return out
 
 
 def _ftrl_groups(state: dict) -> Iterator[tuple[str, str, dict]]:

@@ -156,15 +156,15 @@ def test_bench_preset_spread_of_repeats_by_hand():
     assert bench_preset.spread_lines(rows[3:]) == []
 
 
-def test_bench_preset_passes_the_dense_precision_to_every_job_run(tmp_path, monkeypatch):
+def test_bench_preset_passes_the_dense_flags_to_every_job_run(tmp_path, monkeypatch):
     import bench_preset
     a = bench_preset.build_parser().parse_args(["--out", str(tmp_path), "--dense-precision", "bf16",
-                                                "--batches", "8192"])
+                                                "--batches", "8192", "--compile-dense", "off"])
     b = bench_preset.Bench(a)
     seen = []
     monkeypatch.setattr(b, "run", lambda name, cmd, **kw: seen.append(cmd) or {})
     b.job("x", ["--rows-scale", "0.25"], 8192)
-    assert seen[0][-2:] == ["--dense-precision", "bf16"]
+    assert seen[0][-4:] == ["--dense-precision", "bf16", "--compile-dense", "off"]
     steps = bench_preset.PresetSteps(b, a)
     assert (steps.small, steps.big) == (8192, 8192)
     with pytest.raises(SystemExit):
@@ -173,7 +173,8 @@ def test_bench_preset_passes_the_dense_precision_to_every_job_run(tmp_path, monk
     # where it can run that precision)
     bench_preset.main(["--out", str(tmp_path / "default"), "--skip", "1,2,3,4,5,6,7,8,9"])
     with open(tmp_path / "default" / "bench_preset.json") as f:
-        assert json.load(f)["dense_precision"] == "bf16"
+        written = json.load(f)
+    assert written["dense_precision"] == "bf16" and written["compile_dense"] == "auto"
 
 
 # ------------------------------------------------------------------------- quality_pair.py

@@ -14,8 +14,8 @@ from .pipeline import PIPELINES
 SPARSE_OPTIMIZERS = ("ftrl", "rowwise_adagrad")
 FTRL_REG_SCALES = ("per_example", "raw")
 FTRL_STATE_DTYPES = ("fp32", "bf16")
-# --compile-dense values: "on" is torch.compile's default mode, "reduce-overhead" adds CUDA graphs.
-COMPILE_DENSE = ("auto", "on", "reduce-overhead", "off")
+# --compile-dense values: "on" is torch.compile's default mode.
+COMPILE_DENSE = ("auto", "on", "off")
 # --compile-dense auto on CUDA: this mode at this per-rank batch and above, eager below
 # (docs/main-job.md); on the CPU it is off.
 CUDA_AUTO_COMPILE_MODE = "default"
@@ -179,8 +179,7 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
                    help="torch.compile the training dense part (bottom MLP, interaction, top MLP) as one "
                         "graph, compiled before the first step; parameter and checkpoint names stay the "
                         "same, and results match the eager model to float32 rounding, not bitwise. on "
-                        "(the bare flag): inductor's fused kernels; reduce-overhead: the same replayed as "
-                        "CUDA graphs, one host call a step (CUDA only); auto: "
+                        "(the bare flag): inductor's fused kernels; auto: "
                         f"{CUDA_AUTO_COMPILE_MODE} for a CUDA run of --batch-size "
                         f">= {COMPILE_DENSE_MIN_CUDA_BATCH:,}, else off")
     r.add_argument("--data-workers", default="auto", metavar="N",
@@ -239,9 +238,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         a.sparse_lr = 0.05
     a.dense_precision_given = a.dense_precision is not None
     a.dense_precision = dense_precision.resolve(a.dense_precision, "cuda" if cuda_run(a.device) else "cpu")
-    if a.compile_dense == "reduce-overhead" and not cuda_run(a.device):
-        p.error("--compile-dense reduce-overhead needs a CUDA device (it replays CUDA graphs); this "
-                "run is on the CPU: use on or off")
     a.compile_dense = resolve_compile_dense(a.compile_dense, cuda_run(a.device), a.batch_size)
     if a.zch and a.sparse_optimizer == "rowwise_adagrad" and not cuda_run(a.device):
         p.error("--zch with --sparse-optimizer rowwise_adagrad needs --device cuda: FBGEMM resets "
@@ -253,12 +249,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def resolve_compile_dense(value: str, cuda: bool, batch_size: int) -> Optional[str]:
     """The ``torch.compile`` mode of the run's dense part (``job.model.COMPILE_MODES``), or None for
-    eager: ``value`` ``"on"``: ``"default"``; ``"reduce-overhead"`` as given; ``"off"``: None;
+    eager: ``value`` ``"on"``: ``"default"``; ``"off"``: None;
     ``"auto"``: :data:`CUDA_AUTO_COMPILE_MODE` for a CUDA run (``cuda``) whose per-rank
     ``batch_size`` is at least :data:`COMPILE_DENSE_MIN_CUDA_BATCH`, else None."""
     if value == "auto":
         return CUDA_AUTO_COMPILE_MODE if cuda and batch_size >= COMPILE_DENSE_MIN_CUDA_BATCH else None
-    return {"on": "default", "reduce-overhead": "reduce-overhead", "off": None}[value]
+    return {"on": "default", "off": None}[value]
 
 
 def compile_words(mode: Optional[str]) -> str:

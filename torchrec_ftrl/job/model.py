@@ -33,7 +33,6 @@ class _CTRForward:
         self.num_dense = int(num_dense)
         self.dense_precision = dense_precision
         self.dense_device_type = torch.device(dlrm_kwargs.get("dense_device") or "cpu").type
-        self.dense_compile_mode: Optional[str] = None    # set by compile_dense
         self.compiled_dense_logits = None                 # a plain attribute: no state_dict key
 
     def forward(self, batch):  # documented on CTRTrain
@@ -259,9 +258,7 @@ class DenseOptimizer(KeyedOptimizerWrapper):
     """TorchRec's ``KeyedOptimizerWrapper`` whose ``zero_grad`` always frees the gradients
     (``set_to_none=True``, torch's default; ``CombinedOptimizer.zero_grad`` passes False). The next
     backward then hands each parameter its new gradient tensor instead of adding it into a zeroed
-    one: one add kernel a parameter fewer, the same values. A compiled dense part that replays CUDA
-    graphs (``--compile-dense reduce-overhead``) needs it: its gradients live in the graphs' memory,
-    which the next replay overwrites, so no gradient may outlive its step."""
+    one: one add kernel a parameter fewer, the same values."""
 
     def zero_grad(self, set_to_none: bool = True) -> None:   # noqa: ARG002 (always frees)
         super().zero_grad(set_to_none=True)
@@ -294,11 +291,8 @@ def init_dense_state(opt, fused_optimizer) -> None:
 
 
 # torch.compile modes of the dense part: "default" (inductor: fused elementwise kernels, one host
-# call a graph) and "reduce-overhead" (the same kernels replayed as CUDA graphs; CUDA only).
-COMPILE_MODES = ("default", "reduce-overhead")
-# Training calls that record the CUDA graphs of mode "reduce-overhead" (torch's CUDA-graph trees run
-# a graph's first call eagerly and record at the second), so the third call replays.
-_CUDA_GRAPH_RECORD_CALLS = 3
+# call a graph).
+COMPILE_MODES = ("default",)
 
 
 def compile_dense(model: nn.Module, mode: str = "default") -> None:
@@ -313,52 +307,35 @@ def compile_dense(model: nn.Module, mode: str = "default") -> None:
     """
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile mode must be one of {COMPILE_MODES}, got {mode!r}")
-    model.dense_compile_mode = mode
     model.compiled_dense_logits = torch.compile(dense_logits, mode=mode, dynamic=False)
 
 
 def warm_up_dense(model: nn.Module, batch_size: int) -> None:
     """Run the training dense part of ``model`` (a ``CTRTrain`` / ``CTRTrainDCN``) before the first
     training step, so that its one-off costs fall outside the timed steps: the compile after
-    :func:`compile_dense` (for the training shapes) and the recording of its CUDA graphs (mode
-    ``reduce-overhead``: three calls), and on CUDA the first calls' set-up of cuBLAS and of the
-    allocator's pools. Each call is one forward and backward of :meth:`CTRTrain.dense_logits` (the
+    :func:`compile_dense` (for the training shapes), and on CUDA the first calls' set-up of cuBLAS
+    and of the allocator's pools. It is one forward and backward of :meth:`CTRTrain.dense_logits` (the
     model's precision) on zero inputs: dense ``[batch_size, max(num_dense, 1)]`` float32 and pooled
     embeddings ``[batch_size, F, D]`` float32 that require grad, as the sparse arch returns them.
     The gradients it leaves on the dense parameters are dropped (set to None): parameters and
     optimizer state are untouched. Call it before sharding, while no parameter holds a gradient."""
     device = next(model.dense_arch.parameters()).device
     dense = torch.zeros(batch_size, max(model.num_dense, 1), device=device)
-    calls = _CUDA_GRAPH_RECORD_CALLS if model.dense_compile_mode == "reduce-overhead" else 1
-    for _ in range(calls):
-        pooled = torch.zeros(batch_size, model.sparse_arch.F, model.sparse_arch.D, device=device,
-                             requires_grad=True)
-        model.dense_logits(dense, pooled).sum().backward()
+    pooled = torch.zeros(batch_size, model.sparse_arch.F, model.sparse_arch.D, device=device,
+                         requires_grad=True)
+    model.dense_logits(dense, pooled).sum().backward()
     for name in DENSE_PARTS:
         for p in getattr(model, name).parameters():
             p.grad = None
 
 
-def _dynamo_counter(group: str, name: str) -> int:
-    """``torch._dynamo.utils.counters[group][name]`` of this process; 0 when dynamo was never
-    imported."""
+def compiled_frames() -> int:
+    """Frames ``torch.compile`` (dynamo) has compiled so far in this process, recompiles included
+    (``counters["frames"]["ok"]``); 0 when dynamo was never imported."""
     import sys
 
     if "torch._dynamo" not in sys.modules:
         return 0
     from torch._dynamo.utils import counters
 
-    return int(counters[group][name])
-
-
-def cudagraph_skips() -> int:
-    """Compiled graphs inductor has run without the CUDA graphs that ``mode="reduce-overhead"``
-    asked for, in this process (``counters["inductor"]["cudagraph_skips"]``; each skip's reason is a
-    warning of torch's ``cudagraphs`` log); 0 when dynamo was never imported."""
-    return _dynamo_counter("inductor", "cudagraph_skips")
-
-
-def compiled_frames() -> int:
-    """Frames ``torch.compile`` (dynamo) has compiled so far in this process, recompiles included
-    (``counters["frames"]["ok"]``); 0 when dynamo was never imported."""
-    return _dynamo_counter("frames", "ok")
+    return int(counters["frames"]["ok"])

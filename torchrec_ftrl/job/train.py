@@ -235,11 +235,6 @@ def _build_model(job: _Job) -> _Model:
         t = time.perf_counter()
         model_lib.warm_up_dense(net, args.batch_size)
         dense_warmup_s = time.perf_counter() - t
-    skips = model_lib.cudagraph_skips()
-    if args.compile_dense == "reduce-overhead" and skips:
-        raise JobConfigError(f"--compile-dense reduce-overhead: torch replays the dense part without "
-                             f"CUDA graphs ({skips} skip(s), the reason in the warning above): use "
-                             f"--compile-dense on or off")
     sharders = torchrec_ftrl.sharders(job.fused_params)
     local_world = job.local_world
     tables = [f"t_{f}" for f in job.features]

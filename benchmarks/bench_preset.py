@@ -39,7 +39,7 @@ flag, so at ``tf32`` it runs with ``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1`` (cuBLAS
 and at ``bf16`` it is recorded as not run. ``--compile-dense`` is passed to every job run (default:
 the job's ``auto``) and recorded. ``--repeats N`` runs each of steps 8 and 9's job runs N times in
 a row (``_r1`` .. ``_rN``); the report then gives, per run, the steady rate's mean and its spread
-((max - min) / mean).
+((max - min) / mean), and each FTRL run's steady rate over row-wise Adagrad's of the same repeat.
 
 Every job run: ``--steps`` (300) steps, synthetic multi-hot input drawn on the GPU, no validation
 until the end (one batch), ``--no-progress``. Recorded per run: ``examples_per_s`` (every step),
@@ -55,6 +55,7 @@ import argparse
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -148,6 +149,7 @@ class Bench:
                          f"{f('steady_examples_per_s')} | {f('whole_over_steady', '{:.2f}')} | "
                          f"{peak / 1e9 if peak else '-'} | {f('wall_s', '{:.0f}')} |")
         lines += spread_lines(self.rows)
+        lines += ratio_lines(self.rows)
         lines += ["", "Plans, refusals, profiles and the tail of every run: bench_preset.json."]
         with open(os.path.join(self.args.out, "bench_preset.md"), "w") as f:
             f.write("\n".join(lines) + "\n")
@@ -376,6 +378,33 @@ def spread_lines(rows):
         mean = sum(v) / len(v)
         out.append(f"| {base} ({len(v)}) | {', '.join(f'{x:,.0f}' for x in v)} | {mean:,.0f} | "
                    f"{100 * (max(v) - min(v)) / mean:.1f}% |")
+    return out
+
+
+_JOB_RUN = re.compile(r"^(scaled|full)_(.+)_(\d+)(_r\d+)?$")   # {shape}_{optimizer}_{batch}[_rN]
+
+
+def ratio_lines(rows):
+    """The report's lines on each FTRL run's steady examples/s over row-wise Adagrad's at the same
+    shape, batch and repeat (``scaled_ftrl_derived_rowwise_8192_r2`` over
+    ``scaled_rowwise_adagrad_8192_r2``), per run name, repeats in order, and the smallest; no lines
+    without such pairs."""
+    rate = {r["name"]: r["steady_examples_per_s"] for r in rows
+            if isinstance(r.get("steady_examples_per_s"), (int, float))}
+    groups = {}
+    for name, value in rate.items():
+        m = _JOB_RUN.match(name)
+        if not m or m.group(2) == "rowwise_adagrad" or m.group(2).endswith("_profiled"):
+            continue
+        shape, _, batch, tag = m.groups()
+        base = rate.get(f"{shape}_rowwise_adagrad_{batch}{tag or ''}")
+        if base:
+            groups.setdefault(name[:m.start(4)] if tag else name, []).append(value / base)
+    if not groups:
+        return []
+    out = ["", "| run | over row-wise Adagrad of the same repeat | smallest |", "| --- | --- | ---: |"]
+    for name, v in groups.items():
+        out.append(f"| {name} | {', '.join(f'{x:.2f}x' for x in v)} | {min(v):.2f}x |")
     return out
 
 

@@ -156,6 +156,27 @@ def test_bench_preset_spread_of_repeats_by_hand():
     assert bench_preset.spread_lines(rows[3:]) == []
 
 
+def test_bench_preset_ratios_over_the_same_repeat_by_hand():
+    """FTRL 110k and 90k over row-wise Adagrad's 100k and 120k of the same repeats: 1.10x and 0.75x,
+    the smallest 0.75x; an unrepeated pair 50k over 40k: 1.25x; a run without its row-wise Adagrad
+    twin, a failed one, a profiled one and TorchRec's example are left out."""
+    import bench_preset
+    rows = [{"name": "full_rowwise_adagrad_8192_r1", "steady_examples_per_s": 100_000.0},
+            {"name": "full_ftrl_derived_rowwise_8192_r1", "steady_examples_per_s": 110_000.0},
+            {"name": "full_rowwise_adagrad_8192_r2", "steady_examples_per_s": 120_000.0},
+            {"name": "full_ftrl_derived_rowwise_8192_r2", "steady_examples_per_s": 90_000.0},
+            {"name": "full_ftrl_derived_rowwise_8192_r3", "steady_examples_per_s": 95_000.0},
+            {"name": "full_ftrl_derived_bf16_8192_r1", "status": "exit 1"},
+            {"name": "scaled_rowwise_adagrad_65536", "steady_examples_per_s": 40_000.0},
+            {"name": "scaled_ftrl_derived_rowwise_65536", "steady_examples_per_s": 50_000.0},
+            {"name": "scaled_ftrl_derived_rowwise_profiled_65536", "steady_examples_per_s": 9_000.0},
+            {"name": "dlrm_main.py (DCN, scaled, 8192)", "steady_examples_per_s": 300_000.0}]
+    lines = bench_preset.ratio_lines(rows)
+    assert lines[3:] == ["| full_ftrl_derived_rowwise_8192 | 1.10x, 0.75x | 0.75x |",
+                         "| scaled_ftrl_derived_rowwise_65536 | 1.25x | 1.25x |"]
+    assert bench_preset.ratio_lines(rows[4:6]) == []
+
+
 def test_bench_preset_passes_the_dense_flags_to_every_job_run(tmp_path, monkeypatch):
     import bench_preset
     a = bench_preset.build_parser().parse_args(["--out", str(tmp_path), "--dense-precision", "bf16",

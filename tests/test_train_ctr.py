@@ -183,6 +183,36 @@ def test_plain_loop_gives_bitwise_the_same_model(synthetic_run, tmp_path):
         _assert_same_checkpoint(d / "ckpt" / step, tmp_path / "ckpt" / step, tmp_path)
 
 
+def test_the_pipeline_is_filled_before_the_first_step(synthetic_run, monkeypatch):
+    """``SparseDistLoop.fill`` runs TorchRec's ``fill_pipeline`` on the loop's batches before the
+    timed steps (the summary's ``pipeline_fill_s``): here a stand-in pipeline that reads two batches
+    there and one a ``progress``, as TorchRec's does; the batches read stay pending in order, and the
+    first step hands the first one's KJT to ``on_batch``."""
+    import torchrec.distributed.train_pipeline as tp
+    from torchrec_ftrl.job import pipeline
+
+    class Pipeline:
+        def __init__(self, *args, **kwargs):
+            self.read = []
+
+        def fill_pipeline(self, it):
+            self.read += [next(it), next(it)]
+
+        def progress(self, it):
+            self.read.append(next(it))
+            return torch.tensor(0.0), None, None
+
+    monkeypatch.setattr(tp, "TrainPipelineSparseDist", Pipeline)
+    batches = [SimpleNamespace(sparse_features=f"kjt{i}") for i in range(5)]
+    seen = []
+    loop = pipeline.SparseDistLoop(None, None, torch.device("cpu"), iter(batches), seen.append)
+    loop.fill()
+    assert list(loop._pending) == ["kjt0", "kjt1"] and seen == []
+    loop.step()
+    assert seen == ["kjt0"] and list(loop._pending) == ["kjt1", "kjt2"]
+    assert _summary(synthetic_run[0] / "out")["pipeline_fill_s"] > 0
+
+
 def test_data_workers_give_bitwise_the_same_model(synthetic_run, tmp_path):
     """Batches built on the training thread (``--data-workers 0``) and by 2 DataLoader workers against
     the fixture run (``auto``): the same losses, validation metrics and checkpoints; then a resume

@@ -39,6 +39,9 @@ class PlainLoop:
         self.model, self.optimizer, self.device = model, optimizer, device
         self._batches, self._on_batch = batches, on_batch
 
+    def fill(self) -> None:
+        """Before the first step: nothing (the plain loop reads each batch in its step)."""
+
     def step(self) -> torch.Tensor:
         """Train the next batch; returns its loss (0-d float32, detached, on the device).
 
@@ -86,6 +89,13 @@ class SparseDistLoop:
 
         self._batches = read()
         self.pipeline = TrainPipelineSparseDist(model, optimizer, device, execute_all_batches=True)
+
+    def fill(self) -> None:
+        """Before the first step: the pipeline's ``fill_pipeline`` (its first ``progress`` does it
+        otherwise): the first two batches read and copied to the device, the sharded modules'
+        forward rewritten (TorchRec traces the model with ``torch.fx``) and the first batch's input
+        dist. The batches and their order do not change."""
+        self.pipeline.fill_pipeline(self._batches)
 
     def step(self) -> torch.Tensor:
         """Train the next batch; returns its loss (0-d float32, detached, on the device).

@@ -156,6 +156,7 @@ class _Timing(NamedTuple):
     t_steady: Optional[float]     # when step steady_from + 1 started (None: not timed)
     steady_kernel_events: Optional[dict] = None   # _kernel_events over the steady window
     compiled_frames: int = 0      # frames torch.compile compiled from t0 to the end of the last step
+    pipeline_fill_s: float = 0.0  # seconds of the loop's fill before t0 (pipeline.SparseDistLoop.fill)
 
 
 def _run(args, env, fused_params, source, data_desc, rank0) -> dict:
@@ -359,6 +360,9 @@ class _Training:
                                   (lambda kjt: None) if job.args.zch else self.tracker.update)
         self.prof = self._profiler(todo)
         self._restore_window()
+        t_fill = time.perf_counter()
+        self.loop.fill()              # the pipeline's set-up and first batches, outside the timed loop
+        fill_s = time.perf_counter() - t_fill
         # Steady-state throughput: timed from the end of the first STEADY_AFTER steps of this run (one
         # device sync there), so one-off costs (kernel compiles, first allocations) are left out.
         steady_from = self.start_step + STEADY_AFTER if todo > 2 * STEADY_AFTER else None
@@ -388,7 +392,7 @@ class _Training:
             events1 = _kernel_events(env.device)
             events = {k: events1[k] - events0.get(k, 0) for k in sorted(events1)}
         return _Timing(t0, train_time, steady_from, t_steady, events,
-                       model_lib.compiled_frames() - frames0)
+                       model_lib.compiled_frames() - frames0, fill_s)
 
     def finish(self) -> None:
         """Validate at the last step (unless done there) and, with --checkpoint-dir, save it."""
@@ -521,7 +525,7 @@ def _summary(job: _Job, model: _Model, training: _Training, timing: _Timing, sp:
     loss_history, val_history = training.loss_history, training.val_history
     done = steps - start_step
     examples_per_step = args.batch_size * env.world_size
-    t0, train_time, steady_from, t_steady, steady_events, frames = timing
+    t0, train_time, steady_from, t_steady, steady_events, frames, fill_s = timing
     return {
         "run_name": args.run_name,
         "world_size": env.world_size, "device": str(env.device), "backend": env.backend,
@@ -536,7 +540,7 @@ def _summary(job: _Job, model: _Model, training: _Training, timing: _Timing, sp:
         "dense_optimizer_options": model_lib.dense_optimizer_options(args.dense_optimizer, env.device.type),
         "steps": steps, "start_step": start_step, "batch_size_per_rank": args.batch_size,
         "examples_per_s": done * examples_per_step / train_time if done else None,
-        "train_time_s": train_time,
+        "train_time_s": train_time, "pipeline_fill_s": fill_s,
         "steady_examples_per_s": ((steps - steady_from) * examples_per_step
                                   / (t0 + train_time - t_steady) if t_steady is not None else None),
         "final_train_loss": loss_history[-1][1] if loss_history else None,

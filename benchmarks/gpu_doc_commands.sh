@@ -22,7 +22,7 @@ run_block() {  # NAME LOG: runs stdin under bash from the repository root
   echo "| $name | $rc | $((SECONDS - t0)) | $(tail -n 3 "$log" | tr '\n|' '  ' | cut -c1-300) |" >> "$REPORT"
 }
 
-run_block 'docs/performance.md:452 (python gpu)' "$OUT/doc_01.log" <<'DOCEOF'
+run_block 'docs/performance.md:453 (python gpu)' "$OUT/doc_01.log" <<'DOCEOF'
 python - <<'PYEOF'
 import torch, torchrec_ftrl
 
@@ -65,7 +65,7 @@ run_block 'docs/quality.md:275 (bash gpu)' "$OUT/doc_05.log" <<'DOCEOF'
 source .gpu/setup.sh && export TORCHREC_FTRL_DATA=$PWD/.gpu/data && for p in fp32 tf32 bf16; do python3 benchmarks/quality.py --device cuda --datasets teacher --teacher large --variants ftrl --batches 8192 --seeds 0 1 2 3 4 --dense-precision $p --out $OUT/teacher_$p; python3 benchmarks/quality.py --device cuda --datasets criteo --variants ftrl --batches 256 --seeds 0 1 2 3 4 --dense-precision $p --out $OUT/criteo_$p; done
 DOCEOF
 
-run_block 'docs/uvm-caching.md:131 (bash gpu)' "$OUT/doc_06.log" <<'DOCEOF'
+run_block 'docs/uvm-caching.md:132 (bash gpu)' "$OUT/doc_06.log" <<'DOCEOF'
 python examples/ftrl_larger_than_hbm.py --hbm-gib 4 --steps 60
 DOCEOF
 
@@ -93,7 +93,7 @@ python benchmarks/zch_vs_modulo.py --data ../shared/data/criteo/criteo_dac_combi
     --epochs 5 --sizes 1000 10000 --seeds 0 1 2 --out zch_criteo_cpu
 DOCEOF
 
-run_block 'docs/performance.md:581 (bash long)' "$OUT/doc_12.log" <<'DOCEOF'
+run_block 'docs/performance.md:582 (bash long)' "$OUT/doc_12.log" <<'DOCEOF'
 python benchmarks/bench_tbe_cpu.py --threads 2 --iters 20
 DOCEOF
 

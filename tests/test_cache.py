@@ -888,3 +888,7 @@ def test_a_prefetch_on_its_own_stream_waits_for_the_forwards_cache_work(monkeypa
     ops = [c[:2] if c[0] in ("linearize", "populate", "lookup") else c for c in log]
     assert ops[:6] == [("linearize", 3), ("wait_stream", "default", "prefetch"), ("populate", 3),
                        ("record", "default"), ("wait_event", "prefetch", "default"), ("linearize", 6)]
+    log.clear()                           # a reset (after a load) waits for the prefetch, and back
+    m.reset_cache_states()
+    assert log == [("wait_stream", "default", "prefetch"), ("reset",),
+                   ("wait_stream", "prefetch", "default")]

@@ -123,10 +123,14 @@ class CachedLookup:
         self.prefetched.append((keys, slots))
 
     def reset(self, cache: RowCache) -> None:
-        """Empty the cache without writing it back and forget prefetched batches."""
+        """Empty the cache without writing it back and forget prefetched batches. With prefetches on
+        their own stream, the reset waits for them and the next one waits for the reset."""
+        self._wait_for_prefetch()
         cache.reset()
         self.prefetched.clear()
         self.forward_cache_work = None
+        if self.prefetch_stream is not None:
+            self.prefetch_stream.wait_stream(torch.cuda.current_stream())
 
 
 def release(cache: RowCache, locked: list) -> None:

@@ -65,7 +65,7 @@ run_block 'docs/quality.md:275 (bash gpu)' "$OUT/doc_05.log" <<'DOCEOF'
 source .gpu/setup.sh && export TORCHREC_FTRL_DATA=$PWD/.gpu/data && for p in fp32 tf32 bf16; do python3 benchmarks/quality.py --device cuda --datasets teacher --teacher large --variants ftrl --batches 8192 --seeds 0 1 2 3 4 --dense-precision $p --out $OUT/teacher_$p; python3 benchmarks/quality.py --device cuda --datasets criteo --variants ftrl --batches 256 --seeds 0 1 2 3 4 --dense-precision $p --out $OUT/criteo_$p; done
 DOCEOF
 
-run_block 'docs/uvm-caching.md:132 (bash gpu)' "$OUT/doc_06.log" <<'DOCEOF'
+run_block 'docs/uvm-caching.md:134 (bash gpu)' "$OUT/doc_06.log" <<'DOCEOF'
 python examples/ftrl_larger_than_hbm.py --hbm-gib 4 --steps 60
 DOCEOF
 

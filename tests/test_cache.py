@@ -835,7 +835,8 @@ def test_a_prefetch_on_its_own_stream_waits_for_the_forwards_cache_work(monkeypa
     (the default stream), and the two may run at once on the GPU. The cache's bookkeeping takes one
     lookup or populate at a time, so the prefetch's stream first waits for an event recorded on the
     default stream after the forward's lookup (its populate for a VBE batch), and for nothing later
-    of that forward. Streams and events are stand-ins that log into the fake cache's calls."""
+    of that forward; the prefetched slots, made on the prefetch stream, are recorded as used on the
+    forward's. Streams and events are stand-ins that log into the fake cache's calls."""
     ref, m = _cpu_tbes(True)
     log = m.cache.calls
 
@@ -858,7 +859,8 @@ def test_a_prefetch_on_its_own_stream_waits_for_the_forwards_cache_work(monkeypa
     current = [default]
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: current[0])
     monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+    monkeypatch.setattr(torch.Tensor, "record_stream",
+                        lambda self, stream: log.append(("record_stream", stream.name)))
 
     def prefetch(idx, off):
         current[0] = side
@@ -876,18 +878,20 @@ def test_a_prefetch_on_its_own_stream_waits_for_the_forwards_cache_work(monkeypa
     want = _step(ref, *batches[0], g)
     assert torch.equal(out, want)
     ops = [c[:2] if c[0] in ("linearize", "populate", "lookup") else c for c in log]
-    assert ops[:7] == [("linearize", 6), ("wait_stream", "default", "prefetch"), ("lookup", 6),
-                       ("record", "default"), ("wait_event", "prefetch", "default"),
+    assert ops[:8] == [("linearize", 6), ("wait_stream", "default", "prefetch"),
+                       ("record_stream", "default"),   # the prefetched slots, used on this stream
+                       ("lookup", 6), ("record", "default"), ("wait_event", "prefetch", "default"),
                        ("linearize", 3), ("populate", 3)]
-    assert [c for c in ops[7:] if c[0] in ("record", "wait_event")] == []   # the backward: no event
+    assert [c for c in ops[8:] if c[0] in ("record", "wait_event")] == []   # the backward: no event
     for a, b in zip(m.split_embedding_weights(), ref.split_embedding_weights()):
         assert torch.equal(a, b)
     log.clear()                           # a VBE forward populates: the event follows its populate
     out = m(*batches[1], batch_size_per_feature_per_rank=[[3], [1]])
     prefetch(*batches[0])
     ops = [c[:2] if c[0] in ("linearize", "populate", "lookup") else c for c in log]
-    assert ops[:6] == [("linearize", 3), ("wait_stream", "default", "prefetch"), ("populate", 3),
-                       ("record", "default"), ("wait_event", "prefetch", "default"), ("linearize", 6)]
+    assert ops[:7] == [("linearize", 3), ("wait_stream", "default", "prefetch"),
+                       ("record_stream", "default"), ("populate", 3), ("record", "default"),
+                       ("wait_event", "prefetch", "default"), ("linearize", 6)]
     log.clear()                           # a reset (after a load) waits for the prefetch, and back
     m.reset_cache_states()
     assert log == [("wait_stream", "default", "prefetch"), ("reset",),

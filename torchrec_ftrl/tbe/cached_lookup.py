@@ -53,6 +53,10 @@ class CachedLookup:
         if self.prefetched:
             _, prefetched = self.prefetched.pop(0)
             self._wait_for_prefetch()
+            if self.prefetch_stream is not None:
+                # made on the prefetch stream, used from here on by this one (TorchRec passes
+                # prefetch a forward_stream of its own, not the stream the forward runs on)
+                prefetched.record_stream(torch.cuda.current_stream())
             if bsfpr is None:
                 slots, locked = cache.lookup(keys), [prefetched]
             else:

@@ -259,8 +259,8 @@ def resolve_compile_dense(value: str, cuda: bool, batch_size: int) -> Optional[s
 
 def compile_words(mode: Optional[str]) -> str:
     """Words for the start line and reports after the precision: ``""`` for an eager dense part
-    (None), ``" compiled"`` for mode ``"default"``, else ``" compiled (<mode>)"``."""
-    return "" if not mode else " compiled" if mode == "default" else f" compiled ({mode})"
+    (None), ``" compiled"`` for a compiled one (its one mode, ``"default"``)."""
+    return " compiled" if mode else ""
 
 
 def cuda_run(device: str) -> bool:

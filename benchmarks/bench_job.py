@@ -389,12 +389,13 @@ def timed_run(args, row, name, folder, inline, log) -> None:
                steps=summary.get("steps"), world_size=summary.get("world_size"),
                device=summary.get("device"), plan=summary.get("plan"),
                dense_precision=summary.get("dense_precision"), compile_dense=summary.get("compile_dense"),
+               dense_cuda_graphs=summary.get("dense_cuda_graphs"),
                reader=(summary.get("data") or {}).get("reader"))
     if inline:
         row["step_profile"] = read_profile(summary)
     msg = (f"[{optimizer} / {source}] {row['examples_per_s'] or 0:,.0f} examples/s, steady "
            f"{row['steady_examples_per_s'] or 0:,.0f} "
-           f"(dense {row['dense_precision']}{compile_words(row['compile_dense'])}, "
+           f"(dense {row['dense_precision']}{compile_words(row['compile_dense'], bool(row['dense_cuda_graphs']))}, "
            f"train time {row['train_time_s'] or 0:.2f} s, run {wall:.1f} s)")
     if row.get("step_profile"):
         msg += "; step profile host ms " + json.dumps(

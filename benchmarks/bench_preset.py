@@ -36,8 +36,8 @@ then recorded as skipped; ``--skip 1,2,3,4`` runs the rest in a second call):
 ``--dense-precision`` is passed to every job run (default: the job's CUDA default,
 ``CUDA_DEFAULT_DENSE_PRECISION``, bf16) and recorded; TorchRec's ``dlrm_main.py`` has no precision
 flag, so at ``tf32`` it runs with ``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1`` (cuBLAS TF32 from outside)
-and at ``bf16`` it is recorded as not run. ``--compile-dense`` is passed to every job run (default:
-the job's ``auto``) and recorded. ``--repeats N`` runs each of steps 8 and 9's job runs N times in
+and at ``bf16`` it is recorded as not run. ``--compile-dense`` and ``--dense-cuda-graphs`` are
+passed to every job run (default: the job's ``auto``) and recorded. ``--repeats N`` runs each of steps 8 and 9's job runs N times in
 a row (``_r1`` .. ``_rN``); the report then gives, per run, the steady rate's mean and its spread
 ((max - min) / mean), and each FTRL run's steady rate over row-wise Adagrad's of the same repeat.
 
@@ -65,7 +65,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ANCHOR = os.path.join(REPO, ".anchor", "torchrec_dlrm", "dlrm_main.py")
 sys.path.insert(0, REPO)
 from torchrec_ftrl.job.dense_precision import CUDA_DEFAULT_DENSE_PRECISION, DENSE_PRECISIONS  # noqa: E402
-from torchrec_ftrl.job.cli import COMPILE_DENSE  # noqa: E402
+from torchrec_ftrl.job.cli import COMPILE_DENSE, DENSE_CUDA_GRAPHS  # noqa: E402
 
 
 def _env(extra=None):
@@ -81,7 +81,7 @@ class Bench:
         self.result = {"what": "torchrec_ftrl job at the MLPerf DLRM-DCNv2 preset, one GPU",
                        "command": " ".join(sys.argv), "steps": args.steps, "scale": args.scale,
                        "dense_precision": args.dense_precision, "compile_dense": args.compile_dense,
-                       "repeats": args.repeats,
+                       "dense_cuda_graphs": args.dense_cuda_graphs, "repeats": args.repeats,
                        "runs": self.rows, "versions": _versions()}
         os.makedirs(args.out, exist_ok=True)
 
@@ -114,7 +114,8 @@ class Bench:
         cmd = [sys.executable, "-m", "torchrec_ftrl.job", "--preset", "mlperf-dcnv2", "--batch-size",
                str(batch), "--steps", str(steps or self.args.steps), "--eval-every", "1000000",
                "--val-batches", "1", "--no-progress", "--output-dir", out, "--run-name", name, *flags]
-        cmd += ["--dense-precision", self.args.dense_precision, "--compile-dense", self.args.compile_dense]
+        cmd += ["--dense-precision", self.args.dense_precision, "--compile-dense", self.args.compile_dense,
+                "--dense-cuda-graphs", self.args.dense_cuda_graphs]
 
         def parse(p):
             path = os.path.join(out, f"{name}_summary.json")
@@ -129,6 +130,7 @@ class Bench:
                     "kernels": sorted({v.split(" ")[0] for v in s.get("plan", {}).values()}),
                     "dense_precision": s.get("dense_precision"),
                     "compile_dense": s.get("compile_dense"),
+                    "dense_cuda_graphs": s.get("dense_cuda_graphs"),
                     "steady_kernel_events": s.get("steady_kernel_events"),
                     "step_profile": s.get("step_profile")}
         return self.run(name, cmd, env=env, parse=parse)
@@ -182,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="every job run's --dense-precision (default: the job's CUDA default)")
     ap.add_argument("--compile-dense", choices=COMPILE_DENSE, default="auto",
                     help="every job run's --compile-dense (default: the job's auto)")
+    ap.add_argument("--dense-cuda-graphs", choices=DENSE_CUDA_GRAPHS, default="auto",
+                    help="every job run's --dense-cuda-graphs (default: the job's auto)")
     ap.add_argument("--repeats", type=_at_least_one, default=1,
                     help="runs of each of steps 8 and 9's job runs")
     ap.add_argument("--skip", default="", help="comma list of step numbers (1-9) to leave out")

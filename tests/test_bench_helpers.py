@@ -185,7 +185,8 @@ def test_bench_preset_passes_the_dense_flags_to_every_job_run(tmp_path, monkeypa
     seen = []
     monkeypatch.setattr(b, "run", lambda name, cmd, **kw: seen.append(cmd) or {})
     b.job("x", ["--rows-scale", "0.25"], 8192)
-    assert seen[0][-4:] == ["--dense-precision", "bf16", "--compile-dense", "off"]
+    assert seen[0][-6:] == ["--dense-precision", "bf16", "--compile-dense", "off",
+                            "--dense-cuda-graphs", "auto"]
     steps = bench_preset.PresetSteps(b, a)
     assert (steps.small, steps.big) == (8192, 8192)
     with pytest.raises(SystemExit):
@@ -196,6 +197,7 @@ def test_bench_preset_passes_the_dense_flags_to_every_job_run(tmp_path, monkeypa
     with open(tmp_path / "default" / "bench_preset.json") as f:
         written = json.load(f)
     assert written["dense_precision"] == "bf16" and written["compile_dense"] == "auto"
+    assert written["dense_cuda_graphs"] == "auto"
 
 
 # ------------------------------------------------------------------------- quality_pair.py

@@ -245,7 +245,8 @@ def test_start_line_names_the_layout(capsys, weights, accumulator):
     args = types.SimpleNamespace(sparse_optimizer="ftrl", ftrl_state_dtype="bf16", ftrl_weights=weights,
                                  ftrl_accumulator=accumulator, embedding_dim=16, sparse_lr=0.05,
                                  dense_optimizer="adagrad", dense_lr=0.05, batch_size=256,
-                                 dense_precision="bf16", compile_dense=False)
+                                 dense_precision="bf16", compile_dense=False,
+                                 dense_cuda_graphs=False)
     env = types.SimpleNamespace(world_size=2, device="cpu", backend="gloo")
     job = types.SimpleNamespace(args=args, env=env, data_desc={"kind": "synthetic"}, features=["a", "b"], steps=200)
     train._print_start(job, 0, 0)

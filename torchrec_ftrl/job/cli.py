@@ -8,7 +8,7 @@ import os
 from typing import Any, Optional, Sequence
 
 from . import dense_precision, presets
-from .errors import PROG, exit_with_error
+from .errors import PROG, JobConfigError, exit_with_error
 from .pipeline import PIPELINES
 
 SPARSE_OPTIMIZERS = ("ftrl", "rowwise_adagrad")
@@ -16,6 +16,8 @@ FTRL_REG_SCALES = ("per_example", "raw")
 FTRL_STATE_DTYPES = ("fp32", "bf16")
 # --compile-dense values: "on" is torch.compile's default mode.
 COMPILE_DENSE = ("auto", "on", "off")
+# --dense-cuda-graphs values (resolve_dense_cuda_graphs).
+DENSE_CUDA_GRAPHS = ("auto", "on", "off")
 # --compile-dense auto on CUDA: this mode at this per-rank batch and above, eager below
 # (docs/main-job.md); on the CPU it is off.
 CUDA_AUTO_COMPILE_MODE = "default"
@@ -182,6 +184,11 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
                         "(the bare flag): inductor's fused kernels; auto: "
                         f"{CUDA_AUTO_COMPILE_MODE} for a CUDA run of --batch-size "
                         f">= {COMPILE_DENSE_MIN_CUDA_BATCH:,}, else off")
+    r.add_argument("--dense-cuda-graphs", default="auto", choices=DENSE_CUDA_GRAPHS,
+                   help="capture the training dense part (eager, or compiled by --compile-dense) as "
+                        "CUDA graphs (torch.cuda.make_graphed_callables) before the first step: one "
+                        "host call a direction instead of one a kernel; a batch of another size runs "
+                        "without them. CUDA and one rank only; auto: on for a one-rank CUDA run")
     r.add_argument("--data-workers", default="auto", metavar="N",
                    help="DataLoader worker processes per rank that read, parse and assemble the "
                         "training batches off the training thread (0: on it; a text --data uses one); "
@@ -239,6 +246,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     a.dense_precision_given = a.dense_precision is not None
     a.dense_precision = dense_precision.resolve(a.dense_precision, "cuda" if cuda_run(a.device) else "cpu")
     a.compile_dense = resolve_compile_dense(a.compile_dense, cuda_run(a.device), a.batch_size)
+    if a.dense_cuda_graphs == "on" and not cuda_run(a.device):
+        p.error("--dense-cuda-graphs on needs a CUDA device (it captures CUDA graphs); this run is "
+                "on the CPU: use off or auto")
     if a.zch and a.sparse_optimizer == "rowwise_adagrad" and not cuda_run(a.device):
         p.error("--zch with --sparse-optimizer rowwise_adagrad needs --device cuda: FBGEMM resets "
                 "evicted rows with a CUDA-only op (fbgemm::reset_weight_momentum)")
@@ -257,10 +267,28 @@ def resolve_compile_dense(value: str, cuda: bool, batch_size: int) -> Optional[s
     return {"on": "default", "off": None}[value]
 
 
-def compile_words(mode: Optional[str]) -> str:
+def resolve_dense_cuda_graphs(value: str, device_type: str, world_size: int) -> bool:
+    """Whether the run captures its dense part as CUDA graphs (``--dense-cuda-graphs``, after
+    :func:`parse_args` refused ``on`` off CUDA): ``"on"`` yes, ``"off"`` no, ``"auto"`` for a CUDA
+    run (``device_type``) of one rank.
+
+    Raises:
+        JobConfigError: ``"on"`` with ``world_size > 1``: the graphs' gradients are not verified
+            under DDP's gradient hooks, which wrap the dense part of a run of several ranks.
+    """
+    if value == "on" and world_size > 1:
+        raise JobConfigError(f"--dense-cuda-graphs on runs on one rank; this run has {world_size} "
+                             "(DDP wraps the dense part there): use off or auto")
+    if value == "auto":
+        return device_type == "cuda" and world_size == 1
+    return value == "on"
+
+
+def compile_words(mode: Optional[str], cuda_graphs: bool = False) -> str:
     """Words for the start line and reports after the precision: ``""`` for an eager dense part
-    (None), ``" compiled"`` for a compiled one (its one mode, ``"default"``)."""
-    return " compiled" if mode else ""
+    (None), ``" compiled"`` for a compiled one (its one mode, ``"default"``), then ``" in CUDA
+    graphs"`` where ``cuda_graphs``."""
+    return (" compiled" if mode else "") + (" in CUDA graphs" if cuda_graphs else "")
 
 
 def cuda_run(device: str) -> bool:

@@ -43,8 +43,9 @@ class _CTRForward:
         return loss, (loss.detach(), logits.detach(), batch.labels)
 
     def dense_logits(self, dense: torch.Tensor, embedded_sparse: torch.Tensor) -> torch.Tensor:
-        """``dense_precision.dense_logits`` of this model: the compiled function of
-        :func:`compile_dense` in training (``self.training`` and grad mode), else eager (evaluation,
+        """``dense_precision.dense_logits`` of this model: in training (``self.training`` and grad
+        mode) the compiled function of :func:`compile_dense` or the CUDA graphs of
+        :func:`graph_dense` where either was made, else eager (evaluation,
         and TorchRec's train pipelines tracing the forward with ``torch.fx``, which cannot trace a
         compiled function). ``dense`` ``[B, num_dense or 1]`` float32, ``embedded_sparse``
         ``[B, F, D]`` float32; returns ``[B]`` float32 logits."""
@@ -315,18 +316,82 @@ def warm_up_dense(model: nn.Module, batch_size: int) -> None:
     training step, so that its one-off costs fall outside the timed steps: the compile after
     :func:`compile_dense` (for the training shapes), and on CUDA the first calls' set-up of cuBLAS
     and of the allocator's pools. It is one forward and backward of :meth:`CTRTrain.dense_logits` (the
-    model's precision) on zero inputs: dense ``[batch_size, max(num_dense, 1)]`` float32 and pooled
-    embeddings ``[batch_size, F, D]`` float32 that require grad, as the sparse arch returns them.
-    The gradients it leaves on the dense parameters are dropped (set to None): parameters and
+    model's precision) on the zero inputs of :func:`_dense_inputs`. The gradients it leaves on the
+    dense parameters are dropped (set to None): parameters and
     optimizer state are untouched. Call it before sharding, while no parameter holds a gradient."""
-    device = next(model.dense_arch.parameters()).device
-    dense = torch.zeros(batch_size, max(model.num_dense, 1), device=device)
-    pooled = torch.zeros(batch_size, model.sparse_arch.F, model.sparse_arch.D, device=device,
-                         requires_grad=True)
+    dense, pooled = _dense_inputs(model, batch_size, next(model.dense_arch.parameters()).device)
     model.dense_logits(dense, pooled).sum().backward()
     for name in DENSE_PARTS:
         for p in getattr(model, name).parameters():
             p.grad = None
+
+
+class _DensePart(nn.Module):
+    """The training dense part of a ``CTRTrain`` / ``CTRTrainDCN`` as a module of its own, the form
+    ``torch.cuda.make_graphed_callables`` captures: its :data:`DENSE_PARTS` (the model's own
+    modules, shared, not copied) and ``forward(dense, embedded_sparse) = fn(self, dense,
+    embedded_sparse, precision, device_type)`` with ``fn`` :func:`dense_precision.dense_logits` or
+    its compiled form."""
+
+    def __init__(self, model: nn.Module, fn) -> None:
+        super().__init__()
+        for name in DENSE_PARTS:
+            setattr(self, name, getattr(model, name))
+        self.fn, self.precision, self.device_type = fn, model.dense_precision, model.dense_device_type
+
+    def forward(self, dense: torch.Tensor, embedded_sparse: torch.Tensor) -> torch.Tensor:
+        return self.fn(self, dense, embedded_sparse, self.precision, self.device_type)
+
+
+class _GraphedDenseLogits:
+    """``model.compiled_dense_logits`` after :func:`graph_dense`: a call whose inputs have the
+    captured shapes, dtypes and devices (and pooled embeddings that require grad) replays the
+    captured CUDA graphs (one forward graph; autograd replays the backward graph); any other call
+    (a short last batch) runs ``fallback``. The returned logits are a copy (with autograd), so they
+    outlive the next replay, which overwrites the graphs' outputs."""
+
+    def __init__(self, graphed: nn.Module, dense: torch.Tensor, pooled: torch.Tensor, fallback):
+        self.graphed, self.fallback = graphed, fallback
+        self.signature = [(t.shape, t.dtype, t.device) for t in (dense, pooled)]
+
+    def __call__(self, dlrm, dense, embedded_sparse, precision, device_type):
+        if (embedded_sparse.requires_grad and not dense.requires_grad
+                and [(t.shape, t.dtype, t.device) for t in (dense, embedded_sparse)] == self.signature):
+            return self.graphed(dense, embedded_sparse).clone()
+        return self.fallback(dlrm, dense, embedded_sparse, precision, device_type)
+
+
+def graph_dense(model: nn.Module, batch_size: int) -> None:
+    """Capture ``model``'s (a ``CTRTrain`` / ``CTRTrainDCN`` on CUDA) training dense part (eager, or
+    compiled by :func:`compile_dense` first) as CUDA graphs with ``torch.cuda.make_graphed_callables``
+    for a per-rank batch of ``batch_size``: one forward and one backward graph, each one host call a
+    step instead of one launch a kernel. Torch's function runs three warm-up forwards and backwards
+    on a side stream (the compile, cuBLAS set-up) and then records; none touches a parameter, its
+    gradient or optimizer state. The graphs read the parameters in place, so the parameters must
+    keep their storage (optimizer steps and ``load_state_dict`` copy into it); each replay
+    overwrites the previous step's dense gradients, so they must be consumed (the optimizer step)
+    before the next forward. Sample inputs are those of :func:`warm_up_dense`.
+
+    Raises:
+        ValueError: the dense part is not on a CUDA device.
+    """
+    device = next(model.dense_arch.parameters()).device
+    if device.type != "cuda":
+        raise ValueError(f"CUDA graphs of the dense part need its parameters on CUDA, found {device}")
+    fallback = model.compiled_dense_logits or dense_logits
+    dense, pooled = _dense_inputs(model, batch_size, device)
+    graphed = torch.cuda.make_graphed_callables(_DensePart(model, fallback), (dense, pooled))
+    model.compiled_dense_logits = _GraphedDenseLogits(graphed, dense, pooled, fallback)
+
+
+def _dense_inputs(model: nn.Module, batch_size: int, device: torch.device):
+    """Zero inputs of ``model``'s dense part: dense ``[batch_size, max(num_dense, 1)]`` float32 and
+    pooled embeddings ``[batch_size, F, D]`` float32 that require grad, as the sparse arch
+    returns them."""
+    dense = torch.zeros(batch_size, max(model.num_dense, 1), device=device)
+    pooled = torch.zeros(batch_size, model.sparse_arch.F, model.sparse_arch.D, device=device,
+                         requires_grad=True)
+    return dense, pooled
 
 
 def compiled_frames() -> int:

@@ -86,6 +86,8 @@ def run(argv=None) -> dict:
     source, data_desc = validate.build_source(args)
     world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    args.dense_cuda_graphs = cli.resolve_dense_cuda_graphs(
+        args.dense_cuda_graphs, "cuda" if cli.cuda_run(args.device) else "cpu", world_size)
     validate.check_plan(args, source, fused_params, world_size, local_world,
                         "cuda" if cli.cuda_run(args.device) else "cpu")
     env = dist_env.init(args.device)
@@ -137,7 +139,8 @@ class _Model(NamedTuple):
     opt: Any             # CombinedOptimizer: the fused sparse optimizer and the dense one
     plan: Any            # the ShardingPlan
     evictions: Any       # --zch: the zch.EvictionCounter of dmp; else None
-    dense_warmup_s: Optional[float]   # seconds of model.warm_up_dense (None: it did not run)
+    dense_warmup_s: Optional[float]   # seconds of model.warm_up_dense or graph_dense (None: neither ran)
+    dense_cuda_graphs: bool   # the dense part replays CUDA graphs in training (model.graph_dense)
 
 
 class _Start(NamedTuple):
@@ -232,9 +235,14 @@ def _build_model(job: _Job) -> _Model:
     if args.compile_dense:
         model_lib.compile_dense(net, args.compile_dense)
     dense_warmup_s = None
-    if args.compile_dense or env.device.type == "cuda":   # compiles; on CUDA also the libraries' first calls
+    if args.compile_dense or env.device.type == "cuda":
+        # Compiles; on CUDA also the libraries' first calls. Before sharding, because a capture
+        # empties the allocator's cache: after sharding, the first steps would allocate anew.
         t = time.perf_counter()
-        model_lib.warm_up_dense(net, args.batch_size)
+        if args.dense_cuda_graphs:
+            model_lib.graph_dense(net, args.batch_size)
+        else:
+            model_lib.warm_up_dense(net, args.batch_size)
         dense_warmup_s = time.perf_counter() - t
     sharders = torchrec_ftrl.sharders(job.fused_params)
     local_world = job.local_world
@@ -253,7 +261,7 @@ def _build_model(job: _Job) -> _Model:
             local_world, args.batch_size, hbm, ddr,
             no_fit_message=lambda: plan_only.no_fit_message(args, job.sizes, env.world_size, hbm, ddr))
     opt = model_lib.build_optimizer(dmp, args.dense_optimizer, args.dense_lr, env.device.type)
-    return _Model(dmp, opt, plan, evictions, dense_warmup_s)
+    return _Model(dmp, opt, plan, evictions, dense_warmup_s, args.dense_cuda_graphs)
 
 
 def _resume(job: _Job, path: str, model: _Model, tracker: sparsity.TouchTracker) -> _Start:
@@ -322,7 +330,8 @@ def _print_start(job: _Job, start_step: int, workers: int) -> None:
     print(f"train_ctr: {env.world_size} rank(s), {env.device} ({env.backend}), data={job.data_desc['kind']}, "
           f"{len(job.features)} tables x {args.embedding_dim} dims, sparse={opt_name} "
           f"lr={args.sparse_lr}, dense={args.dense_optimizer} lr={args.dense_lr} "
-          f"precision={args.dense_precision}{cli.compile_words(args.compile_dense)}, "
+          f"precision={args.dense_precision}"
+          f"{cli.compile_words(args.compile_dense, args.dense_cuda_graphs)}, "
           f"steps {start_step}->{job.steps}, batch {args.batch_size}/rank, {workers} data "
           f"worker(s)/rank", flush=True)
 
@@ -535,7 +544,8 @@ def _summary(job: _Job, model: _Model, training: _Training, timing: _Timing, sp:
         "ftrl_state_dtype": args.ftrl_state_dtype if args.sparse_optimizer == "ftrl" else None,
         "ftrl_registered": cli_ftrl_registered(),
         "dense_precision": args.dense_precision,
-        "compile_dense": args.compile_dense, "dense_warmup_s": model.dense_warmup_s,
+        "compile_dense": args.compile_dense, "dense_cuda_graphs": model.dense_cuda_graphs,
+        "dense_warmup_s": model.dense_warmup_s,
         "compiled_frames_in_loop": frames,
         "dense_optimizer_options": model_lib.dense_optimizer_options(args.dense_optimizer, env.device.type),
         "steps": steps, "start_step": start_step, "batch_size_per_rank": args.batch_size,

@@ -21,13 +21,14 @@ SMALL = ["--device", "cpu", "--num-embeddings", "2000", "--no-progress", "--batc
          "--steps", "4", "--eval-every", "4", "--log-every", "2", "--val-batches", "1"]
 
 
-@pytest.mark.parametrize("value, device_type, world_size, expected", [
-    ("auto", "cuda", 1, True), ("auto", "cuda", 2, False), ("auto", "cpu", 1, False),
-    ("on", "cuda", 1, True), ("off", "cuda", 1, False), ("off", "cpu", 4, False)])
-def test_dense_cuda_graphs_resolve(value, device_type, world_size, expected):
+@pytest.mark.parametrize("value, device_type, world_size, batch, expected", [
+    ("auto", "cuda", 1, 8192, True), ("auto", "cuda", 1, 32767, True), ("auto", "cuda", 1, 32768, False),
+    ("auto", "cuda", 2, 8192, False), ("auto", "cpu", 1, 8192, False), ("on", "cuda", 1, 65536, True),
+    ("off", "cuda", 1, 8192, False), ("off", "cpu", 4, 64, False)])
+def test_dense_cuda_graphs_resolve(value, device_type, world_size, batch, expected):
     from torchrec_ftrl.job.cli import resolve_dense_cuda_graphs
 
-    assert resolve_dense_cuda_graphs(value, device_type, world_size) is expected
+    assert resolve_dense_cuda_graphs(value, device_type, world_size, batch) is expected
 
 
 def test_dense_cuda_graphs_on_several_ranks_is_refused():
@@ -35,7 +36,7 @@ def test_dense_cuda_graphs_on_several_ranks_is_refused():
     from torchrec_ftrl.job.errors import JobConfigError
 
     with pytest.raises(JobConfigError, match="--dense-cuda-graphs on runs on one rank; this run has 2"):
-        resolve_dense_cuda_graphs("on", "cuda", 2)
+        resolve_dense_cuda_graphs("on", "cuda", 2, 8192)
 
 
 def test_dense_cuda_graphs_on_the_cpu_is_one_line(tmp_path):

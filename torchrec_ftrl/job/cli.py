@@ -188,7 +188,8 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
                    help="capture the training dense part (eager, or compiled by --compile-dense) as "
                         "CUDA graphs (torch.cuda.make_graphed_callables) before the first step: one "
                         "host call a direction instead of one a kernel; a batch of another size runs "
-                        "without them. CUDA and one rank only; auto: on for a one-rank CUDA run")
+                        "without them. CUDA and one rank only; auto: on for a one-rank CUDA run of "
+                        f"--batch-size < {COMPILE_DENSE_MIN_CUDA_BATCH:,}")
     r.add_argument("--data-workers", default="auto", metavar="N",
                    help="DataLoader worker processes per rank that read, parse and assemble the "
                         "training batches off the training thread (0: on it; a text --data uses one); "
@@ -267,10 +268,11 @@ def resolve_compile_dense(value: str, cuda: bool, batch_size: int) -> Optional[s
     return {"on": "default", "off": None}[value]
 
 
-def resolve_dense_cuda_graphs(value: str, device_type: str, world_size: int) -> bool:
+def resolve_dense_cuda_graphs(value: str, device_type: str, world_size: int, batch_size: int) -> bool:
     """Whether the run captures its dense part as CUDA graphs (``--dense-cuda-graphs``, after
     :func:`parse_args` refused ``on`` off CUDA): ``"on"`` yes, ``"off"`` no, ``"auto"`` for a CUDA
-    run (``device_type``) of one rank.
+    run (``device_type``) of one rank whose per-rank ``batch_size`` is below
+    :data:`COMPILE_DENSE_MIN_CUDA_BATCH`, where the step waits on the host (docs/main-job.md).
 
     Raises:
         JobConfigError: ``"on"`` with ``world_size > 1``: the graphs' gradients are not verified
@@ -280,7 +282,7 @@ def resolve_dense_cuda_graphs(value: str, device_type: str, world_size: int) -> 
         raise JobConfigError(f"--dense-cuda-graphs on runs on one rank; this run has {world_size} "
                              "(DDP wraps the dense part there): use off or auto")
     if value == "auto":
-        return device_type == "cuda" and world_size == 1
+        return device_type == "cuda" and world_size == 1 and batch_size < COMPILE_DENSE_MIN_CUDA_BATCH
     return value == "on"
 
 

@@ -87,7 +87,8 @@ def run(argv=None) -> dict:
     world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     args.dense_cuda_graphs = cli.resolve_dense_cuda_graphs(
-        args.dense_cuda_graphs, "cuda" if cli.cuda_run(args.device) else "cpu", world_size)
+        args.dense_cuda_graphs, "cuda" if cli.cuda_run(args.device) else "cpu", world_size,
+        args.batch_size)
     validate.check_plan(args, source, fused_params, world_size, local_world,
                         "cuda" if cli.cuda_run(args.device) else "cpu")
     env = dist_env.init(args.device)

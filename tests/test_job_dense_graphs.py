@@ -10,6 +10,7 @@ eager function; the job trains what the eager job trains.
 import copy
 import json
 import os
+import types
 
 import pytest
 import torch
@@ -51,7 +52,8 @@ def test_a_cpu_run_records_no_graphs(tmp_path):
     p = run_job([*SMALL, "--output-dir", str(tmp_path)])
     assert p.returncode == 0, p.stderr[-3000:]
     with open(os.path.join(tmp_path, "train_ctr_summary.json")) as f:
-        assert json.load(f)["dense_cuda_graphs"] is False
+        s = json.load(f)
+    assert s["dense_cuda_graphs"] is False and s["dense_graph_calls"] is None
 
 
 def _model(device, precision="fp32"):
@@ -72,14 +74,15 @@ def test_graph_dense_needs_cuda():
 def test_graphed_logits_replay_only_the_captured_signature():
     """Routing of ``_GraphedDenseLogits`` with a stand-in for the graphed module: the captured
     shapes (and pooled embeddings that require grad) replay and return a copy of the graph's output;
-    any other call runs the fallback."""
-    from torchrec_ftrl.job.model import _GraphedDenseLogits
+    any other call runs the fallback; both are counted (``dense_graph_calls``)."""
+    from torchrec_ftrl.job.model import _GraphedDenseLogits, dense_graph_calls
 
     static = torch.arange(4.0)
     calls = []
     graphed = lambda d, p: calls.append("graph") or static   # noqa: E731
     fallback = lambda m, d, p, prec, dev: calls.append("eager") or torch.zeros(d.shape[0])  # noqa: E731
-    g = _GraphedDenseLogits(graphed, torch.zeros(4, 3), torch.zeros(4, 2, 8), fallback)
+    probe = torch.nn.Parameter(torch.zeros(2))
+    g = _GraphedDenseLogits(graphed, torch.zeros(4, 3), torch.zeros(4, 2, 8), fallback, probe)
     out = g(None, torch.ones(4, 3), torch.ones(4, 2, 8, requires_grad=True), "fp32", "cpu")
     assert calls == ["graph"] and out.tolist() == [0.0, 1.0, 2.0, 3.0]
     assert out.data_ptr() != static.data_ptr()
@@ -87,6 +90,23 @@ def test_graphed_logits_replay_only_the_captured_signature():
     g(None, torch.ones(4, 3), torch.ones(4, 2, 8), "fp32", "cpu")                      # no grad
     g(None, torch.ones(4, 3), torch.ones(4, 2, 8, dtype=torch.float64, requires_grad=True), "fp32", "cpu")
     assert calls == ["graph", "eager", "eager", "eager"]
+    model = types.SimpleNamespace(compiled_dense_logits=g)
+    assert dense_graph_calls(model) == {"replays": 1, "fallbacks": 3}
+    assert dense_graph_calls(types.SimpleNamespace(compiled_dense_logits=None)) is None
+
+
+def test_a_replay_under_kept_gradients_raises():
+    """A replay while the dense parameters hold gradients (zeroed, not freed, or accumulated over
+    two backwards) would add the graph's gradient into its own buffer twice: it raises instead."""
+    from torchrec_ftrl.job.model import _GraphedDenseLogits
+
+    probe = torch.nn.Parameter(torch.zeros(2))
+    probe.grad = torch.zeros(2)
+    g = _GraphedDenseLogits(lambda d, p: torch.zeros(4), torch.zeros(4, 3), torch.zeros(4, 2, 8),
+                            None, probe)
+    with pytest.raises(RuntimeError, match=r"still hold gradients: free them before each forward"):
+        g(None, torch.ones(4, 3), torch.ones(4, 2, 8, requires_grad=True), "fp32", "cpu")
+    assert g.replays == 0
 
 
 def _step(logits_of, parts, dense, pooled_value, labels):
@@ -183,6 +203,7 @@ def test_cuda_job_with_graphs_trains_what_the_eager_job_trains(tmp_path, compile
     eagerly); its losses are the eager run's."""
     out, s = _cuda_summary(tmp_path / "graphs", "--compile-dense", compile_dense)
     assert s["dense_cuda_graphs"] is True and s["dense_warmup_s"] > 0
+    assert s["dense_graph_calls"] == {"replays": 8, "fallbacks": 0}   # every training step replayed
     assert " in CUDA graphs, " in next(ln for ln in out.splitlines() if ln.startswith("train_ctr: "))
     _, eager = _cuda_summary(tmp_path / "eager", "--compile-dense", "off", "--dense-cuda-graphs", "off")
     assert eager["dense_cuda_graphs"] is False

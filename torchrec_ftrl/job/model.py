@@ -259,7 +259,9 @@ class DenseOptimizer(KeyedOptimizerWrapper):
     """TorchRec's ``KeyedOptimizerWrapper`` whose ``zero_grad`` always frees the gradients
     (``set_to_none=True``, torch's default; ``CombinedOptimizer.zero_grad`` passes False). The next
     backward then hands each parameter its new gradient tensor instead of adding it into a zeroed
-    one: one add kernel a parameter fewer, the same values."""
+    one: one add kernel a parameter fewer, the same values. A dense part in CUDA graphs
+    (:func:`graph_dense`) needs it: there a kept gradient is the graph's own buffer, which the next
+    replay overwrites before autograd adds into it."""
 
     def zero_grad(self, set_to_none: bool = True) -> None:   # noqa: ARG002 (always frees)
         super().zero_grad(set_to_none=True)
@@ -347,17 +349,33 @@ class _GraphedDenseLogits:
     """``model.compiled_dense_logits`` after :func:`graph_dense`: a call whose inputs have the
     captured shapes, dtypes and devices (and pooled embeddings that require grad) replays the
     captured CUDA graphs (one forward graph; autograd replays the backward graph); any other call
-    (a short last batch) runs ``fallback``. The returned logits are a copy (with autograd), so they
-    outlive the next replay, which overwrites the graphs' outputs."""
+    (a short last batch) runs ``fallback``. ``replays`` and ``fallbacks`` count the two. The
+    returned logits are a copy (with autograd), so they outlive the next replay, which overwrites
+    the graphs' outputs.
 
-    def __init__(self, graphed: nn.Module, dense: torch.Tensor, pooled: torch.Tensor, fallback):
-        self.graphed, self.fallback = graphed, fallback
+    The backward graph hands autograd its own gradient buffers, which a parameter without a
+    gradient adopts as ``.grad``; a replay under a gradient kept from the last one would write into
+    it and then have autograd add the same values again. So a replay needs the dense gradients
+    freed (``zero_grad(set_to_none=True)``, :class:`DenseOptimizer`) since the last backward, and
+    raises ``RuntimeError`` when ``probe`` (a dense parameter) still holds one."""
+
+    def __init__(self, graphed: nn.Module, dense: torch.Tensor, pooled: torch.Tensor, fallback,
+                 probe: torch.Tensor):
+        self.graphed, self.fallback, self.probe = graphed, fallback, probe
         self.signature = [(t.shape, t.dtype, t.device) for t in (dense, pooled)]
+        self.replays = self.fallbacks = 0
 
     def __call__(self, dlrm, dense, embedded_sparse, precision, device_type):
         if (embedded_sparse.requires_grad and not dense.requires_grad
                 and [(t.shape, t.dtype, t.device) for t in (dense, embedded_sparse)] == self.signature):
+            if self.probe.grad is not None:
+                raise RuntimeError(
+                    "the dense part replays CUDA graphs (--dense-cuda-graphs) but its parameters still "
+                    "hold gradients: free them before each forward (optimizer.zero_grad(set_to_none=True)); "
+                    "accumulating gradients over several backwards is not supported with the graphs")
+            self.replays += 1
             return self.graphed(dense, embedded_sparse).clone()
+        self.fallbacks += 1
         return self.fallback(dlrm, dense, embedded_sparse, precision, device_type)
 
 
@@ -370,7 +388,8 @@ def graph_dense(model: nn.Module, batch_size: int) -> None:
     gradient or optimizer state. The graphs read the parameters in place, so the parameters must
     keep their storage (optimizer steps and ``load_state_dict`` copy into it); each replay
     overwrites the previous step's dense gradients, so they must be consumed (the optimizer step)
-    before the next forward. Sample inputs are those of :func:`warm_up_dense`.
+    and freed (``set_to_none``; :class:`_GraphedDenseLogits` raises otherwise) before the next
+    forward. Sample inputs are those of :func:`warm_up_dense`.
 
     Raises:
         ValueError: the dense part is not on a CUDA device.
@@ -381,7 +400,18 @@ def graph_dense(model: nn.Module, batch_size: int) -> None:
     fallback = model.compiled_dense_logits or dense_logits
     dense, pooled = _dense_inputs(model, batch_size, device)
     graphed = torch.cuda.make_graphed_callables(_DensePart(model, fallback), (dense, pooled))
-    model.compiled_dense_logits = _GraphedDenseLogits(graphed, dense, pooled, fallback)
+    model.compiled_dense_logits = _GraphedDenseLogits(graphed, dense, pooled, fallback,
+                                                      next(model.dense_arch.parameters()))
+
+
+def dense_graph_calls(model: nn.Module) -> Optional[dict]:
+    """``{"replays": n, "fallbacks": m}``: training calls of ``model``'s dense part that replayed
+    the CUDA graphs of :func:`graph_dense` and that ran without them; None where none were
+    captured."""
+    graphed = model.compiled_dense_logits
+    if not isinstance(graphed, _GraphedDenseLogits):
+        return None
+    return {"replays": graphed.replays, "fallbacks": graphed.fallbacks}
 
 
 def _dense_inputs(model: nn.Module, batch_size: int, device: torch.device):

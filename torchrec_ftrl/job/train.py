@@ -547,6 +547,7 @@ def _summary(job: _Job, model: _Model, training: _Training, timing: _Timing, sp:
         "dense_precision": args.dense_precision,
         "compile_dense": args.compile_dense, "dense_cuda_graphs": model.dense_cuda_graphs,
         "dense_warmup_s": model.dense_warmup_s,
+        "dense_graph_calls": model_lib.dense_graph_calls(model.dmp.module),
         "compiled_frames_in_loop": frames,
         "dense_optimizer_options": model_lib.dense_optimizer_options(args.dense_optimizer, env.device.type),
         "steps": steps, "start_step": start_step, "batch_size_per_rank": args.batch_size,

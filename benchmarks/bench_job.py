@@ -395,7 +395,8 @@ def timed_run(args, row, name, folder, inline, log) -> None:
         row["step_profile"] = read_profile(summary)
     msg = (f"[{optimizer} / {source}] {row['examples_per_s'] or 0:,.0f} examples/s, steady "
            f"{row['steady_examples_per_s'] or 0:,.0f} "
-           f"(dense {row['dense_precision']}{compile_words(row['compile_dense'], bool(row['dense_cuda_graphs']))}, "
+           f"(dense {row['dense_precision']}"
+           f"{compile_words(row['compile_dense'], bool(row['dense_cuda_graphs']))}, "
            f"train time {row['train_time_s'] or 0:.2f} s, run {wall:.1f} s)")
     if row.get("step_profile"):
         msg += "; step profile host ms " + json.dumps(

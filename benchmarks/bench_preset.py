@@ -37,8 +37,8 @@ then recorded as skipped; ``--skip 1,2,3,4`` runs the rest in a second call):
 ``CUDA_DEFAULT_DENSE_PRECISION``, bf16) and recorded; TorchRec's ``dlrm_main.py`` has no precision
 flag, so at ``tf32`` it runs with ``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1`` (cuBLAS TF32 from outside)
 and at ``bf16`` it is recorded as not run. ``--compile-dense`` and ``--dense-cuda-graphs`` are
-passed to every job run (default: the job's ``auto``) and recorded. ``--repeats N`` runs each of steps 8 and 9's job runs N times in
-a row (``_r1`` .. ``_rN``); the report then gives, per run, the steady rate's mean and its spread
+passed to every job run (default: the job's ``auto``) and recorded. ``--repeats N`` runs each of
+steps 8 and 9's job runs N times in a row (``_r1`` .. ``_rN``); the report then gives, per run, the steady rate's mean and its spread
 ((max - min) / mean), and each FTRL run's steady rate over row-wise Adagrad's of the same repeat.
 
 Every job run: ``--steps`` (300) steps, synthetic multi-hot input drawn on the GPU, no validation

@@ -134,7 +134,8 @@ def _eager_copy(model, device, dtype):
 
 def _inputs(batch, dtype, seed):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(batch, 3, generator=g, dtype=dtype), torch.randn(batch, 2, 8, generator=g, dtype=dtype),
+    return (torch.randn(batch, 3, generator=g, dtype=dtype),
+            torch.randn(batch, 2, 8, generator=g, dtype=dtype),
             torch.randint(0, 2, (batch,), generator=g).to(dtype))
 
 
@@ -159,7 +160,8 @@ def test_cuda_graphed_dense_part_matches_a_float64_eager_copy(compiled, monkeypa
         d, p, y = _inputs(batch, torch.float64, seed)
         want = _step(lambda a, b: dense_logits(ref, a, b, "fp32", "cpu"), ref, d, p, y)
         got = _step(model.dense_logits, model, d.float().cuda(), p.float().cuda(), y.float().cuda())
-        torch.testing.assert_close(got[0].detach().double().cpu(), want[0].detach().double(), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got[0].detach().double().cpu(), want[0].detach().double(),
+                                   rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(got[1].double().cpu(), want[1], rtol=1e-4, atol=1e-6)
         for g, w in zip(got[2], want[2]):
             torch.testing.assert_close(g.double().cpu(), w, rtol=1e-4, atol=1e-6)

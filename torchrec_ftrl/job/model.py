@@ -389,19 +389,18 @@ def graph_dense(model: nn.Module, batch_size: int) -> None:
     keep their storage (optimizer steps and ``load_state_dict`` copy into it); each replay
     overwrites the previous step's dense gradients, so they must be consumed (the optimizer step)
     and freed (``set_to_none``; :class:`_GraphedDenseLogits` raises otherwise) before the next
-    forward. Sample inputs are those of :func:`warm_up_dense`.
+    forward. The sample inputs are :func:`_dense_inputs`.
 
     Raises:
         ValueError: the dense part is not on a CUDA device.
     """
-    device = next(model.dense_arch.parameters()).device
-    if device.type != "cuda":
-        raise ValueError(f"CUDA graphs of the dense part need its parameters on CUDA, found {device}")
+    probe = next(model.dense_arch.parameters())
+    if probe.device.type != "cuda":
+        raise ValueError(f"CUDA graphs of the dense part need its parameters on CUDA, found {probe.device}")
     fallback = model.compiled_dense_logits or dense_logits
-    dense, pooled = _dense_inputs(model, batch_size, device)
+    dense, pooled = _dense_inputs(model, batch_size, probe.device)
     graphed = torch.cuda.make_graphed_callables(_DensePart(model, fallback), (dense, pooled))
-    model.compiled_dense_logits = _GraphedDenseLogits(graphed, dense, pooled, fallback,
-                                                      next(model.dense_arch.parameters()))
+    model.compiled_dense_logits = _GraphedDenseLogits(graphed, dense, pooled, fallback, probe)
 
 
 def dense_graph_calls(model: nn.Module) -> Optional[dict]:

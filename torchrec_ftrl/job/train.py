@@ -141,7 +141,6 @@ class _Model(NamedTuple):
     plan: Any            # the ShardingPlan
     evictions: Any       # --zch: the zch.EvictionCounter of dmp; else None
     dense_warmup_s: Optional[float]   # seconds of model.warm_up_dense or graph_dense (None: neither ran)
-    dense_cuda_graphs: bool   # the dense part replays CUDA graphs in training (model.graph_dense)
 
 
 class _Start(NamedTuple):
@@ -262,7 +261,7 @@ def _build_model(job: _Job) -> _Model:
             local_world, args.batch_size, hbm, ddr,
             no_fit_message=lambda: plan_only.no_fit_message(args, job.sizes, env.world_size, hbm, ddr))
     opt = model_lib.build_optimizer(dmp, args.dense_optimizer, args.dense_lr, env.device.type)
-    return _Model(dmp, opt, plan, evictions, dense_warmup_s, args.dense_cuda_graphs)
+    return _Model(dmp, opt, plan, evictions, dense_warmup_s)
 
 
 def _resume(job: _Job, path: str, model: _Model, tracker: sparsity.TouchTracker) -> _Start:
@@ -545,7 +544,7 @@ def _summary(job: _Job, model: _Model, training: _Training, timing: _Timing, sp:
         "ftrl_state_dtype": args.ftrl_state_dtype if args.sparse_optimizer == "ftrl" else None,
         "ftrl_registered": cli_ftrl_registered(),
         "dense_precision": args.dense_precision,
-        "compile_dense": args.compile_dense, "dense_cuda_graphs": model.dense_cuda_graphs,
+        "compile_dense": args.compile_dense, "dense_cuda_graphs": args.dense_cuda_graphs,
         "dense_warmup_s": model.dense_warmup_s,
         "dense_graph_calls": model_lib.dense_graph_calls(model.dmp.module),
         "compiled_frames_in_loop": frames,

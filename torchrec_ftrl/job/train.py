@@ -86,11 +86,10 @@ def run(argv=None) -> dict:
     source, data_desc = validate.build_source(args)
     world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    args.dense_cuda_graphs = cli.resolve_dense_cuda_graphs(
-        args.dense_cuda_graphs, "cuda" if cli.cuda_run(args.device) else "cpu", world_size,
-        args.batch_size)
-    validate.check_plan(args, source, fused_params, world_size, local_world,
-                        "cuda" if cli.cuda_run(args.device) else "cpu")
+    device_type = "cuda" if cli.cuda_run(args.device) else "cpu"
+    args.dense_cuda_graphs = cli.resolve_dense_cuda_graphs(args.dense_cuda_graphs, device_type,
+                                                           world_size, args.batch_size)
+    validate.check_plan(args, source, fused_params, world_size, local_world, device_type)
     env = dist_env.init(args.device)
     if env.device.type == "cpu" and args.cpu_threads > 0:
         torch.set_num_threads(args.cpu_threads)

@@ -132,6 +132,9 @@ class Bench:
                     "compile_dense": s.get("compile_dense"),
                     "dense_cuda_graphs": s.get("dense_cuda_graphs"),
                     "steady_kernel_events": s.get("steady_kernel_events"),
+                    "first_steps_host_s": s.get("first_steps_host_s"),
+                    "steady_sync_s": s.get("steady_sync_s"),
+                    "dense_graph_calls": s.get("dense_graph_calls"),
                     "step_profile": s.get("step_profile")}
         return self.run(name, cmd, env=env, parse=parse)
 

@@ -556,3 +556,41 @@ def test_derived_weights_start_at_zero(tmp_path):
         assert 0 < int(touched.sum()) < 2000
         assert int((w[~touched] != 0).sum()) == 0
         assert int((w[touched] != 0).sum()) > 0
+
+
+def test_the_first_steps_host_time_adds_up_to_the_time_before_the_steady_window(tmp_path):
+    """A run of more than 20 steps times its steady window after step 10. The summary's
+    ``first_steps_host_s`` (10 entries, one per step) plus ``steady_sync_s`` is the time from the
+    loop's start to the steady timer's start, which the summary also gives as ``train_time_s``
+    minus the steady window's seconds (its steps' examples over ``steady_examples_per_s``)."""
+    out = tmp_path / "out"
+    _run([*SMALL, "--steps", "24", "--eval-every", "1000", "--val-batches", "1", "--output-dir", str(out)])
+    s = _summary(out)
+    first, sync = s["first_steps_host_s"], s["steady_sync_s"]
+    assert len(first) == 10 and all(t > 0 for t in first) and sync >= 0
+    steady_s = (24 - 10) * 128 / s["steady_examples_per_s"]
+    assert sum(first) + sync == pytest.approx(s["train_time_s"] - steady_s, rel=1e-6, abs=1e-9)
+
+
+@pytest.mark.parametrize("cuda", [True, False])
+def test_nccl_forms_its_communicator_when_the_process_group_starts(monkeypatch, cuda):
+    """``dist_env.init`` binds the NCCL group to ``cuda:LOCAL_RANK`` (``device_id``: the communicator
+    is formed in ``init_process_group``, not by the first collective inside the first training
+    step); a gloo group on the CPU is bound to no device. Stand-ins for CUDA and the process group."""
+    import torch.distributed as dist
+    from torchrec_ftrl.job import dist_env
+
+    calls = []
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(k, "")   # recorded, so that the values init sets are undone afterwards
+        monkeypatch.delenv(k)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 1)
+    env = dist_env.init("auto")
+    want = {"backend": "nccl", "device_id": torch.device("cuda", 0)} if cuda else \
+        {"backend": "gloo", "device_id": None}
+    assert calls == [want] and env.device == (want["device_id"] or torch.device("cpu"))

@@ -28,6 +28,8 @@ def _free_port() -> int:
 def init(device_choice: str = "auto") -> DistEnv:
     """Initialise the default process group: NCCL with ``cuda:LOCAL_RANK`` when CUDA is chosen (auto:
     present), else gloo on CPU. Without torchrun's env it starts a one-process group on localhost.
+    NCCL's communicator is formed here (``init_process_group``'s ``device_id``), not at the first
+    collective, which would otherwise be inside the first training step.
 
     Raises:
         RuntimeError: ``device_choice == "cuda"`` without CUDA.
@@ -46,7 +48,7 @@ def init(device_choice: str = "auto") -> DistEnv:
     else:
         device, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend)
+        dist.init_process_group(backend=backend, device_id=device if use_cuda else None)
     return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
 
 

@@ -159,6 +159,8 @@ class _Timing(NamedTuple):
     steady_kernel_events: Optional[dict] = None   # _kernel_events over the steady window
     compiled_frames: int = 0      # frames torch.compile compiled from t0 to the end of the last step
     pipeline_fill_s: float = 0.0  # seconds of the loop's fill before t0 (pipeline.SparseDistLoop.fill)
+    first_steps_s: tuple = ()     # host seconds of each step before steady_from + 1 (no device sync)
+    steady_sync_s: Optional[float] = None   # the wait for the device at the steady timer's start
 
 
 def _run(args, env, fused_params, source, data_desc, rank0) -> dict:
@@ -374,20 +376,24 @@ class _Training:
         # Steady-state throughput: timed from the end of the first STEADY_AFTER steps of this run (one
         # device sync there), so one-off costs (kernel compiles, first allocations) are left out.
         steady_from = self.start_step + STEADY_AFTER if todo > 2 * STEADY_AFTER else None
-        t_steady = events0 = None
+        t_steady = events0 = sync_s = None
         frames0 = model_lib.compiled_frames()
         with _setup_heap_frozen():
             t0 = time.perf_counter()
+            ends = [t0]   # t0, then perf_counter at the end of each step up to steady_from
             for step in range(self.start_step + 1, job.steps + 1):
                 if step - 1 == steady_from:
                     _synchronize(env.device)
                     t_steady = time.perf_counter()
+                    sync_s = t_steady - ends[-1]
                     events0 = _kernel_events(env.device)
                 loss = self.loop.step()
                 faults.maybe_fail(env.rank, step, "step")
                 with record_function(profile_lib.METRICS_LABEL):
                     self._record_loss(step, loss, t0)
                 self._after_step(step)
+                if steady_from is not None and step <= steady_from:
+                    ends.append(time.perf_counter())
             _synchronize(env.device)   # the last steps' kernels belong to the training time
             train_time = time.perf_counter() - t0
         self.losses.flush()
@@ -400,7 +406,8 @@ class _Training:
             events1 = _kernel_events(env.device)
             events = {k: events1[k] - events0.get(k, 0) for k in sorted(events1)}
         return _Timing(t0, train_time, steady_from, t_steady, events,
-                       model_lib.compiled_frames() - frames0, fill_s)
+                       model_lib.compiled_frames() - frames0, fill_s,
+                       tuple(b - a for a, b in zip(ends, ends[1:])), sync_s)
 
     def finish(self) -> None:
         """Validate at the last step (unless done there) and, with --checkpoint-dir, save it."""
@@ -533,7 +540,7 @@ def _summary(job: _Job, model: _Model, training: _Training, timing: _Timing, sp:
     loss_history, val_history = training.loss_history, training.val_history
     done = steps - start_step
     examples_per_step = args.batch_size * env.world_size
-    t0, train_time, steady_from, t_steady, steady_events, frames, fill_s = timing
+    t0, train_time, steady_from, t_steady, steady_events, frames, fill_s, first_s, sync_s = timing
     return {
         "run_name": args.run_name,
         "world_size": env.world_size, "device": str(env.device), "backend": env.backend,
@@ -551,6 +558,7 @@ def _summary(job: _Job, model: _Model, training: _Training, timing: _Timing, sp:
         "steps": steps, "start_step": start_step, "batch_size_per_rank": args.batch_size,
         "examples_per_s": done * examples_per_step / train_time if done else None,
         "train_time_s": train_time, "pipeline_fill_s": fill_s,
+        "first_steps_host_s": list(first_s), "steady_sync_s": sync_s,
         "steady_examples_per_s": ((steps - steady_from) * examples_per_step
                                   / (t0 + train_time - t_steady) if t_steady is not None else None),
         "final_train_loss": loss_history[-1][1] if loss_history else None,

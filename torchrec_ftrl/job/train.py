@@ -159,7 +159,7 @@ class _Timing(NamedTuple):
     steady_kernel_events: Optional[dict] = None   # _kernel_events over the steady window
     compiled_frames: int = 0      # frames torch.compile compiled from t0 to the end of the last step
     pipeline_fill_s: float = 0.0  # seconds of the loop's fill before t0 (pipeline.SparseDistLoop.fill)
-    first_steps_s: tuple = ()     # host seconds of each step before steady_from + 1 (no device sync)
+    first_steps_host_s: tuple = ()   # host seconds of each step up to steady_from (no device sync)
     steady_sync_s: Optional[float] = None   # the wait for the device at the steady timer's start
 
 

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from conftest import run_job
+from conftest import cuda, needs_cuda, run_job
 
 from torchrec_ftrl.job import cli, train, warmup
 from torchrec_ftrl.job import layout_flags as layout
@@ -190,19 +190,51 @@ def test_kernel_warmup_restores_tables_bit_for_bit(monkeypatch):
     assert not same(state(), before)                                  # ... the update shows
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[cuda, needs_cuda])])
+def test_kernel_warmup_restores_fbgemm_tables_bit_for_bit(monkeypatch, device):
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen)
+    where = ((EmbeddingLocation.HOST, ComputeDevice.CPU) if device == "cpu" else
+             (EmbeddingLocation.DEVICE, ComputeDevice.CUDA))
+    tbe = SplitTableBatchedEmbeddingBagsCodegen(
+        [(50, 8, *where), (200, 8, *where)], feature_table_map=[0, 1, 1],
+        optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=0.1)
+    holder = torch.nn.Module()
+    holder.tbe = tbe
+    tbe.step, _ = 7, tbe.iter.fill_(7)   # as after 7 training steps
+
+    def state():
+        return ([w.clone() for w in tbe.split_embedding_weights()],
+                [[s.clone() for s in table] for table in tbe.split_optimizer_states()],
+                tbe.iter.clone(), tbe.iter_cpu.clone(), torch.tensor(tbe.step))
+    before = state()
+    assert warmup.warm_up(holder, batch_size=16, multi_hot=[2, 3, 1]) == 1
+    after = state()
+    assert all(torch.equal(p, q) for p, q in zip(torch.utils._pytree.tree_leaves(after),
+                                                   torch.utils._pytree.tree_leaves(before)))
+    assert int(after[2]) == 7 and int(after[4]) == 7
+    monkeypatch.setattr(warmup, "_restore", lambda tbe, snap: None)   # without the restore ...
+    warmup.warm_up(holder, batch_size=16, multi_hot=[2, 3, 1])
+    assert not torch.equal(state()[1][0][0], before[1][0][0])         # ... the momentum shows the step
+    assert int(tbe.iter) == 8 and tbe.step == 8
+
+
 def test_kernel_warmup_mode():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert warmup.enabled("auto", "ftrl", cuda) and not warmup.enabled("auto", "ftrl", cpu)
-    assert warmup.enabled("on", "ftrl", cpu) and not warmup.enabled("on", "rowwise_adagrad", cuda)
-    assert not warmup.enabled("off", "ftrl", cuda)
+    assert warmup.enabled("auto", cuda) and not warmup.enabled("auto", cpu)
+    assert warmup.enabled("on", cpu) and warmup.enabled("on", cuda)
+    assert not warmup.enabled("off", cuda) and not warmup.enabled("off", cpu)
 
 
-def test_job_with_kernel_warmup_trains_as_without(tmp_path):
+@pytest.mark.parametrize("optimizer", ["ftrl", "rowwise_adagrad"])
+def test_job_with_kernel_warmup_trains_as_without(tmp_path, optimizer):
     runs = {}
     for mode in ("on", "off"):
         p = run_job(["--kernel-warmup", mode, "--steps", "4", "--log-every", "1", "--eval-every", "4",
                      "--no-progress", "--data-workers", "0", "--output-dir", str(tmp_path),
-                     "--run-name", mode], module=True)
+                     "--sparse-optimizer", optimizer, "--run-name", mode], module=True)
         assert p.returncode == 0, p.stderr[-2000:]
         runs[mode] = json.loads((tmp_path / f"{mode}_summary.json").read_text())
     assert runs["on"]["kernel_warmup_tbes"] == 1   # the job's one TBE (26 tables), inside the DMP

@@ -388,16 +388,22 @@ class FTRLBatchedFusedEmbedding(_DerivedWeightParams, BatchedFusedEmbedding):
         self.init_parameters()
 
 
-def ftrl_tbes(module: torch.nn.Module) -> list[FTRLTableBatchedEmbeddingBags]:
-    """The FTRL TBEs inside ``module``, in module order (the same order on every replica). A sharded
-    module's lookups are searched too: TorchRec does not register ``_lookups`` as children."""
-    found: dict[int, FTRLTableBatchedEmbeddingBags] = {}
+def tbes_of_type(module: torch.nn.Module, cls: type) -> list:
+    """The modules of type ``cls`` (a TBE class) inside ``module``, in module order (the same order on
+    every replica), not searched below a match. A sharded module's lookups are searched too: TorchRec
+    does not register ``_lookups`` as children."""
+    found: dict[int, torch.nn.Module] = {}
 
     def visit(m: torch.nn.Module) -> None:
-        if isinstance(m, FTRLTableBatchedEmbeddingBags):
+        if isinstance(m, cls):
             found.setdefault(id(m), m)
             return
         for child in [*(getattr(m, "_lookups", None) or []), *m.children()]:
             visit(child)
     visit(module)
     return list(found.values())
+
+
+def ftrl_tbes(module: torch.nn.Module) -> list[FTRLTableBatchedEmbeddingBags]:
+    """The FTRL TBEs inside ``module`` (:func:`tbes_of_type`)."""
+    return tbes_of_type(module, FTRLTableBatchedEmbeddingBags)

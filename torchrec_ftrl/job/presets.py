@@ -87,9 +87,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                        help=f"FTRL table layout ({', '.join(values)}; default {default}); the values "
                             f"the installed TBE does not support are refused")
     g.add_argument("--kernel-warmup", choices=("auto", "on", "off"), default="auto",
-                   help="run each FTRL TBE once on a throw-away batch before the first timed step so "
-                        "its kernels compile there (weights and states restored bit for bit); auto: on "
-                        "CUDA")
+                   help="run each TBE (FTRL's and FBGEMM's) once on a throw-away batch before the "
+                        "first timed step so its kernels compile and load there (weights, states and "
+                        "step counters restored bit for bit); auto: on CUDA")
 
 
 def explicit_dests(build_parser: Callable[[], argparse.ArgumentParser],

@@ -312,7 +312,7 @@ def _data(job: _Job, start_step: int) -> Tuple[list, Any, int]:
 def _kernel_warmup(job: _Job, dmp) -> Tuple[Optional[float], int]:
     """``(seconds, TBEs warmed up)`` of the kernel warm-up (``(None, 0)`` when it does not run)."""
     args = job.args
-    if not kernel_warmup.enabled(args.kernel_warmup, args.sparse_optimizer, job.env.device):
+    if not kernel_warmup.enabled(args.kernel_warmup, job.env.device):
         return None, 0
     t = time.perf_counter()
     warmed = kernel_warmup.warm_up(dmp, args.batch_size * job.env.world_size,

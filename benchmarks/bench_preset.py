@@ -135,6 +135,8 @@ class Bench:
                     "first_steps_host_s": s.get("first_steps_host_s"),
                     "steady_sync_s": s.get("steady_sync_s"),
                     "dense_graph_calls": s.get("dense_graph_calls"),
+                    "kernel_warmup_s": s.get("kernel_warmup_s"),
+                    "kernel_warmup_tbes": s.get("kernel_warmup_tbes"),
                     "step_profile": s.get("step_profile")}
         return self.run(name, cmd, env=env, parse=parse)
 

@@ -2,13 +2,12 @@
 
 A TBE's first training lookups in a process cost more than the later ones: the FTRL TBE's Triton
 kernels are compiled (or loaded from Triton's on-disk cache), and FBGEMM's TBE (row-wise Adagrad)
-loads its CUDA kernels and fills the allocator's pools. Without a warm-up this happens inside the
-first training steps. :func:`warm_up` runs every TBE of the sharded model (FTRL's and FBGEMM's) once,
+makes its first CUDA calls. Without a warm-up this happens inside the first training steps. :func:`warm_up` runs every TBE of the sharded model (FTRL's and FBGEMM's) once,
 forward and backward, on a throw-away batch of the training batch's shape whose ids stay among the
 first :data:`WARMUP_ROWS` rows of each table, and then puts back those rows' weights and optimizer
 states (copies taken before), the TBE's step counters (``iter``; FBGEMM's ``iter_cpu`` and ``step``
 too) and empties an HBM cache (``fused_uvm_caching``): afterwards the tables are bit for bit what
-they were, and the kernels the training steps launch are loaded. The dense model and the dense
+they were, and the kernels the training steps launch have run once. The dense model and the dense
 optimizer are not involved.
 """
 
@@ -90,9 +89,9 @@ def _restore(tbe, snap: list) -> None:
 
 def warm_up(model: torch.nn.Module, batch_size: int, multi_hot: Optional[Sequence[int]] = None,
             seed: int = 0) -> int:
-    """Run each TBE of ``model`` (:func:`model_tbes`) once on a throw-away batch of ``batch_size`` bags per feature
-    (bag size: the mean of ``multi_hot`` rounded up, else 1) and restore it (module docstring). The global
-    random state is not used. Returns the number of TBEs warmed."""
+    """Run each TBE of ``model`` (:func:`model_tbes`) once on a throw-away batch of ``batch_size``
+    bags per feature (bag size: the mean of ``multi_hot`` rounded up, else 1) and restore it (module
+    docstring). The global random state is not used. Returns the number of TBEs warmed."""
     gen = torch.Generator().manual_seed(seed)
     bag = -(-sum(multi_hot) // len(multi_hot)) if multi_hot else 1   # the mean bag, rounded up
     tbes = model_tbes(model)

@@ -2,12 +2,13 @@
 
 A TBE's first training lookups in a process cost more than the later ones: the FTRL TBE's Triton
 kernels are compiled (or loaded from Triton's on-disk cache), and FBGEMM's TBE (row-wise Adagrad)
-makes its first CUDA calls. Without a warm-up this happens inside the first training steps. :func:`warm_up` runs every TBE of the sharded model (FTRL's and FBGEMM's) once,
-forward and backward, on a throw-away batch of the training batch's shape whose ids stay among the
-first :data:`WARMUP_ROWS` rows of each table, and then puts back those rows' weights and optimizer
-states (copies taken before), the TBE's step counters (``iter``; FBGEMM's ``iter_cpu`` and ``step``
-too) and empties an HBM cache (``fused_uvm_caching``): afterwards the tables are bit for bit what
-they were, and the kernels the training steps launch have run once. The dense model and the dense
+makes its first CUDA calls. Without a warm-up this happens inside the first training steps.
+:func:`warm_up` runs every TBE of the sharded model (FTRL's and FBGEMM's) once, forward and
+backward, on a throw-away batch of the training batch's shape whose ids stay among the first
+:data:`WARMUP_ROWS` rows of each table, and then puts back those rows' weights and optimizer states
+(copies taken before), the TBE's step counters (``iter``; FBGEMM's ``iter_cpu`` and ``step`` too)
+and empties an HBM cache (``fused_uvm_caching``): afterwards the tables are bit for bit what they
+were, and the kernels the training steps launch have run once. The dense model and the dense
 optimizer are not involved.
 """
 

@@ -49,7 +49,7 @@ torch.cuda.synchronize()
 PYEOF
 DOCEOF
 
-run_block 'docs/main-job.md:541 (bash gpu)' "$OUT/doc_02.log" <<'DOCEOF'
+run_block 'docs/main-job.md:543 (bash gpu)' "$OUT/doc_02.log" <<'DOCEOF'
 source .gpu/setup.sh && python3 benchmarks/bench_preset.py --out $OUT
 DOCEOF
 
@@ -78,11 +78,11 @@ run_block 'docs/main-job.md:292 (bash long)' "$OUT/doc_08.log" <<'DOCEOF'
 python benchmarks/bench_readers.py --json bench_readers.json   # --binary-dense stored: the stored row
 DOCEOF
 
-run_block 'docs/main-job.md:635 (bash long)' "$OUT/doc_09.log" <<'DOCEOF'
+run_block 'docs/main-job.md:637 (bash long)' "$OUT/doc_09.log" <<'DOCEOF'
 python -m torchrec_ftrl.job --zch --data ../shared/data/criteo/criteo_dac_combined.tsv --epochs 5 --num-embeddings 1000
 DOCEOF
 
-run_block 'docs/main-job.md:930 (bash long)' "$OUT/doc_10.log" <<'DOCEOF'
+run_block 'docs/main-job.md:932 (bash long)' "$OUT/doc_10.log" <<'DOCEOF'
 python benchmarks/sweep_l1.py --sets synthetic criteo --l1 0 0.01 0.03 0.1 0.3 1 3 10 --adagrad-reference
 DOCEOF
 

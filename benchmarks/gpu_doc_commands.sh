@@ -82,7 +82,7 @@ run_block 'docs/main-job.md:637 (bash long)' "$OUT/doc_09.log" <<'DOCEOF'
 python -m torchrec_ftrl.job --zch --data ../shared/data/criteo/criteo_dac_combined.tsv --epochs 5 --num-embeddings 1000
 DOCEOF
 
-run_block 'docs/main-job.md:932 (bash long)' "$OUT/doc_10.log" <<'DOCEOF'
+run_block 'docs/main-job.md:956 (bash long)' "$OUT/doc_10.log" <<'DOCEOF'
 python benchmarks/sweep_l1.py --sets synthetic criteo --l1 0 0.01 0.03 0.1 0.3 1 3 10 --adagrad-reference
 DOCEOF
 

@@ -40,8 +40,11 @@ def model_tbes(model: torch.nn.Module) -> list:
 
 
 def _device(tbe) -> torch.device:
-    """The device of ``tbe``'s lookups (FBGEMM's TBE names it ``current_device``)."""
-    return tbe.linear_dev.device if isinstance(tbe, FTRLTableBatchedEmbeddingBags) else tbe.current_device
+    """The device of ``tbe``'s lookups (FBGEMM's TBE names it ``current_device``: a device, or in
+    some fbgemm_gpu versions a CUDA device index)."""
+    if isinstance(tbe, FTRLTableBatchedEmbeddingBags):
+        return tbe.linear_dev.device
+    return torch.device(tbe.current_device)
 
 
 def _warm_batch(tbe, batch_size: int, bag_size: int, gen: torch.Generator):
